@@ -1,0 +1,55 @@
+"""The one tree-mask representation every attention backend reads: ``subtree_end``.
+
+Query ``q`` may attend key ``k`` iff ``k <= q < subtree_end[k]``. Every key's allowed queries form
+one contiguous range, so the whole mask is ``T`` integers (FlashMask's column-wise "end row" form,
+with causal=True).
+
+Example, paths ``[A B C D]``, ``[A B E F]``, ``[A G H]`` in DFS order ``A B C D E F G H``::
+
+    subtree_end = [8, 6, 4, 4, 6, 6, 8, 8]
+    dense_tree_mask(subtree_end)[q=4 (E)] = [1, 1, 0, 0, 1, 0, 0, 0]   # sees A B E
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(eq=False)
+class TreeMask:
+    """``subtree_end [T]`` plus a per-forward cache for what backends derive from it.
+
+    One ``TreeMask`` lives for one forward pass, so every layer reuses what the first layer
+    derived (block lists, a FlexAttention ``BlockMask``, ...) from the same ``subtree_end``.
+    """
+
+    subtree_end: torch.Tensor  # [T] int64
+    cache: dict = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.subtree_end.numel()
+
+    def cached(self, key, build):
+        """Return ``cache[key]``, building it with ``build()`` on first use."""
+        if key not in self.cache:
+            self.cache[key] = build()
+        return self.cache[key]
+
+
+def dense_tree_mask(subtree_end: torch.Tensor) -> torch.Tensor:
+    """Boolean ``[T, T]`` mask, ``mask[q, k] = k <= q < subtree_end[k]``. Reference only: O(T^2)."""
+    T = subtree_end.numel()
+    idx = torch.arange(T, device=subtree_end.device)
+    q, k = idx[:, None], idx[None, :]
+    return (k <= q) & (q < subtree_end[None, :])
+
+
+def check_subtree_end(subtree_end: torch.Tensor) -> None:
+    """Assert the invariants a well-formed DFS tree layout has (internal: packing guarantees them)."""
+    T = subtree_end.numel()
+    idx = torch.arange(T, device=subtree_end.device)
+    assert subtree_end.dtype == torch.int64
+    assert bool(((subtree_end > idx) & (subtree_end <= T)).all()), "subtree_end[k] must be in (k, T]"
