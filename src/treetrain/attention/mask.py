@@ -26,6 +26,7 @@ class TreeMask:
     """
 
     subtree_end: torch.Tensor  # [T] int64
+    backend: str = "dense"
     cache: dict = field(default_factory=dict)
 
     @property
@@ -53,3 +54,29 @@ def check_subtree_end(subtree_end: torch.Tensor) -> None:
     idx = torch.arange(T, device=subtree_end.device)
     assert subtree_end.dtype == torch.int64
     assert bool(((subtree_end > idx) & (subtree_end <= T)).all()), "subtree_end[k] must be in (k, T]"
+
+
+def block_bounds(subtree_end: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per key block, min and max of ``subtree_end``: ``[ceil(T / block)]`` each. O(T)."""
+    T = subtree_end.numel()
+    nb = -(-T // block)
+    padded = torch.nn.functional.pad(subtree_end, (0, nb * block - T), value=-1).view(nb, block)
+    hi = padded.max(dim=1).values
+    lo = padded.masked_fill(padded < 0, T + 1).min(dim=1).values
+    return lo, hi
+
+
+def block_classes(subtree_end: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Classify (query block, key block) pairs: ``(any_allowed, all_allowed)``, bool ``[nb, nb]``.
+
+    ``all_allowed`` is exact; ``any_allowed`` may over-approximate (such a block is computed with
+    its mask applied, so that is safe). O((T / block)^2), never T x T.
+    """
+    T = subtree_end.numel()
+    lo, hi = block_bounds(subtree_end, block)
+    starts = torch.arange(0, T, block, device=subtree_end.device)
+    q0, q1 = starts[:, None], torch.clamp(starts + block, max=T)[:, None]
+    k0, k1 = starts[None, :], torch.clamp(starts + block, max=T)[None, :]
+    any_allowed = (k0 <= q1 - 1) & (hi[None, :] > q0)
+    all_allowed = (k1 - 1 <= q0) & (lo[None, :] >= q1)
+    return any_allowed, all_allowed

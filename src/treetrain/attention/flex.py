@@ -1,0 +1,48 @@
+"""FlexAttention backend: a ``BlockMask`` built from ``subtree_end`` at block granularity.
+
+The block tables come from per-key-block min/max of ``subtree_end`` (``[nb, nb]`` ints), and the
+``mask_mod`` closes over ``subtree_end [T]`` only: nothing T x T is ever built.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from .mask import TreeMask, block_classes
+
+FLEX_BLOCK = 128
+
+
+def tree_block_mask(subtree_end: torch.Tensor, block: int = FLEX_BLOCK) -> BlockMask:
+    """``BlockMask`` for ``k <= q < subtree_end[k]`` with partial and full block tables."""
+    T = subtree_end.numel()
+    any_allowed, full = block_classes(subtree_end, block)
+    partial = any_allowed & ~full
+
+    def table(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Row-wise: the allowed key blocks first, in order. [1, 1, nb] counts, [1, 1, nb, nb] indices.
+        counts = sel.sum(dim=1, dtype=torch.int32)
+        order = torch.argsort((~sel).to(torch.int8), dim=1, stable=True).to(torch.int32)
+        return counts[None, None], order[None, None]
+
+    se = subtree_end
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx < se[kv_idx])
+
+    kv_num, kv_idx = table(partial)
+    full_num, full_idx = table(full)
+    return BlockMask.from_kv_blocks(
+        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(T, T)
+    )
+
+
+def flex_tree_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: TreeMask, scale: float
+) -> torch.Tensor:
+    """``q [Hq, T, D]``, ``k, v [Hkv, T, D]`` -> ``[Hq, T, D]``. CPU: forward only (no flex backward)."""
+    bm = mask.cached("flex", lambda: tree_block_mask(mask.subtree_end))
+    gqa = q.shape[0] != k.shape[0]
+    out = flex_attention(q[None], k[None], v[None], block_mask=bm, scale=scale, enable_gqa=gqa)
+    return out[0]

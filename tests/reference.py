@@ -1,0 +1,106 @@
+"""The ground truth every tree computation is checked against: each path alone, through the
+unmodified Hugging Face model (its own attention implementation, its own full-vocab log-softmax).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+import transformers
+
+ARCHS = ("qwen3", "llama")
+
+
+def tiny_config(arch: str, vocab: int = 97, **over):
+    """A few-layer random-init config of a real architecture (no download)."""
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
+    common.update(over)
+    if arch == "qwen3":
+        return transformers.Qwen3Config(**common)
+    if arch == "llama":
+        return transformers.LlamaConfig(**common)
+    raise ValueError(arch)
+
+
+def tiny_model(arch: str, dtype=torch.float64, seed: int = 0, **over):
+    torch.manual_seed(seed)
+    cfg = tiny_config(arch, **over)
+    cfg._attn_implementation = "sdpa"
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    with torch.no_grad():  # widen the init so log-probs are far from uniform and errors show
+        for p in model.parameters():
+            if p.ndim >= 2:
+                p.mul_(3.0)
+    return model
+
+
+def reference_copy(model):
+    """A deep copy that stays unmodified (its own attention, no tree patches)."""
+    return copy.deepcopy(model)
+
+
+def reference_logprobs(model, paths, return_entropy: bool = False):
+    """``[len(p) - 1]`` log-probs per path, each path its own forward from position 0."""
+    out, ents = [], []
+    device = model.get_input_embeddings().weight.device
+    for p in paths:
+        ids = torch.as_tensor(list(p), dtype=torch.long, device=device)[None]
+        logits = model(input_ids=ids, use_cache=False).logits[0, :-1]
+        logits = logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits
+        lsm = torch.log_softmax(logits, dim=-1)
+        out.append(lsm.gather(1, ids[0, 1:, None])[:, 0])
+        ents.append(-(lsm.exp() * lsm).sum(-1))
+    return (out, ents) if return_entropy else out
+
+
+@contextlib.contextmanager
+def float64_casts():
+    """Keep float64 models in float64: HF norms and rotary embeddings cast to float32 internally.
+
+    Inside, ``Tensor.float()`` and ``Tensor.to(torch.float32)`` give float64. Both the reference
+    and the tree run inside it, so a float64 comparison measures the algorithm, not the casts.
+    """
+    orig_float, orig_to = torch.Tensor.float, torch.Tensor.to
+
+    def f64_float(self, *a, **k):
+        return orig_to(self, torch.float64)
+
+    def f64_to(self, *args, **kwargs):
+        args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+        if kwargs.get("dtype") is torch.float32:
+            kwargs["dtype"] = torch.float64
+        return orig_to(self, *args, **kwargs)
+
+    torch.Tensor.float, torch.Tensor.to = f64_float, f64_to
+    try:
+        yield
+    finally:
+        torch.Tensor.float, torch.Tensor.to = orig_float, orig_to
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b| (max-norm relative error; 0 when both are 0)."""
+    den = b.abs().max().item()
+    num = (a.double() - b.double()).abs().max().item()
+    return num / den if den > 0 else num
+
+
+def random_coeffs(paths, seed: int, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(len(p) - 1, generator=g, dtype=dtype) for p in paths]

@@ -1,0 +1,108 @@
+"""path_logprobs == independent per-path forwards of the unmodified model: values and every
+parameter gradient of a random linear function of the log-probs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+
+from treetrain import path_logprobs
+from treetrain.logprobs import target_logprobs
+
+from .reference import (
+    ARCHS,
+    float64_casts,
+    grads,
+    random_coeffs,
+    reference_copy,
+    reference_logprobs,
+    rel_err,
+    tiny_model,
+)
+from .strategies import tree_paths
+
+GROUP = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [1, 2, 3, 7, 9, 9, 9], [1, 2, 3, 4, 5, 6], [1, 2]]
+
+
+def _compare(arch, paths, dtype=torch.float64, backend="dense", seed=0):
+    """Return (max rel err of log-probs, max rel err over parameter grads) tree vs reference."""
+    model = tiny_model(arch, dtype=dtype, seed=seed)
+    ref = reference_copy(model)
+    coeffs = random_coeffs(paths, seed, dtype=torch.float64)
+    tree_lp = path_logprobs(model, paths, backend=backend)
+    ref_lp = reference_logprobs(ref, paths)
+    sum(((c.to(lp.dtype) * lp).sum() for c, lp in zip(coeffs, tree_lp))).backward()
+    sum(((c.to(lp.dtype) * lp).sum() for c, lp in zip(coeffs, ref_lp))).backward()
+    assert [lp.shape for lp in tree_lp] == [(len(p) - 1,) for p in paths]
+    lp_err = max((rel_err(a, b) for a, b in zip(tree_lp, ref_lp) if b.numel()), default=0.0)
+    g_tree, g_ref = grads(model), grads(ref)
+    assert g_tree.keys() == g_ref.keys()
+    g_err = max(rel_err(g_tree[n], g_ref[n]) for n in g_ref)
+    return lp_err, g_err
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_float64_group_tree(arch):
+    # float64 with the models' float32 casts lifted: only summation order differs (SDPA over T
+    # keys vs over len(p) keys, chunked head), so errors are a few float64 ulps amplified by depth:
+    # 1e-11 leaves two orders of margin over what we measure (~1e-13).
+    with float64_casts():
+        lp_err, g_err = _compare(arch, GROUP)
+    assert lp_err < 1e-11, lp_err
+    assert g_err < 1e-11, g_err
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(paths=tree_paths())
+def test_float64_random_trees(arch, paths):
+    with float64_casts():
+        lp_err, g_err = _compare(arch, paths)
+    assert lp_err < 1e-11 and g_err < 1e-11, (lp_err, g_err)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_float32_within_reference_rounding(arch):
+    """float32: tree error vs float64 truth is bounded by a small multiple of the reference's own."""
+    paths = GROUP
+    model64 = tiny_model(arch, dtype=torch.float64)
+    with float64_casts():
+        truth = reference_logprobs(model64, paths)
+    model32 = tiny_model(arch, dtype=torch.float32)
+    ref32 = reference_logprobs(reference_copy(model32), paths)
+    tree32 = path_logprobs(model32, paths, backend="dense")
+    ref_e = max(rel_err(a, b) for a, b in zip(ref32, truth))
+    tree_e = max(rel_err(a, b) for a, b in zip(tree32, truth))
+    # float32 rounding is ~6e-8 per op; both runs round differently (other summation orders), so
+    # the tree may be a few times worse or better than the reference on any one case.
+    assert tree_e <= 4 * ref_e + 1e-6, (tree_e, ref_e)
+
+
+def test_entropy_matches_reference():
+    with float64_casts():
+        model = tiny_model("qwen3")
+        lp, ent = path_logprobs(model, GROUP, backend="dense", return_entropy=True)
+        ref_lp, ref_ent = reference_logprobs(reference_copy(model), GROUP, return_entropy=True)
+    for a, b in zip(ent, ref_ent):
+        assert rel_err(a, b) < 1e-11
+
+
+def test_target_logprobs_gradients_small_chunks():
+    """The chunked head's custom backward equals autograd through a full log-softmax."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(6, 11, bias=True, dtype=torch.float64)
+    h = torch.randn(9, 6, dtype=torch.float64, requires_grad=True)
+    tgt = torch.randint(0, 11, (9,))
+    gl, ge = torch.randn(9, dtype=torch.float64), torch.randn(9, dtype=torch.float64)
+    lp, ent = target_logprobs(h, head, tgt, chunk=4)
+    ((lp * gl).sum() + (ent * ge).sum()).backward()
+    mine = [h.grad.clone(), head.weight.grad.clone(), head.bias.grad.clone()]
+    h.grad = None
+    head.zero_grad()
+    lsm = torch.log_softmax(head(h), -1)
+    lp2, ent2 = lsm.gather(1, tgt[:, None])[:, 0], -(lsm.exp() * lsm).sum(-1)
+    ((lp2 * gl).sum() + (ent2 * ge).sum()).backward()
+    assert torch.allclose(lp, lp2, rtol=0, atol=1e-13) and torch.allclose(ent, ent2, rtol=0, atol=1e-13)
+    for a, b in zip(mine, [h.grad, head.weight.grad, head.bias.grad]):
+        assert torch.allclose(a, b, rtol=0, atol=1e-12)
