@@ -13,7 +13,15 @@ import torch
 from .dense import dense_attention
 from .mask import TreeMask, block_classes, dense_tree_mask
 
-__all__ = ["BACKENDS", "TreeMask", "block_classes", "default_backend", "dense_tree_mask", "get_backend"]
+__all__ = [
+    "BACKENDS",
+    "TreeMask",
+    "block_classes",
+    "default_backend",
+    "dense_attention",
+    "dense_tree_mask",
+    "get_backend",
+]
 
 # name -> (module, function); imported on first use so optional dependencies stay optional
 BACKENDS: dict[str, tuple[str, str]] = {

@@ -1,0 +1,359 @@
+"""Triton tree attention: FlashAttention-2 forward and backward that read ``subtree_end`` directly.
+
+Query ``q`` may attend key ``k`` iff ``k <= q < subtree_end[k]`` (see ``mask.py``). Tiles are classified
+with per-key-block ``min``/``max`` of ``subtree_end`` (``O(T / BLOCK_N)`` ints, cached on the ``TreeMask``
+so every layer of one forward reuses them). For a query block ``[q0, q1)`` and a key block ``[k0, k1)``:
+
+- skipped       if ``k0 > q1 - 1`` or ``max(subtree_end[k0:k1]) <= q0``;
+- fully visible if ``k1 - 1 <= q0`` and ``min(subtree_end[k0:k1]) >= q1``: no mask is applied;
+- otherwise partial: the mask is computed in the tile from ``subtree_end[k0:k1]``.
+
+The backward visits, for a key block, only the query rows ``[k0, max(subtree_end[k0:k1]))``; in a
+well-formed DFS layout that whole range is attended by some key of the block, so no tile is skipped.
+Runs on CUDA, and on CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from .mask import TreeMask
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton (e.g. macOS): the module still imports, triton_available() is False
+    triton = None
+    tl = None
+
+_jit = triton.jit if triton is not None else (lambda fn: fn)
+
+
+def triton_available() -> bool:
+    """True if Triton is importable and can run here: a CUDA device, or the CPU interpreter."""
+    return triton is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+# ------------------------------------------------------------------------------------------------
+# Kernels. Tensors are contiguous [H, T, D]; scores live in log2 units (scale * log2(e) folded in).
+# ------------------------------------------------------------------------------------------------
+
+
+@_jit
+def _visible(q_idx, k_idx, k_end):
+    """Tree mask for broadcastable query indices, key indices and the keys' ``subtree_end``."""
+    return (k_idx <= q_idx) & (q_idx < k_end)
+
+
+@_jit
+def _is_full(q0, k0, k_min, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Every query of ``[q0, q0+BLOCK_M)`` sees every key of ``[k0, k0+BLOCK_N)``."""
+    return (k0 + BLOCK_N - 1 <= q0) & (k_min >= q0 + BLOCK_M)
+
+
+@_jit
+def _load_rows(ptr, idx, T, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows ``idx`` of a ``[T, D]`` matrix as ``[len(idx), BLOCK_D]``; rows past ``T`` and padded
+    columns read as 0."""
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (idx[:, None] < T) & (offs_d[None, :] < D)
+    return tl.load(ptr + idx[:, None] * D + offs_d[None, :], mask=mask, other=0.0)
+
+
+@_jit
+def _store_rows(ptr, idx, x, T, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (idx[:, None] < T) & (offs_d[None, :] < D)
+    tl.store(ptr + idx[:, None] * D + offs_d[None, :], x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@_jit
+def _fwd_tile(
+    acc, m_i, l_i, q, K, V, SEND, offs_m, k0, T, qk_scale,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    MASKED: tl.constexpr,
+):  # fmt: skip
+    """One online-softmax step over keys ``[k0, k0+BLOCK_N)``. acc: [BLOCK_M, BLOCK_D] fp32."""
+    offs_n = k0 + tl.arange(0, BLOCK_N)
+    k = _load_rows(K, offs_n, T, D, BLOCK_D)
+    v = _load_rows(V, offs_n, T, D, BLOCK_D)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    if MASKED:
+        k_end = tl.load(SEND + offs_n, mask=offs_n < T, other=0)  # keys past T: hidden from all
+        s = tl.where(_visible(offs_m[:, None], offs_n[None, :], k_end[None, :]), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet: avoid nan
+    p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@_jit
+def _fwd_kernel(
+    Q, K, V, SEND, KMIN, KMAX, O, LSE, T, qk_scale,
+    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Grid (cdiv(T, BLOCK_M), Hq). Writes O [Hq, T, D] and LSE [Hq, T] (log2 units, +inf if empty)."""
+    q0 = tl.program_id(0) * BLOCK_M
+    h = tl.program_id(1).to(tl.int64)
+    Q += h * T * D
+    O += h * T * D
+    K += (h // GROUP) * T * D
+    V += (h // GROUP) * T * D
+    offs_m = q0 + tl.arange(0, BLOCK_M)
+    q = _load_rows(Q, offs_m, T, D, BLOCK_D)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for kb in range(0, tl.cdiv(tl.minimum(q0 + BLOCK_M, T), BLOCK_N)):
+        if tl.load(KMAX + kb) > q0:
+            k0 = kb * BLOCK_N
+            if _is_full(q0, k0, tl.load(KMIN + kb), BLOCK_M, BLOCK_N):
+                acc, m_i, l_i = _fwd_tile(
+                    acc, m_i, l_i, q, K, V, SEND, offs_m, k0, T, qk_scale, D, BLOCK_N, BLOCK_D, PRECISION,
+                    False,
+                )  # fmt: skip
+            else:
+                acc, m_i, l_i = _fwd_tile(
+                    acc, m_i, l_i, q, K, V, SEND, offs_m, k0, T, qk_scale, D, BLOCK_N, BLOCK_D, PRECISION,
+                    True,
+                )  # fmt: skip
+
+    nonempty = l_i > 0
+    l_safe = tl.where(nonempty, l_i, 1.0)
+    _store_rows(O, offs_m, acc / l_safe[:, None], T, D, BLOCK_D)
+    lse = tl.where(nonempty, m_i + tl.log2(l_safe), float("inf"))  # +inf: p = 0 in the backward
+    tl.store(LSE + h * T + offs_m, lse, mask=offs_m < T)
+
+
+@_jit
+def _bwd_delta_kernel(O, DO, DELTA, T, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid (cdiv(T, BLOCK_M), Hq). DELTA [Hq, T] = rowsum(dO * O) in fp32."""
+    h = tl.program_id(1).to(tl.int64)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    o = _load_rows(O + h * T * D, offs_m, T, D, BLOCK_D).to(tl.float32)
+    do = _load_rows(DO + h * T * D, offs_m, T, D, BLOCK_D).to(tl.float32)
+    tl.store(DELTA + h * T + offs_m, tl.sum(o * do, 1), mask=offs_m < T)
+
+
+@_jit
+def _bwd_dkdv_tile(
+    dk, dv, k, v, k_end, Q, DO, LSE, DELTA, offs_n, q0, T, qk_scale,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    MASKED: tl.constexpr,
+):  # fmt: skip
+    """Accumulate queries ``[q0, q0+BLOCK_M)`` into dk, dv [BLOCK_N, BLOCK_D] (transposed tiles)."""
+    offs_m = q0 + tl.arange(0, BLOCK_M)
+    q = _load_rows(Q, offs_m, T, D, BLOCK_D)
+    do = _load_rows(DO, offs_m, T, D, BLOCK_D)
+    lse = tl.load(LSE + offs_m, mask=offs_m < T, other=0.0)
+    delta = tl.load(DELTA + offs_m, mask=offs_m < T, other=0.0)
+    s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
+    if MASKED:
+        s_t = tl.where(_visible(offs_m[None, :], offs_n[:, None], k_end[:, None]), s_t, float("-inf"))
+    p_t = tl.exp2(s_t - lse[None, :])
+    dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
+    return dk, dv
+
+
+@_jit
+def _bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, SEND, KMIN, KMAX, DK, DV, T, qk_scale, sm_scale,
+    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Grid (cdiv(T, BLOCK_N), Hkv). One program owns a key block of one KV head and sums over the
+    GROUP query heads sharing it, so dk, dv need no atomics."""
+    kb = tl.program_id(0)
+    h_kv = tl.program_id(1).to(tl.int64)
+    k0 = kb * BLOCK_N
+    offs_n = k0 + tl.arange(0, BLOCK_N)
+    k = _load_rows(K + h_kv * T * D, offs_n, T, D, BLOCK_D)
+    v = _load_rows(V + h_kv * T * D, offs_n, T, D, BLOCK_D)
+    k_end = tl.load(SEND + offs_n, mask=offs_n < T, other=0)
+    k_min = tl.load(KMIN + kb)
+    k_max = tl.load(KMAX + kb)
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    for g in range(GROUP):
+        h = h_kv * GROUP + g
+        Qh, DOh, LSEh, DELTAh = Q + h * T * D, DO + h * T * D, LSE + h * T, DELTA + h * T
+        for q0 in range((k0 // BLOCK_M) * BLOCK_M, k_max, BLOCK_M):
+            if _is_full(q0, k0, k_min, BLOCK_M, BLOCK_N):
+                dk, dv = _bwd_dkdv_tile(
+                    dk, dv, k, v, k_end, Qh, DOh, LSEh, DELTAh, offs_n, q0, T, qk_scale,
+                    D, BLOCK_M, BLOCK_D, PRECISION, False,
+                )  # fmt: skip
+            else:
+                dk, dv = _bwd_dkdv_tile(
+                    dk, dv, k, v, k_end, Qh, DOh, LSEh, DELTAh, offs_n, q0, T, qk_scale,
+                    D, BLOCK_M, BLOCK_D, PRECISION, True,
+                )  # fmt: skip
+    _store_rows(DK + h_kv * T * D, offs_n, dk * sm_scale, T, D, BLOCK_D)
+    _store_rows(DV + h_kv * T * D, offs_n, dv, T, D, BLOCK_D)
+
+
+@_jit
+def _bwd_dq_tile(
+    dq, q, do, lse, delta, K, V, SEND, offs_m, k0, T, qk_scale,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    MASKED: tl.constexpr,
+):  # fmt: skip
+    """Accumulate keys ``[k0, k0+BLOCK_N)`` into dq [BLOCK_M, BLOCK_D]."""
+    offs_n = k0 + tl.arange(0, BLOCK_N)
+    k = _load_rows(K, offs_n, T, D, BLOCK_D)
+    v = _load_rows(V, offs_n, T, D, BLOCK_D)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    if MASKED:
+        k_end = tl.load(SEND + offs_n, mask=offs_n < T, other=0)
+        s = tl.where(_visible(offs_m[:, None], offs_n[None, :], k_end[None, :]), s, float("-inf"))
+    p = tl.exp2(s - lse[:, None])
+    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+    ds = p * (dp - delta[:, None])
+    dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+    return dq
+
+
+@_jit
+def _bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, SEND, KMIN, KMAX, DQ, T, qk_scale, sm_scale,
+    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Grid (cdiv(T, BLOCK_M), Hq). Same key-block walk as the forward."""
+    q0 = tl.program_id(0) * BLOCK_M
+    h = tl.program_id(1).to(tl.int64)
+    K += (h // GROUP) * T * D
+    V += (h // GROUP) * T * D
+    offs_m = q0 + tl.arange(0, BLOCK_M)
+    q = _load_rows(Q + h * T * D, offs_m, T, D, BLOCK_D)
+    do = _load_rows(DO + h * T * D, offs_m, T, D, BLOCK_D)
+    lse = tl.load(LSE + h * T + offs_m, mask=offs_m < T, other=0.0)
+    delta = tl.load(DELTA + h * T + offs_m, mask=offs_m < T, other=0.0)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for kb in range(0, tl.cdiv(tl.minimum(q0 + BLOCK_M, T), BLOCK_N)):
+        if tl.load(KMAX + kb) > q0:
+            k0 = kb * BLOCK_N
+            if _is_full(q0, k0, tl.load(KMIN + kb), BLOCK_M, BLOCK_N):
+                dq = _bwd_dq_tile(
+                    dq, q, do, lse, delta, K, V, SEND, offs_m, k0, T, qk_scale, D, BLOCK_N, BLOCK_D,
+                    PRECISION, False,
+                )  # fmt: skip
+            else:
+                dq = _bwd_dq_tile(
+                    dq, q, do, lse, delta, K, V, SEND, offs_m, k0, T, qk_scale, D, BLOCK_N, BLOCK_D,
+                    PRECISION, True,
+                )  # fmt: skip
+    _store_rows(DQ + h * T * D, offs_m, dq * sm_scale, T, D, BLOCK_D)
+
+
+# ------------------------------------------------------------------------------------------------
+# Host side.
+# ------------------------------------------------------------------------------------------------
+
+_LOG2E = 1.4426950408889634
+
+
+def _block_bounds(mask: TreeMask, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per key block ``min`` and ``max`` of ``subtree_end``, each ``[cdiv(T, block_n)]`` int32.
+
+    Keys past ``T`` pad with 0, so the last partial block is never "fully visible".
+    """
+
+    def build() -> tuple[torch.Tensor, torch.Tensor]:
+        end = mask.subtree_end
+        blocks = F.pad(end, (0, -end.numel() % block_n)).view(-1, block_n)
+        return blocks.amin(1).to(torch.int32), blocks.amax(1).to(torch.int32)
+
+    return mask.cached(("triton_block_bounds", block_n), build)
+
+
+def _launch_args(q: torch.Tensor, k: torch.Tensor, block_m: int, block_n: int) -> dict:
+    D = q.shape[-1]
+    return dict(
+        GROUP=q.shape[0] // k.shape[0],
+        D=D,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(D)),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 stays exact: no tf32
+        num_warps=4 if D <= 64 else 8,
+    )
+
+
+class _TreeAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mask: TreeMask, scale: float, block_m: int, block_n: int):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        end = mask.subtree_end.contiguous()
+        k_min, k_max = _block_bounds(mask, block_n)
+        Hq, T, _ = q.shape
+        o = torch.empty_like(q)
+        lse = torch.empty(Hq, T, device=q.device, dtype=torch.float32)
+        args = _launch_args(q, k, block_m, block_n)
+        grid = (triton.cdiv(T, block_m), Hq)
+        _fwd_kernel[grid](q, k, v, end, k_min, k_max, o, lse, T, scale * _LOG2E, **args)
+        ctx.save_for_backward(q, k, v, o, lse, end, k_min, k_max)
+        ctx.scale, ctx.block_m, ctx.block_n = scale, block_m, block_n
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, end, k_min, k_max = ctx.saved_tensors
+        do = do.contiguous()
+        (Hq, T, _), Hkv = q.shape, k.shape[0]
+        args = _launch_args(q, k, ctx.block_m, ctx.block_n)
+        qk_scale = ctx.scale * _LOG2E
+
+        delta = torch.empty_like(lse)
+        m_blocks = triton.cdiv(T, ctx.block_m)
+        _bwd_delta_kernel[(m_blocks, Hq)](
+            o, do, delta, T, D=args["D"], BLOCK_M=ctx.block_m, BLOCK_D=args["BLOCK_D"]
+        )
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        _bwd_dkdv_kernel[(triton.cdiv(T, ctx.block_n), Hkv)](
+            q, k, v, do, lse, delta, end, k_min, k_max, dk, dv, T, qk_scale, ctx.scale, **args
+        )
+        dq = torch.empty_like(q)
+        _bwd_dq_kernel[(m_blocks, Hq)](
+            q, k, v, do, lse, delta, end, k_min, k_max, dq, T, qk_scale, ctx.scale, **args
+        )
+        return dq, dk, dv, None, None, None, None
+
+
+def triton_tree_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: TreeMask,
+    scale: float,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Tree attention through the fused Triton kernels, differentiable in ``q``, ``k``, ``v``.
+
+    Shapes: ``q [Hq, T, D]``, ``k, v [Hkv, T, D]`` with ``Hq % Hkv == 0`` (GQA); returns ``[Hq, T, D]``.
+    fp32 / fp16 / bf16 inputs, fp32 accumulation. ``block_m`` / ``block_n`` (powers of two >= 16) are
+    the query / key tile sizes; they default to 64 on CUDA and 32 under the interpreter.
+    """
+    assert q.dim() == 3 and k.shape == v.shape and q.shape[1:] == k.shape[1:], (q.shape, k.shape, v.shape)
+    assert q.shape[0] % k.shape[0] == 0, "GQA needs Hq % Hkv == 0"
+    assert q.dtype == k.dtype == v.dtype and mask.subtree_end.numel() == q.shape[1]
+    default = 64 if q.is_cuda else 32
+    block_m, block_n = block_m or default, block_n or default
+    for b in (block_m, block_n):
+        assert b >= 16 and b & (b - 1) == 0, f"block sizes must be powers of two >= 16, got {b}"
+    return _TreeAttention.apply(q, k, v, mask, scale, block_m, block_n)
