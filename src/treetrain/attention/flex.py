@@ -6,6 +6,9 @@ The block tables come from per-key-block min/max of ``subtree_end`` (``[nb, nb]`
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
@@ -38,11 +41,24 @@ def tree_block_mask(subtree_end: torch.Tensor, block: int = FLEX_BLOCK) -> Block
     )
 
 
+@functools.cache
+def _compiled_flex():
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _flex(device: torch.device):
+    """Compiled (fused) on CUDA; eager elsewhere (CPU has no flex backward: tests and inference)."""
+    if device.type == "cuda":
+        return _compiled_flex()
+    warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+    return flex_attention
+
+
 def flex_tree_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: TreeMask, scale: float
 ) -> torch.Tensor:
     """``q [Hq, T, D]``, ``k, v [Hkv, T, D]`` -> ``[Hq, T, D]``. CPU: forward only (no flex backward)."""
     bm = mask.cached("flex", lambda: tree_block_mask(mask.subtree_end))
     gqa = q.shape[0] != k.shape[0]
-    out = flex_attention(q[None], k[None], v[None], block_mask=bm, scale=scale, enable_gqa=gqa)
+    out = _flex(q.device)(q[None], k[None], v[None], block_mask=bm, scale=scale, enable_gqa=gqa)
     return out[0]
