@@ -101,6 +101,24 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return num / den if den > 0 else num
 
 
+def grad_err(tree: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    """Worst per-parameter relative error of the gradients.
+
+    Each parameter's error is relative to its own largest entry, floored at 1e-3 of the largest
+    gradient entry in the model: a parameter whose true gradient is 0 (e.g. q/k when every token
+    is the same) has a reference gradient of pure rounding noise, which no relative measure fits.
+    """
+    assert tree.keys() == ref.keys(), sorted(set(tree) ^ set(ref))
+    scale = max(g.abs().max().item() for g in ref.values())
+    if scale == 0.0:  # e.g. only one-token paths: nothing to predict, all gradients are 0
+        return max((t.abs().max().item() for t in tree.values()), default=0.0)
+    worst = 0.0
+    for n, b in ref.items():
+        den = max(b.abs().max().item(), 1e-3 * scale)
+        worst = max(worst, (tree[n].double() - b.double()).abs().max().item() / den)
+    return worst
+
+
 def random_coeffs(paths, seed: int, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(len(p) - 1, generator=g, dtype=dtype) for p in paths]

@@ -20,6 +20,7 @@ path, token work is numpy.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -54,11 +55,46 @@ def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
-def _lcp(a: np.ndarray, b: np.ndarray) -> int:
-    """Length of the longest common prefix of two int arrays."""
-    m = min(a.size, b.size)
-    neq = np.flatnonzero(a[:m] != b[:m])
-    return int(neq[0]) if neq.size else m
+def _flatten(paths: Sequence) -> tuple[np.ndarray, np.ndarray]:
+    """Validated paths -> ``flat [N]`` int64 and ``offsets [P + 1]``. Errors name the path."""
+    lengths = np.fromiter((len(p) if hasattr(p, "__len__") else -1 for p in paths), np.int64, len(paths))
+    if (lengths <= 0).any():
+        i = int(np.argmax(lengths <= 0))
+        return np.concatenate([_as_path(paths[i], i)]), lengths  # raises with the reason
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    if all(type(p) is list for p in paths):  # fast path: one conversion for all tokens
+        try:
+            flat = np.array(list(itertools.chain.from_iterable(paths)))
+        except (ValueError, TypeError):
+            flat = None
+        if flat is not None and flat.ndim == 1 and flat.dtype.kind in "iu":
+            if flat.dtype.kind == "i" and flat.size and int(flat.min()) < 0:
+                i = int(np.searchsorted(offsets, int(np.argmax(flat < 0)), side="right")) - 1
+                _as_path(paths[i], i)  # raises: names the path and position
+            return flat.astype(np.int64, copy=False), offsets
+    return np.concatenate([_as_path(p, i) for i, p in enumerate(paths)]), offsets
+
+
+def _sorted_lcps(flat: np.ndarray, offsets: np.ndarray) -> tuple[list[int], np.ndarray]:
+    """Paths in lexicographic order and each one's LCP with its predecessor (0 for the first).
+
+    Vectorized over all tokens: for consecutive pairs, compare positions ``[0, min(len))`` at once
+    and take the first mismatch per pair.
+    """
+    P = offsets.size - 1
+    be = flat.astype(">i8").tobytes()  # big-endian bytes of ids >= 0 compare like token lists
+    keys = [be[8 * offsets[i] : 8 * offsets[i + 1]] for i in range(P)]
+    order = sorted(range(P), key=keys.__getitem__)
+    if P == 1:
+        return order, np.zeros(1, dtype=np.int64)
+    o = np.asarray(order)
+    start, length = offsets[o], offsets[o + 1] - offsets[o]
+    m = np.minimum(length[:-1], length[1:])  # >= 1: paths are non-empty
+    seg = np.repeat(np.arange(P - 1), m)
+    j = np.arange(seg.size) - np.repeat(np.cumsum(m) - m, m)
+    differ = flat[start[:-1][seg] + j] != flat[start[1:][seg] + j]
+    first = np.minimum.reduceat(np.where(differ, j, m[seg]), np.cumsum(m) - m)
+    return order, np.concatenate([[0], first])
 
 
 @dataclass(eq=False)
@@ -104,20 +140,20 @@ class TrajectoryTree:
         """
         if not isinstance(paths, Sequence) or isinstance(paths, (str, bytes)) or len(paths) == 0:
             raise ValueError("paths: expected a non-empty list of token-id lists")
-        arrs = [_as_path(p, i) for i, p in enumerate(paths)]
+        flat, offsets = _flatten(paths)
         fields = _validate_fields(
-            [a.size for a in arrs],
+            np.diff(offsets).tolist(),
             loss_masks=loss_masks,
             weights=weights,
             advantages=advantages,
             old_logprobs=old_logprobs,
             ref_logprobs=ref_logprobs,
         )
-        tree = _build(arrs)
+        tree = _build(flat, offsets)
         tree.fields = fields
         if path_ids is not None:
             tree.path_ids = np.asarray(path_ids, dtype=np.int64)
-            assert tree.path_ids.shape == (len(arrs),)
+            assert tree.path_ids.shape == (len(paths),)
         return tree
 
     @classmethod
@@ -284,7 +320,7 @@ def _validate_fields(lengths: list[int], **given) -> dict:
     return out
 
 
-def _build(arrs: list[np.ndarray]) -> TrajectoryTree:
+def _build(flat: np.ndarray, offsets: np.ndarray) -> TrajectoryTree:
     """Compressed trie from validated paths, in one pass over the paths in sorted order.
 
     A stack holds the current root-to-leaf chain of nodes. For each path (sorted), nodes deeper than
@@ -292,24 +328,26 @@ def _build(arrs: list[np.ndarray]) -> TrajectoryTree:
     becomes a new node, so ids held by paths ending in the lower part stay valid); the path's new
     suffix becomes one new node.
     """
-    order = sorted(range(len(arrs)), key=lambda i: arrs[i].astype(">i8").tobytes())
+    P = offsets.size - 1
+    order, lcps = _sorted_lcps(flat, offsets)
+    lcps = lcps.tolist()
+    offs = offsets.tolist()
     # node fields, in creation order (remapped to DFS order at the end)
     n_start: list[int] = []
     n_end: list[int] = []
     n_d0: list[int] = []  # depth (path position) of the node's first token
     n_parent: list[int] = []
     n_sub: list[int] = []
-    new_tokens: list[np.ndarray] = []
-    path_leaf = np.empty(len(arrs), dtype=np.int64)
-    path_index: list[np.ndarray] = [None] * len(arrs)  # type: ignore[list-item]
+    new_src: list[int] = []  # flat offsets of each path's new suffix
+    new_len: list[int] = []
+    path_leaf = [0] * P
+    path_index: list[np.ndarray] = [None] * P  # type: ignore[list-item]
     stack: list[int] = []
     T = 0
-    prev: np.ndarray | None = None
     prev_index = np.zeros(0, dtype=np.int64)
 
-    for i in order:
-        a = arrs[i]
-        lcp = 0 if prev is None else _lcp(prev, a)
+    for i, lcp in zip(order, lcps):
+        size = offs[i + 1] - offs[i]
         while stack and n_d0[stack[-1]] >= lcp:
             n_sub[stack.pop()] = T
         if stack and n_d0[stack[-1]] + (n_end[stack[-1]] - n_start[stack[-1]]) > lcp:
@@ -323,25 +361,28 @@ def _build(arrs: list[np.ndarray]) -> TrajectoryTree:
             n_sub.append(-1)
             n_start[low], n_d0[low], n_parent[low], n_sub[low] = cut, lcp, up, T
             stack.append(up)
-        if a.size > lcp:
+        if size > lcp:
             node = len(n_start)
             n_start.append(T)
-            n_end.append(T + a.size - lcp)
+            n_end.append(T + size - lcp)
             n_d0.append(lcp)
             n_parent.append(stack[-1] if stack else -1)
             n_sub.append(-1)
             stack.append(node)
-            new_tokens.append(a[lcp:])
-            index = np.concatenate([prev_index[:lcp], np.arange(T, T + a.size - lcp)])
-            T += a.size - lcp
+            new_src.append(offs[i] + lcp)
+            new_len.append(size - lcp)
+            index = np.concatenate([prev_index[:lcp], np.arange(T, T + size - lcp)])
+            T += size - lcp
         else:  # a duplicate of, or a prefix of, the previous path: it ends where a node ends
-            index = prev_index[: a.size]
+            index = prev_index[:size]
         path_leaf[i] = stack[-1]
         path_index[i] = index
-        prev, prev_index = a, index
+        prev_index = index
     for n in stack:
         n_sub[n] = T
 
+    src, ln = np.array(new_src, dtype=np.int64), np.array(new_len, dtype=np.int64)
+    tokens = flat[np.repeat(src - (np.cumsum(ln) - ln), ln) + np.arange(T)]
     start = np.array(n_start, dtype=np.int64)
     dfs = np.argsort(start, kind="stable")
     rank = np.empty_like(dfs)
@@ -350,7 +391,6 @@ def _build(arrs: list[np.ndarray]) -> TrajectoryTree:
     parent = np.where(parent >= 0, rank[np.maximum(parent, 0)], -1)
     node_start = start[dfs]
     node_end = np.array(n_end, dtype=np.int64)[dfs]
-    tokens = np.concatenate(new_tokens)
     positions = np.repeat(np.array(n_d0, dtype=np.int64)[dfs] - node_start, node_end - node_start)
     positions += np.arange(T)
     return TrajectoryTree(
@@ -360,7 +400,7 @@ def _build(arrs: list[np.ndarray]) -> TrajectoryTree:
         node_end=node_end,
         node_parent=parent,
         node_subtree_end=np.array(n_sub, dtype=np.int64)[dfs],
-        path_leaf=rank[path_leaf],
+        path_leaf=rank[np.array(path_leaf, dtype=np.int64)],
         path_index=path_index,
-        path_ids=np.arange(len(arrs), dtype=np.int64),
+        path_ids=np.arange(P, dtype=np.int64),
     )

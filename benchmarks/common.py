@@ -1,0 +1,32 @@
+"""Shared helpers for the benchmark scripts: hardware description and result files."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown-cpu"
+
+
+def hardware() -> str:
+    return f"{cpu_name()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+
+
+def result_path(name: str, device: str = "cpu") -> Path:
+    slug = "".join(c if c.isalnum() else "-" for c in cpu_name()).strip("-").lower()[:40]
+    date = datetime.date.today().isoformat()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    return RESULTS / f"{name}_{device}-{os.cpu_count()}core-{slug}_{date}.md"
