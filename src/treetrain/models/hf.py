@@ -92,14 +92,17 @@ def tree_forward(model: nn.Module, packed: PackedTree, backend: str | None = Non
     """Final hidden states of the decoder over a packed forest: ``[T, hidden]``.
 
     ``model`` is a ``...ForCausalLM``; its decoder (``model.base_model``) runs once over all distinct
-    tokens. ``backend`` picks the attention kernel (default: by device).
+    tokens. ``backend`` picks the attention kernel (default: by device). A model sharded by
+    ``treetrain.distributed.shard_model`` has a root-level ``treetrain_decoder`` entry point that
+    runs the same decoder inside FSDP's root hooks; it is used when present.
     """
     prepare_model(model)
     device = model.get_input_embeddings().weight.device
     packed = packed.to(device)
     T = packed.num_tokens
     mask = TreeMask(packed.subtree_end, backend=backend or default_backend(device))
-    out = model.base_model(
+    decoder = getattr(model, "treetrain_decoder", None) or model.base_model
+    out = decoder(
         input_ids=packed.input_ids[None],
         position_ids=packed.position_ids[None],
         attention_mask=packed.subtree_end.view(1, 1, 1, T),
