@@ -1,0 +1,114 @@
+"""Tiny random-init hybrid models (Gated DeltaNet + attention, mixture-of-experts): no download.
+
+Every config mixes ``linear_attention`` and ``full_attention`` layers, uses the real conv kernel
+width (4) and grouped value heads (more value heads than key heads), and a partial, multi-section
+rotary embedding, so each code path a full-size checkpoint takes is exercised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import transformers
+
+from .reference import float64_casts
+
+HYBRID_ARCHS = ("qwen3_5", "qwen3_next")
+MOE_ARCHS = ("qwen3_moe", "qwen3_next", "qwen3_5_moe")
+
+_ATTN = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+_GDN = dict(
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+)
+# rotary on half of each head, in three interleaved mrope sections (Qwen3.5 expands 2D position ids)
+_ROPE = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)
+_MROPE = dict(_ROPE, mrope_section=[2, 1, 1], mrope_interleaved=True)
+_MOE = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16, router_aux_loss_coef=0.3)
+
+
+def tiny_hybrid_config(arch: str, vocab: int = 97, layers: tuple[str, ...] | None = None, **over):
+    """``layers``: the layer types, default ``linear, full, linear``."""
+    layer_types = list(layers or ("linear_attention", "full_attention", "linear_attention"))
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=len(layer_types),
+        layer_types=layer_types,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        **_ATTN,
+    )
+    if arch == "qwen3_5":
+        cfg = transformers.Qwen3_5TextConfig(**common, **_GDN, rope_parameters=dict(_MROPE), **over)
+    elif arch == "qwen3_next":
+        cfg = transformers.Qwen3NextConfig(
+            **common, **_GDN, **_MOE, shared_expert_intermediate_size=16, norm_topk_prob=True,
+            rope_parameters=dict(_ROPE), **over,
+        )  # fmt: skip
+    elif arch == "qwen3_5_moe":
+        common.pop("intermediate_size")
+        cfg = transformers.Qwen3_5MoeTextConfig(
+            **common, **_GDN, **_MOE, shared_expert_intermediate_size=16, rope_parameters=dict(_MROPE), **over
+        )
+    elif arch == "qwen3_moe":
+        common.pop("layer_types")
+        cfg = transformers.Qwen3MoeConfig(**common, **_MOE, rope_parameters=dict(_ROPE), **over)
+    else:
+        raise ValueError(arch)
+    return cfg
+
+
+def tiny_hybrid_model(arch: str, dtype=torch.float64, seed: int = 0, **over):
+    torch.manual_seed(seed)
+    cfg = tiny_hybrid_config(arch, **over)
+    cfg._attn_implementation = "sdpa"
+    cfg._experts_implementation = "eager"  # grouped_mm has no float64 kernel
+    # built in float32, then cast: HF's init draws different numbers per dtype, and the float32
+    # and float64 models of one seed must hold the same weights for the float32 bound to mean much
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    draw = lambda p, a, b: torch.rand(p.shape, generator=g) * (b - a) + a  # noqa: E731
+    with torch.no_grad():  # widen the init so log-probs are far from uniform and errors show
+        for name, p in model.named_parameters():
+            if p.ndim >= 2:
+                p.mul_(3.0)
+            if name.endswith("norm.weight"):  # zero-centered RMSNorms: give them a non-trivial scale
+                p.copy_(draw(p, -0.5, 0.5))
+            # slow decays (exp(g) ~ 0.6-0.97 per step, not HF's init, where A up to 16 forgets the
+            # state within a token or two): every node's output depends on its parent's state
+            if name.endswith("A_log"):
+                p.copy_(draw(p, 0.05, 0.5).log())
+            if name.endswith("dt_bias"):
+                p.copy_(draw(p, -1.0, 0.0))
+    return model.to(dtype)
+
+
+@contextlib.contextmanager
+def float64_everywhere():
+    """``float64_casts`` plus what MoE code adds: routers take ``softmax(..., dtype=torch.float)``
+    (float32 routing weights in a float64 model) and transformers' ``load_balancing_loss_func``
+    accumulates into ``torch.zeros(..., dtype=torch.float32)``."""
+    orig_softmax, orig_zeros = torch.nn.functional.softmax, torch.zeros
+
+    def softmax(x, dim=None, _stacklevel=3, dtype=None):
+        if dtype is torch.float32 and x.dtype is torch.float64:
+            dtype = torch.float64
+        return orig_softmax(x, dim=dim, _stacklevel=_stacklevel, dtype=dtype)
+
+    def zeros(*size, **kwargs):
+        if kwargs.get("dtype") is torch.float32:
+            kwargs["dtype"] = torch.float64
+        return orig_zeros(*size, **kwargs)
+
+    torch.nn.functional.softmax, torch.zeros = softmax, zeros
+    try:
+        with float64_casts():
+            yield
+    finally:
+        torch.nn.functional.softmax, torch.zeros = orig_softmax, orig_zeros
