@@ -105,29 +105,35 @@ def run(steps: range, model, opt, sched, trees, info, ckpt: Path | None = None):
     return losses, norms
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("out", type=Path)
-    ap.add_argument("--ckpt", type=Path)
-    args = ap.parse_args()
+def experiment(ckpt: Path | None) -> dict:
+    """The run (and, with ``ckpt``, the resumed run); every rank returns the same record."""
     info = D.init_distributed()
     torch.manual_seed(1234)
     trees = make_trees()
     model, opt, sched = build(seed=0)
-    losses, norms = run(range(len(STEP_TREES)), model, opt, sched, trees, info, args.ckpt)
+    losses, norms = run(range(len(STEP_TREES)), model, opt, sched, trees, info, ckpt)
     result = {
         "world_size": info.world_size,
         "losses": losses,
         "grad_norms": norms,
         "state": full_state(model),
     }
-    if args.ckpt is not None:
+    if ckpt is not None:
         model, opt, sched = build(seed=1)  # different init: everything must come from the checkpoint
-        step, data = load_checkpoint(args.ckpt, model, opt, sched)
+        step, data = load_checkpoint(ckpt, model, opt, sched)
         assert step == CKPT_STEP and data == {"trees_consumed": CKPT_STEP}, (step, data)
         result["resumed_losses"], _ = run(range(step, len(STEP_TREES)), model, opt, sched, trees, info)
         result["resumed_state"] = full_state(model)
-    if info.is_main:
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--ckpt", type=Path)
+    args = ap.parse_args()
+    result = experiment(args.ckpt)
+    if D.init_distributed().is_main:
         torch.save(result, args.out)
     D.destroy()
 

@@ -43,7 +43,6 @@ __all__ = [
     "destroy",
     "dummy_batch",
     "dummy_loss",
-    "flops_per_token",
     "init_distributed",
     "is_sharded",
     "shard_model",
@@ -256,47 +255,17 @@ def _attach_decoder(model: nn.Module) -> None:
 # ---- work assignment -----------------------------------------------------------------------------
 
 
-def _text_config(config):
-    return getattr(config, "text_config", None) or config
-
-
-def flops_per_token(model_config) -> tuple[float, float]:
-    """Training FLOPs (forward + backward, ~3x forward) as ``(per token, per query-key pair)``.
-
-    Per token: 6 x the matmul parameters a token passes through (attention and MLP projections of
-    every layer, active experts only for MoE, and the LM head). Per allowed query-key pair: 12 x
-    the attention width (``heads x head_dim``) x the number of attention layers (QK^T and AV).
-    """
-    c = _text_config(model_config)
-    H = c.hidden_size
-    L = c.num_hidden_layers
-    heads = c.num_attention_heads
-    kv = getattr(c, "num_key_value_heads", None) or heads
-    hd = getattr(c, "head_dim", None) or H // heads
-    attn_params = H * heads * hd * 2 + H * kv * hd * 2  # q, o and k, v projections
-    experts = getattr(c, "num_experts_per_tok", None) or 0
-    moe_inter = getattr(c, "moe_intermediate_size", None)
-    if experts and moe_inter:
-        mlp_params = 3 * H * moe_inter * experts
-        shared = getattr(c, "shared_expert_intermediate_size", None) or 0
-        mlp_params += 3 * H * shared
-    else:
-        mlp_params = 3 * H * c.intermediate_size  # gated MLP: gate, up, down
-    layer_types = getattr(c, "layer_types", None)
-    n_attn = L if not layer_types else sum(t in ("full_attention", "attention") for t in layer_types)
-    # recurrent / linear-attention layers: count them at the attention projections' size
-    per_token = 6.0 * (L * (attn_params + mlp_params) + H * c.vocab_size)
-    per_pair = 12.0 * n_attn * heads * hd
-    return per_token, per_pair
-
-
 def tree_cost(tree: TrajectoryTree, model_config) -> float:
-    """Training FLOPs of one tree (or partition part): linear layers ~ distinct tokens x params,
-    attention ~ allowed query-key pairs = ``sum(positions + 1)`` (a token sees its path prefix).
+    """Training FLOPs of one tree (or partition part), for balancing ranks (``treetrain.flops``):
+    linear layers ~ distinct tokens x matmul parameters, attention ~ allowed query-key pairs
+    ``sum(positions + 1)`` (a token attends its own path prefix). ``model_config``: a Hugging Face
+    config or a ``flops.CostModel``.
     """
-    per_token, per_pair = flops_per_token(model_config)
-    pairs = float((tree.positions + 1).sum())
-    return per_token * tree.num_tokens + per_pair * pairs
+    from .flops import CostModel
+    from .flops import tree_cost as _tree_flops
+
+    cost = model_config if isinstance(model_config, CostModel) else CostModel.from_config(model_config)
+    return _tree_flops(tree, cost)
 
 
 def assign_to_ranks(costs: Sequence[float], world_size: int) -> list[list[int]]:
