@@ -1,0 +1,640 @@
+"""The training loop behind ``treetrain train``.
+
+One optimizer step takes ``batch_trees`` whole trees (a tree never straddles two steps):
+
+1. the loss normalizer is computed over those whole trees, before anything runs;
+2. ``packing="tree"``: a tree with more distinct tokens than ``capacity`` is partitioned into parts
+   of whole paths, and trees and parts are packed together into micro-batches;
+   ``packing="sequence"`` (the baseline): every path becomes its own sequence (a one-path tree, so
+   the mask is block-diagonal causal), packed into micro-batches under the same token budget;
+3. every micro-batch runs forward and backward; its loss is already divided by the global
+   normalizer, so accumulating gradients over micro-batches gives the full-batch gradient;
+4. grad clipping, AdamW step, LR schedule step, one line of ``metrics.jsonl``.
+
+The pieces are small functions (``build_model``, ``make_batches``, ``train_step``, ``log_metrics``,
+...) so that FSDP2 and resumable checkpoints slot in without reshaping the loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import math
+import resource
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+from torch import nn
+
+from .config import DEFAULT_STEPS, TrainConfig, add_train_arguments, config_from_args, validate
+from .packing import PackedTree, pack
+from .tree import TrajectoryTree
+
+__all__ = [
+    "StepBatch",
+    "add_parser",
+    "build_model",
+    "build_optimizer",
+    "build_scheduler",
+    "default_model_config",
+    "lr_factor",
+    "make_batches",
+    "make_microbatches",
+    "train",
+    "train_step",
+]
+
+SAMPLE = "agent-dialogues"  # the bundled sample ``treetrain train`` uses by default
+METRIC_FIELDS = (
+    "step",
+    "loss",
+    "grad_norm",
+    "lr",
+    "tokens",
+    "tree_tokens",
+    "computed_tokens",
+    "por",
+    "err",
+    "tokens_per_s",
+    "peak_memory",
+)
+
+# ---- device, dtype, model ----------------------------------------------------------------------
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` is CUDA when available, else CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> tuple[torch.dtype, torch.dtype | None]:
+    """``(parameter dtype, autocast dtype or None)``.
+
+    Parameters stay float32 under bfloat16 (autocast keeps float32 master weights and optimizer
+    state); ``float64`` is for exactness checks.
+    """
+    if name == "auto":
+        return torch.float32, (torch.bfloat16 if device.type == "cuda" else None)
+    if name == "bfloat16":
+        return torch.float32, torch.bfloat16
+    return {"float32": torch.float32, "float64": torch.float64}[name], None
+
+
+def default_model_config(vocab_size: int = 151936):
+    """The embedded tiny Qwen3-architecture config: random init, no download.
+
+    The vocabulary is Qwen3's (151,936 ids), so data tokenized with the Qwen tokenizer fits; the
+    embedding is tied to the LM head, as in the small Qwen3 models.
+    """
+    import transformers
+
+    return transformers.Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+        use_sliding_window=False,
+    )
+
+
+def build_model(model: str | None, seed: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """A causal LM from a local directory (weights, or only ``config.json``: random init from
+    ``seed``) or, with ``model=None``, the embedded tiny Qwen3 config (random init)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    if model is None:
+        config = default_model_config()
+    else:
+        path = Path(model)
+        if not (path / "config.json").is_file():
+            raise ValueError(
+                f"--model {model}: not a Hugging Face model directory (no config.json); pass a local "
+                f"directory saved with save_pretrained, or one with only config.json for random init"
+            )
+        weights = [*path.glob("*.safetensors"), *path.glob("*.bin")]
+        if weights:
+            net = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            return net.to(device)
+        config = transformers.AutoConfig.from_pretrained(path)
+    # initialize in float32 whatever the dtype, so one seed gives one initial model (normal_ draws
+    # differ between float32 and float64 kernels), then cast
+    net = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return net.to(device=device, dtype=dtype)
+
+
+def configure_model(model: nn.Module, activation_checkpointing: bool) -> nn.Module:
+    """Tree attention on, training mode, and optionally HF activation checkpointing."""
+    from .models import prepare_model
+
+    prepare_model(model)
+    if activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model
+
+
+def build_reference_model(model: nn.Module) -> nn.Module:
+    """A frozen copy of the initial policy, for KL penalties."""
+    import copy
+
+    ref = copy.deepcopy(model).eval()
+    ref.requires_grad_(False)
+    return ref
+
+
+# ---- optimizer and schedule --------------------------------------------------------------------
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW; biases and norm weights (1-D parameters) are not decayed."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+
+
+def lr_factor(step: int, warmup: int, total: int, schedule: str, min_ratio: float = 0.0) -> float:
+    """LR multiplier for optimizer step ``step`` (0-based): linear warmup to 1, then decay to
+    ``min_ratio`` at the last step (``cosine`` or ``linear``) or stay at 1 (``constant``)."""
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    if schedule == "constant":
+        return 1.0
+    span = max(1, total - 1 - warmup)
+    frac = min(1.0, (step - warmup) / span)
+    if schedule == "cosine":
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * frac))
+    return 1.0 - (1.0 - min_ratio) * frac
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, cfg.warmup_steps, total_steps, cfg.schedule, cfg.min_lr_ratio)
+    )
+
+
+# ---- data --------------------------------------------------------------------------------------
+
+
+@dataclass
+class StepBatch:
+    """The work of one optimizer step: its whole trees and the packed micro-batches that run."""
+
+    trees: list[TrajectoryTree]
+    micro: list[PackedTree]
+    trees_consumed: int  # trees read from the stream so far, this batch included (data state)
+    path_tokens: int = field(init=False)  # what the per-path baseline computes
+    tree_tokens: int = field(init=False)  # distinct tokens of the whole trees (perfect reuse)
+    computed_tokens: int = field(init=False)  # what the micro-batches actually run
+
+    def __post_init__(self) -> None:
+        self.path_tokens = sum(t.num_path_tokens for t in self.trees)
+        self.tree_tokens = sum(t.num_tokens for t in self.trees)
+        self.computed_tokens = sum(p.num_tokens for p in self.micro)
+
+    @property
+    def por(self) -> float:
+        """Potential overlap ratio of the batch: ``1 - tree_tokens / path_tokens``."""
+        return 1.0 - self.tree_tokens / self.path_tokens
+
+    @property
+    def err(self) -> float:
+        """Effective reuse ratio: share of the possible saving the micro-batches realize
+        (1 when nothing could be saved)."""
+        possible = self.path_tokens - self.tree_tokens
+        return (self.path_tokens - self.computed_tokens) / possible if possible else 1.0
+
+
+def data_path(cfg: TrainConfig) -> Path:
+    """``--data``, or the bundled sample."""
+    if cfg.data is None:
+        from .data import sample_path
+
+        return Path(sample_path(SAMPLE))
+    path = Path(cfg.data)
+    if not path.is_file():
+        raise ValueError(
+            f"--data {cfg.data}: no such file; pass a JSONL file of trees (or omit for the sample)"
+        )
+    return path
+
+
+def _read_trees(cfg: TrainConfig, vocab_size: int) -> Iterator[TrajectoryTree]:
+    """One lazy pass over the data file; errors name file, line and field."""
+    from .data import iter_trees
+
+    for tree, _info in iter_trees(
+        data_path(cfg),
+        format=cfg.data_format,
+        vocab_size=vocab_size,
+        capacity=cfg.capacity,
+        skip_oversized=cfg.skip_oversized,
+        tokenizer=cfg.tokenizer,
+    ):
+        yield tree
+
+
+def count_trees(cfg: TrainConfig, vocab_size: int) -> int:
+    """Trees in the data file (one validating pass: every bad record is listed), for ``--epochs``."""
+    from .data import validate_file
+
+    counts = validate_file(
+        data_path(cfg),
+        format=cfg.data_format,
+        vocab_size=vocab_size,
+        capacity=cfg.capacity,
+        skip_oversized=cfg.skip_oversized,
+        tokenizer=cfg.tokenizer,
+    )
+    if counts.samples == 0:
+        raise ValueError(f"--data {data_path(cfg)}: the file holds no trees")
+    return counts.samples
+
+
+def tree_stream(cfg: TrainConfig, vocab_size: int, skip: int = 0) -> Iterator[TrajectoryTree]:
+    """Trees in file order, epoch after epoch, lazily; the first ``skip`` trees are dropped (resume)."""
+    stream = itertools.chain.from_iterable(_read_trees(cfg, vocab_size) for _ in itertools.count())
+    first = next(stream, None)
+    if first is None:
+        raise ValueError(f"--data {data_path(cfg)}: the file holds no trees")
+    return itertools.islice(itertools.chain([first], stream), skip, None)
+
+
+def sequence_parts(tree: TrajectoryTree) -> list[TrajectoryTree]:
+    """The baseline's unit: every path its own one-path tree (a plain causal sequence)."""
+    return [tree.subset([i]) for i in range(tree.num_paths)]
+
+
+def make_microbatches(trees: list[TrajectoryTree], packing: str, capacity: int) -> list[list[TrajectoryTree]]:
+    """Group the step's trees into micro-batches of at most ``capacity`` tokens each.
+
+    ``tree``: trees larger than ``capacity`` are partitioned into parts of whole paths first.
+    ``sequence``: each path is its own sequence. Either way the pieces are then packed several to a
+    micro-batch by ``treetrain.partition.pack_microbatches``.
+    """
+    from .partition import pack_microbatches, partition
+
+    pieces: list[TrajectoryTree] = []
+    for tree in trees:
+        if packing == "sequence":
+            pieces.extend(sequence_parts(tree))
+        elif tree.num_tokens > capacity:
+            pieces.extend(partition(tree, capacity))
+        else:
+            pieces.append(tree)
+    too_long = [p.num_tokens for p in pieces if p.num_tokens > capacity]
+    if too_long:
+        raise ValueError(
+            f"--capacity {capacity}: a path of {max(too_long)} tokens cannot fit one micro-batch; raise "
+            f"--capacity to at least {max(too_long)} or pass --skip-oversized to drop such paths"
+        )
+    return pack_microbatches(pieces, capacity)
+
+
+def make_batches(cfg: TrainConfig, vocab_size: int, steps: int, start_tree: int = 0) -> Iterator[StepBatch]:
+    """``steps`` optimizer-step batches of ``batch_trees`` trees, packed and ready to run."""
+    stream = tree_stream(cfg, vocab_size, skip=start_tree)
+    consumed = start_tree
+    for _ in range(steps):
+        trees = list(itertools.islice(stream, cfg.batch_trees))
+        consumed += len(trees)
+        micro = [pack(mb) for mb in make_microbatches(trees, cfg.packing, cfg.capacity)]
+        yield StepBatch(trees=trees, micro=micro, trees_consumed=consumed)
+
+
+def prefetched(batches: Iterator[StepBatch], depth: int) -> Iterable[StepBatch]:
+    """Prepare batches ``depth`` ahead in a background thread (tokenize, partition, pack)."""
+    if depth <= 0:
+        return batches
+    from .data import prefetch
+
+    return prefetch(batches, depth)
+
+
+# ---- one optimizer step ------------------------------------------------------------------------
+
+
+def build_objective(cfg: TrainConfig):
+    """``treetrain.losses.Objective`` from ``--objective`` and the ``loss`` options."""
+    from .losses import Objective
+
+    try:
+        return Objective(name=cfg.objective, **cfg.loss)
+    except TypeError as e:
+        raise ValueError(f"loss: {e}; see treetrain.losses.Objective for the objective's options") from None
+
+
+def autocast_context(device: torch.device, dtype: torch.dtype | None):
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: StepBatch,
+    objective,
+    *,
+    grad_clip: float | None,
+    autocast_dtype: torch.dtype | None = None,
+    ref_model: nn.Module | None = None,
+    backend: str | None = None,
+) -> dict[str, float]:
+    """Forward and backward over every micro-batch, then clip and step.
+
+    The normalizer comes from the whole trees of the step, so the micro-batch losses sum to the
+    full-batch loss and the accumulated gradient is the full-batch gradient. Returns the step's
+    objective metrics (``treetrain.losses.summarize_metrics`` of the summed micro-batch metrics)
+    plus ``grad_norm`` (before clipping).
+    """
+    from .losses import compute_loss, loss_normalizer, summarize_metrics
+
+    device = next(model.parameters()).device
+    normalizer = loss_normalizer(batch.trees, objective)
+    sums: dict[str, torch.Tensor] = {}
+    for packed in batch.micro:
+        with autocast_context(device, autocast_dtype):
+            loss, metrics = compute_loss(
+                model, packed.to(device), objective, normalizer, ref_model=ref_model, backend=backend
+            )
+        loss.backward()
+        for k, v in metrics.items():
+            sums[k] = sums[k] + v.double() if k in sums else v.double()
+    params = [p for p in model.parameters() if p.grad is not None]
+    max_norm = grad_clip if grad_clip else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.zeros(())
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return summarize_metrics(sums) | {"grad_norm": float(grad_norm)}
+
+
+# ---- metrics, summary, plot, outputs -----------------------------------------------------------
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """CUDA: peak allocated since the last reset; CPU: the process's peak resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return rss / (2**20 if sys.platform == "darwin" else 2**10)
+
+
+def step_record(
+    step: int, metrics: dict[str, float], lr: float, batch: StepBatch, seconds: float, mem: float
+) -> dict[str, Any]:
+    """One ``metrics.jsonl`` line: the required fields first, then the objective's metrics.
+
+    ``tokens`` counts baseline path tokens, so ``tokens_per_s`` is the same useful work per second
+    in both packing modes (their ratio is the speedup). ``peak_memory`` is in MiB.
+    """
+    record = {
+        "step": step,
+        "loss": metrics["loss"],
+        "grad_norm": metrics["grad_norm"],
+        "lr": lr,
+        "tokens": batch.path_tokens,
+        "tree_tokens": batch.tree_tokens,
+        "computed_tokens": batch.computed_tokens,
+        "por": batch.por,
+        "err": batch.err,
+        "tokens_per_s": batch.path_tokens / seconds if seconds > 0 else float("inf"),
+        "peak_memory": mem,
+        "step_time_s": seconds,
+        "micro_batches": len(batch.micro),
+        "trees": len(batch.trees),
+    }
+    return record | {k: v for k, v in metrics.items() if k not in record}
+
+
+def log_metrics(fh: TextIO, record: dict[str, Any]) -> None:
+    fh.write(json.dumps(record) + "\n")
+    fh.flush()
+
+
+def summary_table(
+    records: list[dict[str, Any]], cfg: TrainConfig, outputs: dict[str, Path], wall: float
+) -> str:
+    """The end-of-run table."""
+    if not records:
+        return "no optimizer steps were run"
+    path_tok = sum(r["tokens"] for r in records)
+    tree_tok = sum(r["tree_tokens"] for r in records)
+    comp_tok = sum(r["computed_tokens"] for r in records)
+    step_time = sum(r["step_time_s"] for r in records)
+    possible = path_tok - tree_tok
+    rows = [
+        ("steps", f"{records[-1]['step']}  ({len(records)} this run, {wall:.1f} s wall)"),
+        ("packing / objective", f"{cfg.packing} / {cfg.objective}"),
+        ("loss first -> last", f"{records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}"),
+        ("path tokens", f"{path_tok:,}  (what the per-path baseline computes)"),
+        ("tree tokens", f"{tree_tok:,}  (POR {1 - tree_tok / path_tok:.1%})"),
+        (
+            "computed tokens",
+            f"{comp_tok:,}  (ERR {(path_tok - comp_tok) / possible if possible else 1.0:.1%})",
+        ),
+        ("path tokens / s", f"{path_tok / step_time:,.0f}" if step_time > 0 else "-"),
+        ("peak memory", f"{max(r['peak_memory'] for r in records):,.0f} MiB"),
+    ]
+    rows += [(f"{name} ->", str(path)) for name, path in outputs.items()]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def plot_metrics(records: list[dict[str, Any]], path: Path) -> Path:
+    """PNG of loss and path tokens/s per step (matplotlib, Agg backend)."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install 'treetrain[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in records]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    ax1.plot(steps, [r["loss"] for r in records], marker="o")
+    ax1.set_ylabel("loss")
+    ax1.grid(alpha=0.3)
+    ax2.plot(steps, [r["tokens_per_s"] for r in records], marker="o", color="tab:green")
+    ax2.set_ylabel("path tokens / s")
+    ax2.set_xlabel("optimizer step")
+    ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def total_steps(cfg: TrainConfig, vocab_size: int) -> int:
+    if cfg.steps is not None:
+        return cfg.steps
+    if cfg.epochs is not None:
+        return max(1, math.ceil(cfg.epochs * count_trees(cfg, vocab_size) / cfg.batch_trees))
+    return DEFAULT_STEPS
+
+
+# ---- the loop ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """What the loop works on, built by :func:`setup`."""
+
+    cfg: TrainConfig
+    device: torch.device
+    autocast_dtype: torch.dtype | None
+    model: nn.Module
+    ref_model: nn.Module | None
+    objective: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    steps: int
+    out: Path
+    start_step: int = 0
+    trees_done: int = 0
+
+
+@dataclass
+class TrainResult:
+    output: Path
+    metrics: Path
+    final: Path
+    plot: Path | None
+    records: list[dict[str, Any]]
+
+
+def setup(cfg: TrainConfig) -> Run:
+    """Model, objective, reference model, optimizer, schedule; resumed from the latest checkpoint
+    under ``OUTPUT/checkpoints`` with ``resume``."""
+    from . import checkpoint
+
+    device = resolve_device(cfg.device)
+    param_dtype, autocast_dtype = resolve_dtype(cfg.dtype, device)
+    out = Path(cfg.output)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+
+    model = configure_model(
+        build_model(cfg.model, cfg.seed, param_dtype, device), cfg.activation_checkpointing
+    )
+    objective = build_objective(cfg)
+    ref_model = build_reference_model(model) if objective.kl_coef and cfg.reference == "model" else None
+    optimizer = build_optimizer(model, cfg)
+    steps = total_steps(cfg, model.config.get_text_config().vocab_size)
+    scheduler = build_scheduler(optimizer, cfg, steps)
+    run = Run(cfg, device, autocast_dtype, model, ref_model, objective, optimizer, scheduler, steps, out)
+    latest = checkpoint.latest_checkpoint(out) if cfg.resume else None
+    if latest is not None:
+        run.start_step, data_state = checkpoint.load_checkpoint(latest, model, optimizer, scheduler)
+        run.trees_done = int(data_state.get("trees_consumed", 0))
+    return run
+
+
+def run_loop(run: Run, metrics_path: Path) -> list[dict[str, Any]]:
+    """The optimizer steps: one ``train_step`` per batch, a metrics line, the progress bar, and a
+    resumable checkpoint every ``checkpoint_every`` steps."""
+    from tqdm.auto import tqdm
+
+    from . import checkpoint
+
+    cfg, device = run.cfg, run.device
+    vocab_size = run.model.config.get_text_config().vocab_size
+    batches = prefetched(
+        make_batches(cfg, vocab_size, run.steps - run.start_step, run.trees_done), cfg.prefetch
+    )
+    records: list[dict[str, Any]] = []
+    with (
+        open(metrics_path, "a" if run.start_step else "w") as fh,
+        tqdm(total=run.steps, initial=run.start_step, unit="step", disable=not cfg.progress) as bar,
+    ):
+        for step, batch in enumerate(prefetched(batches, cfg.prefetch), start=run.start_step + 1):
+            lr = run.optimizer.param_groups[0]["lr"]
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            t0 = time.perf_counter()
+            metrics = train_step(
+                run.model,
+                run.optimizer,
+                batch,
+                run.objective,
+                grad_clip=cfg.grad_clip,
+                autocast_dtype=run.autocast_dtype,
+                ref_model=run.ref_model,
+                backend=cfg.attention,
+            )
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds = time.perf_counter() - t0
+            run.scheduler.step()
+            record = step_record(step, metrics, lr, batch, seconds, peak_memory_mib(device))
+            records.append(record)
+            log_metrics(fh, record)
+            bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}")
+            bar.update(1)
+            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < run.steps:
+                data_state = {"trees_consumed": batch.trees_consumed}
+                checkpoint.save_checkpoint(run.out, step, run.model, run.optimizer, run.scheduler, data_state)
+    return records
+
+
+def train(cfg: TrainConfig, *, log: TextIO | None = sys.stdout) -> TrainResult:
+    """Run ``cfg`` end to end: setup, the loop, the final model (``save_pretrained``, safetensors,
+    loadable with plain transformers), the plot and the summary table."""
+    from .checkpoint import export_pretrained
+
+    cfg = validate(cfg)
+    run = setup(cfg)
+    metrics_path = run.out / "metrics.jsonl"
+    t0 = time.perf_counter()
+    records = run_loop(run, metrics_path)
+    wall = time.perf_counter() - t0
+    final = export_pretrained(run.model, run.out / "final")
+    plot = plot_metrics(records, run.out / "training.png") if cfg.plot and records else None
+    outputs = {"metrics": metrics_path, "model": final} | ({"plot": plot} if plot else {})
+    if log is not None:
+        print(f"treetrain train: done, outputs in {run.out}/", file=log)
+        print(summary_table(records, cfg, outputs, wall), file=log)
+    return TrainResult(output=run.out, metrics=metrics_path, final=final, plot=plot, records=records)
+
+
+# ---- command line ------------------------------------------------------------------------------
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """The ``treetrain train`` subcommand (flags: :func:`treetrain.config.add_train_arguments`)."""
+    p = sub.add_parser(
+        "train",
+        help="train a causal LM on tree-structured trajectories",
+        description="Train a causal LM on trees of token paths; every shared prefix is computed once. "
+        "With no arguments: a tiny random-init Qwen3 on the bundled sample, a few steps.",
+    )
+    add_train_arguments(p)
+    p.set_defaults(handler=main)
+    return p
+
+
+def main(args: argparse.Namespace) -> int:
+    """``treetrain train``: defaults < ``--config`` < flags < ``--set``, then :func:`train`."""
+    train(config_from_args(args))
+    return 0
