@@ -18,9 +18,8 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.nn.functional as F
 
-from .mask import TreeMask
+from .mask import TreeMask, block_bounds
 
 try:
     import triton
@@ -50,7 +49,8 @@ def _visible(q_idx, k_idx, k_end):
 
 @_jit
 def _is_full(q0, k0, k_min, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Every query of ``[q0, q0+BLOCK_M)`` sees every key of ``[k0, k0+BLOCK_N)``."""
+    """Every query of ``[q0, q0+BLOCK_M)`` sees every key of ``[k0, k0+BLOCK_N)``. Never true for
+    tiles that cross ``T`` (``k_min <= T``, and a key block crossing ``T`` ends past every ``q0``)."""
     return (k0 + BLOCK_N - 1 <= q0) & (k_min >= q0 + BLOCK_M)
 
 
@@ -267,17 +267,30 @@ _LOG2E = 1.4426950408889634
 
 
 def _block_bounds(mask: TreeMask, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per key block ``min`` and ``max`` of ``subtree_end``, each ``[cdiv(T, block_n)]`` int32.
-
-    Keys past ``T`` pad with 0, so the last partial block is never "fully visible".
-    """
+    """Per key block ``min`` and ``max`` of ``subtree_end``, ``[cdiv(T, block_n)]`` int32 each."""
 
     def build() -> tuple[torch.Tensor, torch.Tensor]:
-        end = mask.subtree_end
-        blocks = F.pad(end, (0, -end.numel() % block_n)).view(-1, block_n)
-        return blocks.amin(1).to(torch.int32), blocks.amax(1).to(torch.int32)
+        return tuple(x.to(torch.int32) for x in block_bounds(mask.subtree_end, block_n))
 
     return mask.cached(("triton_block_bounds", block_n), build)
+
+
+# (fp32 inputs, D > 64) -> (BLOCK_M, BLOCK_N, num_warps) on CUDA. Untuned (not benchmarked yet): tiles
+# for which ptxas reports no register spills on sm_90 (fp32 with D > 64: 16 bytes in the forward).
+# fp32 runs exact ("ieee") dots, which need smaller tiles.
+_CUDA_CONFIGS = {
+    (False, False): (64, 64, 4),
+    (False, True): (32, 32, 8),
+    (True, False): (32, 32, 8),
+    (True, True): (16, 32, 4),
+}
+
+
+def _config(q: torch.Tensor) -> tuple[int, int, int]:
+    """Default ``(BLOCK_M, BLOCK_N, num_warps)`` for ``q``'s device, dtype and head dim."""
+    if not q.is_cuda:
+        return 32, 32, 4  # the interpreter: fewer, larger numpy tiles run faster
+    return _CUDA_CONFIGS[q.dtype == torch.float32, q.shape[-1] > 64]
 
 
 def _launch_args(q: torch.Tensor, k: torch.Tensor, block_m: int, block_n: int) -> dict:
@@ -289,7 +302,7 @@ def _launch_args(q: torch.Tensor, k: torch.Tensor, block_m: int, block_n: int) -
         BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(D)),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 stays exact: no tf32
-        num_warps=4 if D <= 64 else 8,
+        num_warps=_config(q)[2],
     )
 
 
@@ -347,13 +360,15 @@ def triton_tree_attention(
 
     Shapes: ``q [Hq, T, D]``, ``k, v [Hkv, T, D]`` with ``Hq % Hkv == 0`` (GQA); returns ``[Hq, T, D]``.
     fp32 / fp16 / bf16 inputs, fp32 accumulation. ``block_m`` / ``block_n`` (powers of two >= 16) are
-    the query / key tile sizes; they default to 64 on CUDA and 32 under the interpreter.
+    the query / key tile sizes (defaults: ``_CUDA_CONFIGS`` on CUDA, 32 under the interpreter).
     """
     assert q.dim() == 3 and k.shape == v.shape and q.shape[1:] == k.shape[1:], (q.shape, k.shape, v.shape)
     assert q.shape[0] % k.shape[0] == 0, "GQA needs Hq % Hkv == 0"
     assert q.dtype == k.dtype == v.dtype and mask.subtree_end.numel() == q.shape[1]
-    default = 64 if q.is_cuda else 32
-    block_m, block_n = block_m or default, block_n or default
+    if triton is None:
+        raise RuntimeError("the triton attention backend needs the triton package")
+    default_m, default_n, _ = _config(q)
+    block_m, block_n = block_m or default_m, block_n or default_n
     for b in (block_m, block_n):
         assert b >= 16 and b & (b - 1) == 0, f"block sizes must be powers of two >= 16, got {b}"
     return _TreeAttention.apply(q, k, v, mask, scale, block_m, block_n)
