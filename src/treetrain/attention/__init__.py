@@ -50,8 +50,16 @@ def _importable(name: str) -> bool:
         return False
 
 
+def _triton_ok() -> bool:
+    try:
+        from .triton_kernel import triton_available
+    except ImportError:
+        return False
+    return triton_available()
+
+
 def default_backend(device: torch.device | str) -> str:
     """``triton`` (else ``flex``) on CUDA, ``blocksparse`` (else ``dense``) elsewhere."""
     if torch.device(device).type == "cuda":
-        return "triton" if _importable("triton") else "flex"
+        return "triton" if _triton_ok() else "flex"
     return "blocksparse" if _importable("blocksparse") else "dense"

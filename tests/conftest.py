@@ -1,0 +1,13 @@
+"""Test-session setup.
+
+Triton decides once, at its first import, whether it runs kernels in its CPU interpreter. Without
+CUDA the Triton kernel's tests need the interpreter, so it is switched on here, before any test
+module (or treetrain itself) imports triton.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
