@@ -66,13 +66,28 @@ def test_docstring_example():
     assert window[4].tolist() == [0, 1, 4] and window[6].tolist() == [8, 0, 6]
     assert window[0].tolist() == [8, 8, 0]
     levels = build_levels(packed.node_start, packed.node_end, packed.node_parent)
-    idx = [lv.token_index.tolist() for lv in levels.levels]
-    assert idx == [[[0]], [[1, 8], [6, 7]], [[2, 3], [4, 5]]]
-    assert levels.levels[2].parent_row.tolist() == [0, 0]
-    assert levels.levels[2].cu_seqlens.tolist() == [0, 2, 4]
+    idx = [[g.tolist() for g in lv.groups] for lv in levels.levels]
+    assert idx == [[[[0]]], [[[6, 7], [1, 8]]], [[[2, 3], [4, 5]]]]
+    assert levels.levels[2].parent_row.tolist() == [1, 1]  # B is row 1 of level 1
+    assert levels.levels[1].cu_seqlens.tolist() == [0, 2, 3]
+    assert levels.levels[1].flat_index.tolist() == [6, 7, 1]
     # every token has one row in the padded and in the varlen layouts
-    assert sorted(levels.padded_row.tolist()) == sorted(set(levels.padded_row.tolist()))
+    assert len(set(levels.padded_row.tolist())) == 8 and levels.num_padded == 9
     assert sorted(levels.varlen_row.tolist()) == list(range(8))
+
+
+def test_skewed_level_is_split_by_length():
+    """One long node beside many 1-token siblings: grouped, not padded to the long one."""
+    paths = [[1, *range(100, 400)]] + [[1, t] for t in range(2, 40)]
+    packed = pack(TrajectoryTree.from_paths(paths))
+    grouped = build_levels(packed.node_start, packed.node_end, packed.node_parent)
+    one = build_levels(packed.node_start, packed.node_end, packed.node_parent, pad_slack=None)
+    assert [g.shape for g in grouped.levels[1].groups] == [(2, 300), (37, 1)]  # 2 x 300 <= 2 x 301 real
+    assert one.num_padded == 1 + 39 * 300 and grouped.num_padded == 1 + 600 + 37
+    q, k, v, g, beta = (t.detach() for t in _rule_inputs(packed.num_tokens))
+    with float64_everywhere():
+        a, b = (tree_gated_delta_rule(q, k, v, g, beta, lv) for lv in (grouped, one))
+    assert rel_err(a, b) < 1e-13
 
 
 def _path_rows(packed):
@@ -250,6 +265,17 @@ def test_float32_within_reference_rounding(arch):
     for n in truth_g:
         ref_e, tree_e = rel_err(ref_g[n], truth_g[n]), rel_err(tree_g[n], truth_g[n])
         assert tree_e <= 4 * ref_e + 1e-5, (n, tree_e, ref_e)
+
+
+def test_without_routing_the_check_fails(monkeypatch):
+    """Control: unpatched GDN layers run the packed DFS sequence as one sequence (state leaks from
+    a branch into its sibling); the model-level comparison catches it."""
+    import treetrain.models.recurrent as recurrent
+
+    monkeypatch.setattr(recurrent, "patch_recurrent_layers", lambda model: 0)
+    with float64_everywhere():
+        lp_err, _ = _compare("qwen3_5", GROUP)
+    assert lp_err > 1e-3
 
 
 # ---- patching -----------------------------------------------------------------------------------

@@ -18,12 +18,14 @@ Example, paths ``[A B C D]``, ``[A B E F]``, ``[A G H]`` (nodes ``[A] [B] [C D] 
     prev               -1  0  1  2  1  4  0  6
     conv window, k = 3  (T = 8 marks "before the path start", read as zeros)
       E (4):  [0 1 4] = A B E        G (6):  [8 0 6] = _ A G
-    levels: 0: [A]    1: [B] [G H]    2: [C D] [E F]
+    levels: 0: [A]    1: [G H] [B]    2: [C D] [E F]
       level 2, padded [2 nodes, 2 steps]: [[2 3] [4 5]], both start from B's final state
 
-Padding a level to its longest node appends steps with ``q = k = v = 0``, ``beta = 0`` and
-``g = 0``: ``S <- exp(0) * S (I - 0) + 0 = S``, so a padded node's final state is its last real
-step's (the chunked kernel pads to its chunk size the same way).
+A level whose node lengths differ widely is split into a few groups of similar length (one call
+each), so padding stays within 2x. Padding a node to its group's longest appends steps with
+``q = k = v = 0``, ``beta = 0`` and ``g = 0``: ``S <- exp(0) * S (I - 0) + 0 = S``, so a padded
+node's final state is its last real step's (the chunked kernel pads to its chunk size the same
+way).
 """
 
 from __future__ import annotations
@@ -50,40 +52,39 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Level:
-    """The nodes of one tree level (``n`` nodes, the longest ``L`` tokens).
+    """The ``n`` nodes of one tree level, in the order their final states are stacked.
 
-    token_index ``[n, L]`` int64: DFS index of each node's steps, ``T`` (a zero row) past its end.
-    parent_row ``[n]`` int64: row of each node's parent in the previous level (unused at level 0).
-    cu_seqlens ``[n + 1]`` int64: node boundaries in the unpadded (varlen) layout of this level.
-    flat_index ``[sum lengths]`` int64: DFS indices of the level's tokens, node by node.
+    groups: per length group, ``token_index [n_g, L_g]`` int64: the DFS index of each node's
+      steps, ``T`` (a zero row) past its end. Nodes of similar length share a group so padding stays
+      bounded; each group is one kernel call.
+    parent_row ``[n]`` int64: row of each node's parent among the previous level's nodes (level 0:
+      zeros, unused).
+    cu_seqlens ``[n + 1]``, flat_index ``[sum lengths]`` int64: the unpadded (varlen) layout.
     """
 
-    token_index: torch.Tensor
+    groups: tuple[torch.Tensor, ...]
     parent_row: torch.Tensor
     cu_seqlens: torch.Tensor
     flat_index: torch.Tensor
-
-    @property
-    def num_nodes(self) -> int:
-        return self.token_index.shape[0]
-
-    @property
-    def max_len(self) -> int:
-        return self.token_index.shape[1]
 
 
 @dataclass(frozen=True)
 class TreeLevels:
     """Level-by-level schedule of a packed forest, shared by every recurrent layer of a forward.
 
-    padded_row ``[T]``: row of each DFS token in the levels' padded outputs, concatenated and
-    flattened (``sum_l n_l * L_l`` rows); varlen_row ``[T]``: the same for the unpadded layout.
+    padded_row ``[T]``: row of each DFS token in the groups' padded outputs, flattened and
+    concatenated (level by level, group by group); varlen_row ``[T]``: the same, unpadded.
     """
 
     levels: tuple[Level, ...]
     padded_row: torch.Tensor
     varlen_row: torch.Tensor
     num_tokens: int
+
+    @property
+    def num_padded(self) -> int:
+        """Tokens the padded (PyTorch) path computes, padding included."""
+        return sum(g.numel() for lv in self.levels for g in lv.groups)
 
 
 def node_depth(parent: np.ndarray) -> np.ndarray:
@@ -101,19 +102,48 @@ def node_depth(parent: np.ndarray) -> np.ndarray:
     return depth
 
 
+def length_groups(lengths: np.ndarray, slack: int | None) -> list[int]:
+    """Split nodes sorted by decreasing length into runs that pad cheaply; returns the run sizes.
+
+    A run grows while its padded size ``count * longest`` stays within ``max(2 * real, real +
+    slack)`` tokens: at most 2x padding, and small runs (below ``slack`` padded tokens, where a
+    kernel call costs more than its padding) stay whole. ``slack=None``: one run.
+    Example: lengths ``[500, 3, 2, 1, 1]``, slack 64 -> ``[2, 3]``: 500 and 3 pad to 1000 <= 2 x 503
+    tokens, then 2, 1, 1 pad to 6 (one group would compute 2500).
+    """
+    if slack is None or lengths.size == 0:
+        return [int(lengths.size)]
+    sizes, count, longest, real = [], 0, 0, 0
+    for n in lengths.tolist():
+        if count and (count + 1) * longest > max(2 * (real + n), real + n + slack):
+            sizes.append(count)
+            count, real = 0, 0
+        if count == 0:
+            longest = n
+        count, real = count + 1, real + n
+    sizes.append(count)
+    return sizes
+
+
 def build_levels(
-    node_start: torch.Tensor, node_end: torch.Tensor, node_parent: torch.Tensor, device=None
+    node_start: torch.Tensor,
+    node_end: torch.Tensor,
+    node_parent: torch.Tensor,
+    device=None,
+    pad_slack: int | None = 256,
 ) -> TreeLevels:
     """The level schedule from ``PackedTree.node_start / node_end / node_parent`` (``[N]`` each).
 
+    Within a level, nodes are ordered by decreasing length and split by :func:`length_groups`.
     Example (the module docstring's tree): ``node_start = [0 1 2 4 6]``, ``node_end = [1 2 4 6 8]``,
-    ``node_parent = [-1 0 1 1 0]`` -> levels ``[[0]]``, ``[[1 8] [6 7]]``, ``[[2 3] [4 5]]`` with
-    ``parent_row`` ``[0 0]`` at level 1 and ``[0 0]`` at level 2 (both children of B, row 0).
+    ``node_parent = [-1 0 1 1 0]`` -> one group per level: ``[[0]]``, ``[[6 7] [1 8]]`` (G H, then
+    B), ``[[2 3] [4 5]]`` with ``parent_row = [1 1]`` (B is row 1 of level 1).
     """
     start = node_start.detach().cpu().numpy().astype(np.int64)
     end = node_end.detach().cpu().numpy().astype(np.int64)
     parent = node_parent.detach().cpu().numpy().astype(np.int64)
     device = node_start.device if device is None else device
+    as_t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
     T = int(end.max()) if end.size else 0
     depth = node_depth(parent)
     lengths = end - start
@@ -123,32 +153,34 @@ def build_levels(
     levels = []
     padded_off = varlen_off = 0
     for d in range(int(depth.max()) + 1 if depth.size else 0):
-        nodes = np.flatnonzero(depth == d)  # DFS order within the level
+        nodes = np.flatnonzero(depth == d)
+        nodes = nodes[np.argsort(-lengths[nodes], kind="stable")]  # longest first, then DFS order
         row_in_level[nodes] = np.arange(nodes.size)
         lens = lengths[nodes]
-        L = max(int(lens.max()), 1)
-        steps = np.arange(L)
-        token_index = np.where(steps < lens[:, None], start[nodes, None] + steps, T)
-        flat_index = token_index[steps < lens[:, None]]  # row-major: node by node
-        real = token_index < T
-        padded_row[token_index[real]] = padded_off + np.flatnonzero(real.ravel())
+        groups, first = [], 0
+        for size in length_groups(lens, pad_slack):
+            sel = slice(first, first + size)
+            steps = np.arange(max(int(lens[sel].max()), 1))
+            index = np.where(steps < lens[sel, None], start[nodes[sel], None] + steps, T)
+            real = index < T
+            padded_row[index[real]] = padded_off + np.flatnonzero(real.ravel())
+            padded_off += index.size
+            groups.append(as_t(index))
+            first += size
+        flat_index = np.concatenate([np.arange(s, e) for s, e in zip(start[nodes], end[nodes])])
         varlen_row[flat_index] = varlen_off + np.arange(flat_index.size)
-        padded_off += token_index.size
         varlen_off += flat_index.size
         parent_row = row_in_level[np.maximum(parent[nodes], 0)] if d else np.zeros(nodes.size, np.int64)
         levels.append(
             Level(
-                token_index=torch.from_numpy(token_index).to(device),
-                parent_row=torch.from_numpy(parent_row).to(device),
-                cu_seqlens=torch.from_numpy(np.concatenate([[0], np.cumsum(lens)])).to(device),
-                flat_index=torch.from_numpy(flat_index).to(device),
+                groups=tuple(groups),
+                parent_row=as_t(parent_row),
+                cu_seqlens=as_t(np.concatenate([[0], np.cumsum(lens)])),
+                flat_index=as_t(flat_index),
             )
         )
     return TreeLevels(
-        levels=tuple(levels),
-        padded_row=torch.from_numpy(padded_row).to(device),
-        varlen_row=torch.from_numpy(varlen_row).to(device),
-        num_tokens=T,
+        levels=tuple(levels), padded_row=as_t(padded_row), varlen_row=as_t(varlen_row), num_tokens=T
     )
 
 
@@ -274,14 +306,20 @@ def tree_gated_delta_rule(
     qp, kp, vp, gp, bp = (_pad_row(x) for x in (q, k, v, g, beta))
     outs, state = [], None
     for d, lv in enumerate(levels.levels):
-        idx = lv.token_index
         init = state.index_select(0, lv.parent_row) if d else None
-        out, state = rule(
-            qp[idx], kp[idx], vp[idx], g=gp[idx], beta=bp[idx],
-            chunk_size=min(max_chunk, lv.max_len),  # a level of 1-token nodes is not padded to 64
-            initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm,
-        )  # fmt: skip
-        outs.append(out.flatten(0, 1))
+        states, first = [], 0
+        for idx in lv.groups:
+            n, L = idx.shape
+            out, st = rule(
+                qp[idx], kp[idx], vp[idx], g=gp[idx], beta=bp[idx],
+                chunk_size=min(max_chunk, L),  # a group of 1-token nodes is not padded to 64
+                initial_state=None if init is None else init[first : first + n],
+                output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm,
+            )  # fmt: skip
+            outs.append(out.flatten(0, 1))
+            states.append(st)
+            first += n
+        state = torch.cat(states) if len(states) > 1 else states[0]
     return torch.cat(outs).index_select(0, levels.padded_row)
 
 
