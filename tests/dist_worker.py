@@ -114,6 +114,7 @@ def experiment(ckpt: Path | None) -> dict:
     losses, norms = run(range(len(STEP_TREES)), model, opt, sched, trees, info, ckpt)
     result = {
         "world_size": info.world_size,
+        "metric_sums": D.all_reduce_sum_dict({"a": 1.0, f"rank{info.rank}": info.rank + 1.0}),
         "losses": losses,
         "grad_norms": norms,
         "state": full_state(model),

@@ -138,6 +138,7 @@ def test_two_processes_match_one(tmp_path):
     two = torch.load(tmp_path / "two.pt")
     one = experiment(tmp_path / "ck1")  # the same script in this (single) process
     assert (one["world_size"], two["world_size"]) == (1, 2)
+    assert two["metric_sums"] == {"a": 2.0, "rank0": 1.0, "rank1": 2.0}  # keys unioned over ranks
     # Same trees, same global normalizer, gradients summed over ranks: only the floating-point
     # reduction order differs (per-rank partial sums, reduce-scatter), so float32 agrees to a few
     # ulps (we measure: losses identical, weights within 1.5e-8 after 4 AdamW steps). The grad

@@ -37,6 +37,7 @@ __all__ = [
     "DECODER_METHOD",
     "DistInfo",
     "all_reduce_sum",
+    "all_reduce_sum_dict",
     "assign_to_ranks",
     "barrier",
     "clip_grad_norm_",
@@ -78,22 +79,23 @@ def _launched_by_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
 
 
-def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> DistInfo:
+def init_distributed(device: str = "auto", backend: str | None = None, timeout_s: float = 1800.0) -> DistInfo:
     """Join the process group ``torchrun`` set up (idempotent); a single-process no-op otherwise.
 
-    Backend: NCCL for CUDA tensors (plus gloo for CPU-side collectives) when CUDA is available,
-    else gloo. Each process uses ``cuda:LOCAL_RANK``, or the CPU.
+    ``device``: ``auto`` uses ``cuda:LOCAL_RANK`` with NCCL (plus gloo for CPU-side collectives)
+    when CUDA is available, else the CPU with gloo; ``cpu`` forces the CPU and gloo.
     """
     global _info
     if _info is not None:
         return _info
+    use_cuda = torch.cuda.is_available() and device != "cpu"
     if not _launched_by_torchrun():
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        _info = DistInfo(0, 1, 0, device or torch.device("cpu"), True)
+        dev = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+        _info = DistInfo(0, 1, 0, dev, True)
         return _info
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
-    if torch.cuda.is_available():
+    if use_cuda:
         if local_rank >= torch.cuda.device_count():
             raise RuntimeError(
                 f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} CUDA devices are visible: "
@@ -171,6 +173,23 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> torc
     if coef < 1.0 and math.isfinite(float(total)):
         torch._foreach_mul_(grads, coef)
     return total.detach()
+
+
+def all_reduce_sum_dict(values: dict[str, torch.Tensor | float]) -> dict[str, torch.Tensor]:
+    """Sum a dict of scalars over ranks in one collective; a key missing on a rank counts as 0
+    (e.g. a rank with no work this step). Returns float64 0-d tensors, the same on every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return {k: torch.as_tensor(v, dtype=torch.float64).detach().clone() for k, v in values.items()}
+    gathered: list[list[str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, sorted(values))
+    keys = sorted(set().union(*gathered))
+    device = _info.device if _info is not None else torch.device("cpu")
+    flat = torch.zeros(len(keys), dtype=torch.float64, device=device)
+    for i, k in enumerate(keys):
+        if k in values:
+            flat[i] = torch.as_tensor(values[k], dtype=torch.float64).detach().to(device)
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    return {k: flat[i].cpu() for i, k in enumerate(keys)}
 
 
 # ---- sharding ------------------------------------------------------------------------------------
