@@ -423,13 +423,22 @@ def _spans_by_prefix(tokenizer, template, messages, tools, full: str) -> list[tu
     return spans
 
 
-def _control_token_check(tokenizer, messages, tools) -> None:
-    specials = [t for t in tokenizer.all_special_tokens if t]
-    if not specials:
-        return
-    pattern = re.compile("|".join(map(re.escape, sorted(specials, key=len, reverse=True))))
+@functools.lru_cache(maxsize=8)
+def _control_pattern(tokens: frozenset[str]) -> re.Pattern | None:
+    return re.compile("|".join(map(re.escape, sorted(tokens, key=len, reverse=True)))) if tokens else None
 
-    def walk(x, where):
+
+def _control_token_check(tokenizer, messages, tools) -> None:
+    """Special (control) tokens typed in message text would become chat structure: an error."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}).values()
+    specials = {t.content for t in added if t.special} | set(tokenizer.all_special_tokens)
+    pattern = _control_pattern(frozenset(t for t in specials if t))
+    if pattern is None:
+        return
+    stack = [(tools, ("tools",))] if tools else []
+    stack += reversed([(m, (i,)) for i, m in enumerate(messages)])
+    while stack:  # depth-first in message order, iterative: message values may nest deeply
+        x, where = stack.pop()
         if isinstance(x, str):
             m = pattern.search(x)
             if m:
@@ -439,16 +448,9 @@ def _control_token_check(tokenizer, messages, tools) -> None:
                     where,
                 )
         elif isinstance(x, dict):
-            for k, v in x.items():
-                walk(v, (*where, k))
+            stack += reversed([(v, (*where, k)) for k, v in x.items()])
         elif isinstance(x, list):
-            for j, v in enumerate(x):
-                walk(v, (*where, j))
-
-    for i, m in enumerate(messages):
-        walk(m, (i,))
-    if tools:
-        walk(tools, ("tools",))
+            stack += reversed([(v, (*where, j)) for j, v in enumerate(x)])
 
 
 def render_chat(

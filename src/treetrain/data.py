@@ -608,6 +608,15 @@ def parse_record(
 def _parse(
     record: Any, fmt: str | None, vocab_size: int | None, tokenizer
 ) -> tuple[TrajectoryTree, str, list]:
+    try:
+        return _parse_unguarded(record, fmt, vocab_size, tokenizer)
+    except RecursionError:  # JSON nested just below the parser's limit, deeper in a validator
+        raise _Invalid("nested too deeply") from None
+
+
+def _parse_unguarded(
+    record: Any, fmt: str | None, vocab_size: int | None, tokenizer
+) -> tuple[TrajectoryTree, str, list]:
     if not isinstance(record, dict):
         raise _Invalid(f"expected a JSON object, got {_type_name(record)}")
     if fmt is None:
