@@ -26,6 +26,8 @@ part holding a leaf below it. Every path must fit the budget alone, else ``Value
   balanced loads, minimum bin slack for a handful of items, no merge); states are ranked by
   their total cost if no more merging happened above. ``O(sum_u k_u log k_u)`` for ``k_u`` bins at
   ``u`` (near-linear: about the node count of the partitioned trees), times ``beam``.
+  ``beam=1`` is plain bottom-up best-fit decreasing; the default is ``DEFAULT_BEAM`` up to
+  ``BEAM_MAX_NODES`` nodes and 1 above, where it costs ~4x for < 0.1% (benchmarks/partition.py).
 - ``"dfs"``: the paper's greedy: children visited deepest-leaf first (leaves of similar depth
   together), leaves taken in that DFS order, a new part when the next leaf overflows. ``O(N log N)``.
 - ``"single_path"``: the paper's single-path DP: every part is one whole subtree. With exact
@@ -104,9 +106,6 @@ class _Skeleton:
     def num_nodes(self) -> int:
         return int(self.parent.size)
 
-    def children(self, u: int) -> np.ndarray:
-        return self.child_ids[self.child_ptr[u] : self.child_ptr[u + 1]]
-
 
 def _skeleton(tree: TrajectoryTree) -> _Skeleton:
     parent = tree.node_parent.astype(np.int64)
@@ -182,27 +181,22 @@ def _best_fit_decreasing(items: list[_Item], cap: int) -> list[list[_Item]]:
 
 
 def _balanced(items: list[_Item], cap: int) -> list[list[_Item]]:
-    """As many bins as best fit uses, then largest item first into the least loaded bin that
-    holds it (a new bin if none does): the same merges, with even loads, so a small piece stays
-    free to merge above. Sizes ``[26, 14, 13]``, cap 47: best fit ``[[26, 14], [13]]``, balanced
-    ``[[26], [14, 13]]``.
+    """As many bins as best fit uses, then largest item first into the least loaded bin (a new
+    bin if even that one is too full): the same merges with even loads, so a small piece stays
+    free to merge above. ``O(k log k)``. Sizes ``[26, 14, 13]``, cap 47: best fit
+    ``[[26, 14], [13]]``, balanced ``[[26], [14, 13]]``.
     """
     k = len(_best_fit_decreasing(items, cap))
-    heap: list[tuple[int, int]] = [(0, g) for g in range(k)]  # (load, group index)
+    heap = [(0, g) for g in range(k)]  # (load, group index)
     groups: list[list[_Item]] = [[] for _ in range(k)]
     for item in sorted(items, key=lambda it: -it[0]):
-        skipped = []
-        while heap and heap[0][0] + item[0] > cap:
-            skipped.append(heapq.heappop(heap))
-        if heap:
+        if heap[0][0] + item[0] <= cap:
             load, g = heapq.heappop(heap)
         else:
             load, g = 0, len(groups)
             groups.append([])
         groups[g].append(item)
         heapq.heappush(heap, (load + item[0], g))
-        for entry in skipped:
-            heapq.heappush(heap, entry)
     return [g for g in groups if g]
 
 
@@ -352,10 +346,11 @@ def _dfs(sk: _Skeleton, capacity: int) -> list[list[int]]:
     """Leaves in a DFS that visits the child with the deepest leaf first; a running part takes the
     next leaf if its new tokens (below the branch point with the previous leaf) still fit.
     """
-    depth = sk.depth.tolist()
+    depth, parent = sk.depth.tolist(), sk.parent.tolist()
+    ptr, ids = sk.child_ptr.tolist(), sk.child_ids.tolist()
     deepest = list(depth)
-    for u in range(sk.num_nodes - 1, -1, -1):
-        p = int(sk.parent[u])
+    for u in range(sk.num_nodes - 1, 0, -1):
+        p = parent[u]
         if p >= 0 and deepest[u] > deepest[p]:
             deepest[p] = deepest[u]
     by_deepest = lambda nodes: sorted(nodes, key=lambda n: deepest[n])  # noqa: E731
@@ -366,9 +361,8 @@ def _dfs(sk: _Skeleton, capacity: int) -> list[list[int]]:
     while stack:
         u, above = stack.pop()
         branch = min(branch, above)
-        kids = sk.children(u).tolist()
-        if kids:
-            stack.extend((k, depth[u]) for k in by_deepest(kids))
+        if ptr[u] < ptr[u + 1]:
+            stack.extend((k, depth[u]) for k in by_deepest(ids[ptr[u] : ptr[u + 1]]))
             continue
         new = depth[u] - branch
         if load + new <= capacity:
@@ -394,7 +388,7 @@ def _single_path(sk: _Skeleton, capacity: int, subtree_tokens: np.ndarray) -> li
     owner = np.where(top, np.arange(sk.num_nodes), -1).tolist()
     parent = sk.parent.tolist()
     for u in range(sk.num_nodes):  # parents precede children: inherit the owning subtree
-        if owner[u] < 0:
+        if owner[u] < 0 and parent[u] >= 0:
             owner[u] = owner[parent[u]]
     leaf_owner = np.asarray(owner)[sk.leaves]
     order = np.argsort(leaf_owner, kind="stable")
