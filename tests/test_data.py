@@ -664,6 +664,16 @@ def test_unstable_template_is_an_error_naming_the_message(tok, tmp_path):
     err = one_error(tmp_path, {"messages": THINK_CONV}, tokenizer=other)
     assert str(err).startswith(f'{err.file}:2: field "messages"[2]: the chat template renders'), str(err)
     assert "{% generation %}" in str(err)
+    # an opening assistant turn: the prefix method would need to render zero messages
+    opening = [{"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "hi"}]
+    assert masked_runs(tok, *_ids_mask(render_chat(tok, opening))) == ["Hello!<|im_end|>"]
+    with pytest.raises(ChatError, match="opens with an assistant message") as e:
+        render_chat(other, opening)
+    assert e.value.where == (0,)
+
+
+def _ids_mask(r):
+    return r.ids, r.loss_mask
 
 
 @pytest.mark.parametrize(
