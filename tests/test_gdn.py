@@ -82,8 +82,8 @@ def test_skewed_level_is_split_by_length():
     packed = pack(TrajectoryTree.from_paths(paths))
     grouped = build_levels(packed.node_start, packed.node_end, packed.node_parent)
     one = build_levels(packed.node_start, packed.node_end, packed.node_parent, pad_slack=None)
-    assert [g.shape for g in grouped.levels[1].groups] == [(2, 300), (37, 1)]  # 2 x 300 <= 2 x 301 real
-    assert one.num_padded == 1 + 39 * 300 and grouped.num_padded == 1 + 600 + 37
+    assert [g.shape for g in grouped.levels[1].groups] == [(1, 300), (38, 1)]
+    assert one.num_padded == 1 + 39 * 300 and grouped.num_padded == 1 + 300 + 38
     q, k, v, g, beta = (t.detach() for t in _rule_inputs(packed.num_tokens))
     with float64_everywhere():
         a, b = (tree_gated_delta_rule(q, k, v, g, beta, lv) for lv in (grouped, one))

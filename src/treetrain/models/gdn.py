@@ -22,7 +22,7 @@ Example, paths ``[A B C D]``, ``[A B E F]``, ``[A G H]`` (nodes ``[A] [B] [C D] 
       level 2, padded [2 nodes, 2 steps]: [[2 3] [4 5]], both start from B's final state
 
 A level whose node lengths differ widely is split into a few groups of similar length (one call
-each), so padding stays within 2x. Padding a node to its group's longest appends steps with
+each), so padding stays within about 2x. Padding a node to its group's longest appends steps with
 ``q = k = v = 0``, ``beta = 0`` and ``g = 0``: ``S <- exp(0) * S (I - 0) + 0 = S``, so a padded
 node's final state is its last real step's (the chunked kernel pads to its chunk size the same
 way).
@@ -105,22 +105,22 @@ def node_depth(parent: np.ndarray) -> np.ndarray:
 def length_groups(lengths: np.ndarray, slack: int | None) -> list[int]:
     """Split nodes sorted by decreasing length into runs that pad cheaply; returns the run sizes.
 
-    A run grows while its padded size ``count * longest`` stays within ``max(2 * real, real +
-    slack)`` tokens: at most 2x padding, and small runs (below ``slack`` padded tokens, where a
-    kernel call costs more than its padding) stay whole. ``slack=None``: one run.
-    Example: lengths ``[500, 3, 2, 1, 1]``, slack 64 -> ``[2, 3]``: 500 and 3 pad to 1000 <= 2 x 503
-    tokens, then 2, 1, 1 pad to 6 (one group would compute 2500).
+    A node joins the current run (padded to the run's longest, ``L``) if that at most doubles it
+    (``2 * n >= L``), or if the run stays within ``slack`` padded tokens (small calls cost more in
+    overhead than in padding). So padding is at most 2x outside runs of ``slack`` tokens, and a
+    level takes about ``log2(longest / shortest)`` calls. ``slack=None``: one run.
+    Example: lengths ``[500, 3, 2, 1, 1]``, slack 64 -> ``[1, 4]`` (5 rows of 500 would be 2500).
     """
     if slack is None or lengths.size == 0:
         return [int(lengths.size)]
-    sizes, count, longest, real = [], 0, 0, 0
+    sizes, count, longest = [], 0, 0
     for n in lengths.tolist():
-        if count and (count + 1) * longest > max(2 * (real + n), real + n + slack):
+        if count and 2 * n < longest and (count + 1) * longest > slack:
             sizes.append(count)
-            count, real = 0, 0
+            count = 0
         if count == 0:
             longest = n
-        count, real = count + 1, real + n
+        count += 1
     sizes.append(count)
     return sizes
 
