@@ -11,6 +11,12 @@ One optimizer step takes ``batch_trees`` whole trees (a tree never straddles two
    normalizer, so accumulating gradients over micro-batches gives the full-batch gradient;
 4. grad clipping, AdamW step, LR schedule step, one line of ``metrics.jsonl``.
 
+Under ``torchrun`` (FSDP2, :mod:`treetrain.distributed`) every rank reads the same trees, the
+step's trees and parts are assigned to ranks by FLOP cost, every rank runs as many passes as the
+busiest one (idle passes add zero gradient) and gradients and metrics are summed over ranks, so a
+step equals the single-process step. A non-finite loss or gradient norm stops the run before the
+optimizer step (:class:`NonFiniteError`), leaving the last checkpoint as it was.
+
 The pieces are small functions (``build_model``, ``make_batches``, ``train_step``, ``log_metrics``,
 ...) so that FSDP2 and resumable checkpoints slot in without reshaping the loop.
 """
@@ -33,6 +39,7 @@ from typing import Any, TextIO
 import torch
 from torch import nn
 
+from . import distributed
 from .config import DEFAULT_STEPS, TrainConfig, add_train_arguments, config_from_args, validate
 from .packing import PackedTree, pack
 from .tree import TrajectoryTree
@@ -204,6 +211,8 @@ class StepBatch:
     trees: list[TrajectoryTree]
     micro: list[PackedTree]
     trees_consumed: int  # trees read from the stream so far, this batch included (data state)
+    passes: int = 0  # forward/backward passes every rank runs (the busiest rank's); 0: len(micro)
+    all_computed_tokens: int | None = None  # tokens computed on all ranks; None: len of this micro
     path_tokens: int = field(init=False)  # what the per-path baseline computes
     tree_tokens: int = field(init=False)  # distinct tokens of the whole trees (perfect reuse)
     computed_tokens: int = field(init=False)  # what the micro-batches actually run
@@ -212,6 +221,9 @@ class StepBatch:
         self.path_tokens = sum(t.num_path_tokens for t in self.trees)
         self.tree_tokens = sum(t.num_tokens for t in self.trees)
         self.computed_tokens = sum(p.num_tokens for p in self.micro)
+        if self.all_computed_tokens is not None:
+            self.computed_tokens = self.all_computed_tokens
+        self.passes = self.passes or len(self.micro)
 
     @property
     def por(self) -> float:
@@ -312,15 +324,62 @@ def make_microbatches(trees: list[TrajectoryTree], packing: str, capacity: int) 
     return pack_microbatches(pieces, capacity)
 
 
-def make_batches(cfg: TrainConfig, vocab_size: int, steps: int, start_tree: int = 0) -> Iterator[StepBatch]:
-    """``steps`` optimizer-step batches of ``batch_trees`` trees, packed and ready to run."""
+def rank_microbatches(
+    trees: list[TrajectoryTree], packing: str, capacity: int, rank: int, world_size: int, model_config
+) -> tuple[list[list[TrajectoryTree]], int, int]:
+    """This rank's micro-batches when the step's work is split over ``world_size`` ranks.
+
+    Whole trees (parts of whole paths for trees over ``capacity``; single paths with ``sequence``
+    packing) go to ranks by their training FLOPs (``distributed.tree_cost``, LPT), then each rank
+    packs its own pieces. Every rank computes the same plan from the same trees, with no
+    communication. Returns (this rank's micro-batches, the most micro-batches any rank has, the
+    tokens all ranks compute).
+    """
+    from .partition import pack_microbatches, partition
+
+    units = [seq for tree in trees for seq in sequence_parts(tree)] if packing == "sequence" else trees
+    pieces = [part for unit in units for part in partition(unit, capacity)]
+    costs = [distributed.tree_cost(piece, model_config) for piece in pieces]
+    plan = distributed.assign_to_ranks(costs, world_size)
+    per_rank = [pack_microbatches([pieces[i] for i in idx], capacity) for idx in plan]
+    computed = sum(t.num_tokens for mbs in per_rank for mb in mbs for t in mb)
+    return per_rank[rank], max(len(mbs) for mbs in per_rank), computed
+
+
+def make_batches(
+    cfg: TrainConfig,
+    vocab_size: int,
+    steps: int,
+    start_tree: int = 0,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    model_config=None,
+) -> Iterator[StepBatch]:
+    """``steps`` optimizer-step batches of ``batch_trees`` trees, packed and ready to run.
+
+    With ``world_size > 1`` each batch holds every tree of the step (for the loss normalizer and
+    the metrics) but only this rank's micro-batches (:func:`rank_microbatches`).
+    """
     stream = tree_stream(cfg, vocab_size, skip=start_tree)
     consumed = start_tree
     for _ in range(steps):
         trees = list(itertools.islice(stream, cfg.batch_trees))
         consumed += len(trees)
-        micro = [pack(mb) for mb in make_microbatches(trees, cfg.packing, cfg.capacity)]
-        yield StepBatch(trees=trees, micro=micro, trees_consumed=consumed)
+        if world_size == 1:
+            micro = [pack(mb) for mb in make_microbatches(trees, cfg.packing, cfg.capacity)]
+            yield StepBatch(trees=trees, micro=micro, trees_consumed=consumed)
+            continue
+        mine, passes, computed = rank_microbatches(
+            trees, cfg.packing, cfg.capacity, rank, world_size, model_config
+        )
+        yield StepBatch(
+            trees=trees,
+            micro=[pack(mb) for mb in mine],
+            trees_consumed=consumed,
+            passes=passes,
+            all_computed_tokens=computed,
+        )
 
 
 def prefetched(batches: Iterator[StepBatch], depth: int) -> Iterable[StepBatch]:
@@ -343,6 +402,10 @@ def build_objective(cfg: TrainConfig):
         return Objective(name=cfg.objective, **cfg.loss)
     except TypeError as e:
         raise ValueError(f"loss: {e}; see treetrain.losses.Objective for the objective's options") from None
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or the gradient norm of a step is NaN or infinite; the step was not applied."""
 
 
 def autocast_context(device: torch.device, dtype: torch.dtype | None):
@@ -382,12 +445,21 @@ def train_step(
         loss.backward()
         for k, v in metrics.items():
             sums[k] = sums[k] + v.double() if k in sums else v.double()
+    for _ in range(batch.passes - len(batch.micro)):  # FSDP's collectives need every rank's pass
+        with autocast_context(device, autocast_dtype):
+            idle = distributed.dummy_loss(model, backend)
+        idle.backward()
+    sums = distributed.all_reduce_sum_dict(sums)
     params = [p for p in model.parameters() if p.grad is not None]
     max_norm = grad_clip if grad_clip else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.zeros(())
+    grad_norm = distributed.clip_grad_norm_(params, max_norm)
+    out = summarize_metrics(sums) | {"grad_norm": float(grad_norm)}
+    if not (math.isfinite(out.get("loss", 0.0)) and math.isfinite(out["grad_norm"])):
+        optimizer.zero_grad(set_to_none=True)  # the same values on every rank: all stop together
+        raise NonFiniteError(f"non-finite loss ({out.get('loss')}) or gradient norm ({out['grad_norm']})")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return summarize_metrics(sums) | {"grad_norm": float(grad_norm)}
+    return out
 
 
 # ---- metrics, summary, plot, outputs -----------------------------------------------------------
@@ -426,6 +498,18 @@ def step_record(
         "trees": len(batch.trees),
     }
     return record | {k: v for k, v in metrics.items() if k not in record}
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Keep the ``metrics.jsonl`` lines of steps up to ``last_step`` (a resumed run rewrites the
+    steps after its checkpoint); replaced atomically."""
+    if not path.is_file():
+        return
+    keep = [ln for ln in path.read_text().splitlines(keepends=True) if ln.strip()]
+    keep = [ln for ln in keep if json.loads(ln).get("step", 0) <= last_step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(keep))
+    tmp.replace(path)
 
 
 def log_metrics(fh: TextIO, record: dict[str, Any]) -> None:
@@ -529,17 +613,23 @@ def setup(cfg: TrainConfig) -> Run:
     under ``OUTPUT/checkpoints`` with ``resume``."""
     from . import checkpoint
 
-    device = resolve_device(cfg.device)
+    info = distributed.init_distributed("cpu" if cfg.device == "cpu" else "auto")
+    device = info.device if info.distributed else resolve_device(cfg.device)
     param_dtype, autocast_dtype = resolve_dtype(cfg.dtype, device)
     out = Path(cfg.output)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    if info.is_main:
+        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
 
     model = configure_model(
         build_model(cfg.model, cfg.seed, param_dtype, device), cfg.activation_checkpointing
     )
     objective = build_objective(cfg)
     ref_model = build_reference_model(model) if objective.kl_coef and cfg.reference == "model" else None
+    # FSDP2 from outside the model (a no-op in one process), before the optimizer sees the parameters
+    model = distributed.shard_model(
+        model, mixed_precision=autocast_dtype is not None and device.type == "cuda"
+    )
     optimizer = build_optimizer(model, cfg)
     steps = total_steps(cfg, model.config.get_text_config().vocab_size)
     scheduler = build_scheduler(optimizer, cfg, steps)
@@ -559,37 +649,63 @@ def run_loop(run: Run, metrics_path: Path) -> list[dict[str, Any]]:
     from . import checkpoint
 
     cfg, device = run.cfg, run.device
+    info = distributed.init_distributed()
     vocab_size = run.model.config.get_text_config().vocab_size
     batches = prefetched(
-        make_batches(cfg, vocab_size, run.steps - run.start_step, run.trees_done), cfg.prefetch
+        make_batches(
+            cfg,
+            vocab_size,
+            run.steps - run.start_step,
+            run.trees_done,
+            rank=info.rank,
+            world_size=info.world_size,
+            model_config=run.model.config,
+        ),
+        cfg.prefetch,
     )
     records: list[dict[str, Any]] = []
+    if info.is_main and run.start_step:
+        truncate_metrics(metrics_path, run.start_step)
     with (
-        open(metrics_path, "a" if run.start_step else "w") as fh,
-        tqdm(total=run.steps, initial=run.start_step, unit="step", disable=not cfg.progress) as bar,
+        open(metrics_path, "a" if run.start_step else "w")
+        if info.is_main
+        else contextlib.nullcontext() as fh,
+        tqdm(
+            total=run.steps, initial=run.start_step, unit="step", disable=not (cfg.progress and info.is_main)
+        ) as bar,
     ):
         for step, batch in enumerate(prefetched(batches, cfg.prefetch), start=run.start_step + 1):
             lr = run.optimizer.param_groups[0]["lr"]
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             t0 = time.perf_counter()
-            metrics = train_step(
-                run.model,
-                run.optimizer,
-                batch,
-                run.objective,
-                grad_clip=cfg.grad_clip,
-                autocast_dtype=run.autocast_dtype,
-                ref_model=run.ref_model,
-                backend=cfg.attention,
-            )
+            try:
+                metrics = train_step(
+                    run.model,
+                    run.optimizer,
+                    batch,
+                    run.objective,
+                    grad_clip=cfg.grad_clip,
+                    autocast_dtype=run.autocast_dtype,
+                    ref_model=run.ref_model,
+                    backend=cfg.attention,
+                )
+            except NonFiniteError as e:
+                last = checkpoint.latest_checkpoint(run.out)
+                where = f"the last good checkpoint is {last}" if last else "no checkpoint was written"
+                raise NonFiniteError(
+                    f"step {step}: {e}; stopped before the optimizer step, nothing of this step was "
+                    f"applied and {where} (continue from it with --resume after fixing the cause, "
+                    "e.g. a lower --lr)"
+                ) from None
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             seconds = time.perf_counter() - t0
             run.scheduler.step()
             record = step_record(step, metrics, lr, batch, seconds, peak_memory_mib(device))
             records.append(record)
-            log_metrics(fh, record)
+            if fh is not None:
+                log_metrics(fh, record)
             bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}")
             bar.update(1)
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < run.steps:
@@ -610,9 +726,10 @@ def train(cfg: TrainConfig, *, log: TextIO | None = sys.stdout) -> TrainResult:
     records = run_loop(run, metrics_path)
     wall = time.perf_counter() - t0
     final = export_pretrained(run.model, run.out / "final")
-    plot = plot_metrics(records, run.out / "training.png") if cfg.plot and records else None
+    is_main = distributed.init_distributed().is_main
+    plot = plot_metrics(records, run.out / "training.png") if cfg.plot and records and is_main else None
     outputs = {"metrics": metrics_path, "model": final} | ({"plot": plot} if plot else {})
-    if log is not None:
+    if log is not None and is_main:
         print(f"treetrain train: done, outputs in {run.out}/", file=log)
         print(summary_table(records, cfg, outputs, wall), file=log)
     return TrainResult(output=run.out, metrics=metrics_path, final=final, plot=plot, records=records)
@@ -636,5 +753,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def main(args: argparse.Namespace) -> int:
     """``treetrain train``: defaults < ``--config`` < flags < ``--set``, then :func:`train`."""
-    train(config_from_args(args))
+    try:
+        train(config_from_args(args))
+    except NonFiniteError as e:
+        if distributed.init_distributed().is_main:
+            print(f"treetrain train: stopped: {e}", file=sys.stderr)
+        return 1
+    finally:
+        distributed.destroy()
     return 0
