@@ -39,7 +39,7 @@ __all__ = [
     "validate",
 ]
 
-DEFAULT_STEPS = 8  # when neither steps nor epochs is set: the README's "a few steps" demo
+DEFAULT_STEPS = 3  # when neither steps nor epochs is set: the README's "a few steps" demo
 PACKINGS = ("tree", "sequence")
 SCHEDULES = ("cosine", "linear", "constant")
 DTYPES = ("auto", "float32", "bfloat16", "float64")
@@ -65,8 +65,8 @@ class TrainConfig:
     reference: str = "model"  # KL reference: model (frozen initial copy) | data (ref_logprobs field)
     # batching
     packing: str = "tree"  # tree: shared prefixes once; sequence: every path its own sequence
-    capacity: int = 4096  # tokens per micro-batch (distinct tokens in tree mode)
-    batch_trees: int = 4  # trees per optimizer step (a tree is never split across steps)
+    capacity: int = 8192  # tokens per micro-batch (distinct tokens in tree mode)
+    batch_trees: int = 1  # trees per optimizer step (a tree is never split across steps)
     steps: int | None = None  # optimizer steps; None: from epochs, else DEFAULT_STEPS
     epochs: float | None = None  # passes over the data (fractional allowed)
     # optimizer and schedule

@@ -284,13 +284,16 @@ def count_trees(cfg: TrainConfig, vocab_size: int) -> int:
     return counts.samples
 
 
-def tree_stream(cfg: TrainConfig, vocab_size: int, skip: int = 0) -> Iterator[TrajectoryTree]:
-    """Trees in file order, epoch after epoch, lazily; the first ``skip`` trees are dropped (resume)."""
+def tree_stream(
+    cfg: TrainConfig, vocab_size: int, skip: int = 0, total: int | None = None
+) -> Iterator[TrajectoryTree]:
+    """Trees in file order, epoch after epoch, lazily: trees ``skip`` (resume) to ``total`` (the end
+    of a fractional last epoch; None: no end) of that endless stream."""
     stream = itertools.chain.from_iterable(_read_trees(cfg, vocab_size) for _ in itertools.count())
     first = next(stream, None)
     if first is None:
         raise ValueError(f"--data {data_path(cfg)}: the file holds no trees")
-    return itertools.islice(itertools.chain([first], stream), skip, None)
+    return itertools.islice(itertools.chain([first], stream), skip, total)
 
 
 def sequence_parts(tree: TrajectoryTree) -> list[TrajectoryTree]:
@@ -301,27 +304,15 @@ def sequence_parts(tree: TrajectoryTree) -> list[TrajectoryTree]:
 def make_microbatches(trees: list[TrajectoryTree], packing: str, capacity: int) -> list[list[TrajectoryTree]]:
     """Group the step's trees into micro-batches of at most ``capacity`` tokens each.
 
-    ``tree``: trees larger than ``capacity`` are partitioned into parts of whole paths first.
-    ``sequence``: each path is its own sequence. Either way the pieces are then packed several to a
-    micro-batch by ``treetrain.partition.pack_microbatches``.
+    ``tree``: whole trees, those larger than ``capacity`` partitioned into parts of whole paths.
+    ``sequence``: every path its own sequence. Either way the pieces are packed several to a
+    micro-batch by :func:`treetrain.partition.pack_microbatches`.
     """
-    from .partition import pack_microbatches, partition
+    from .partition import pack_microbatches
 
-    pieces: list[TrajectoryTree] = []
-    for tree in trees:
-        if packing == "sequence":
-            pieces.extend(sequence_parts(tree))
-        elif tree.num_tokens > capacity:
-            pieces.extend(partition(tree, capacity))
-        else:
-            pieces.append(tree)
-    too_long = [p.num_tokens for p in pieces if p.num_tokens > capacity]
-    if too_long:
-        raise ValueError(
-            f"--capacity {capacity}: a path of {max(too_long)} tokens cannot fit one micro-batch; raise "
-            f"--capacity to at least {max(too_long)} or pass --skip-oversized to drop such paths"
-        )
-    return pack_microbatches(pieces, capacity)
+    if packing == "sequence":
+        trees = [seq for tree in trees for seq in sequence_parts(tree)]
+    return pack_microbatches(trees, capacity)
 
 
 def rank_microbatches(
@@ -355,16 +346,19 @@ def make_batches(
     rank: int = 0,
     world_size: int = 1,
     model_config=None,
+    total_trees: int | None = None,
 ) -> Iterator[StepBatch]:
     """``steps`` optimizer-step batches of ``batch_trees`` trees, packed and ready to run.
 
     With ``world_size > 1`` each batch holds every tree of the step (for the loss normalizer and
     the metrics) but only this rank's micro-batches (:func:`rank_microbatches`).
     """
-    stream = tree_stream(cfg, vocab_size, skip=start_tree)
+    stream = tree_stream(cfg, vocab_size, skip=start_tree, total=total_trees)
     consumed = start_tree
     for _ in range(steps):
         trees = list(itertools.islice(stream, cfg.batch_trees))
+        if not trees:  # the run's last tree was read (``--epochs``)
+            return
         consumed += len(trees)
         if world_size == 1:
             micro = [pack(mb) for mb in make_microbatches(trees, cfg.packing, cfg.capacity)]
@@ -570,12 +564,17 @@ def plot_metrics(records: list[dict[str, Any]], path: Path) -> Path:
     return path
 
 
-def total_steps(cfg: TrainConfig, vocab_size: int) -> int:
+def total_steps(cfg: TrainConfig, vocab_size: int) -> tuple[int, int | None]:
+    """(optimizer steps, trees the run reads: ``epochs`` x the file's trees, or None for no limit).
+
+    With ``--epochs`` the last step may hold fewer than ``batch_trees`` trees.
+    """
     if cfg.steps is not None:
-        return cfg.steps
+        return cfg.steps, None
     if cfg.epochs is not None:
-        return max(1, math.ceil(cfg.epochs * count_trees(cfg, vocab_size) / cfg.batch_trees))
-    return DEFAULT_STEPS
+        trees = max(1, math.ceil(cfg.epochs * count_trees(cfg, vocab_size)))
+        return math.ceil(trees / cfg.batch_trees), trees
+    return DEFAULT_STEPS, None
 
 
 # ---- the loop ----------------------------------------------------------------------------------
@@ -597,6 +596,7 @@ class Run:
     out: Path
     start_step: int = 0
     trees_done: int = 0
+    total_trees: int | None = None  # the run's last tree (``--epochs``); None: ``steps`` decide
 
 
 @dataclass
@@ -631,9 +631,10 @@ def setup(cfg: TrainConfig) -> Run:
         model, mixed_precision=autocast_dtype is not None and device.type == "cuda"
     )
     optimizer = build_optimizer(model, cfg)
-    steps = total_steps(cfg, model.config.get_text_config().vocab_size)
+    steps, total_trees = total_steps(cfg, model.config.get_text_config().vocab_size)
     scheduler = build_scheduler(optimizer, cfg, steps)
     run = Run(cfg, device, autocast_dtype, model, ref_model, objective, optimizer, scheduler, steps, out)
+    run.total_trees = total_trees
     latest = checkpoint.latest_checkpoint(out) if cfg.resume else None
     if latest is not None:
         run.start_step, data_state = checkpoint.load_checkpoint(latest, model, optimizer, scheduler)
@@ -660,6 +661,7 @@ def run_loop(run: Run, metrics_path: Path) -> list[dict[str, Any]]:
             rank=info.rank,
             world_size=info.world_size,
             model_config=run.model.config,
+            total_trees=run.total_trees,
         ),
         cfg.prefetch,
     )
@@ -674,7 +676,7 @@ def run_loop(run: Run, metrics_path: Path) -> list[dict[str, Any]]:
             total=run.steps, initial=run.start_step, unit="step", disable=not (cfg.progress and info.is_main)
         ) as bar,
     ):
-        for step, batch in enumerate(prefetched(batches, cfg.prefetch), start=run.start_step + 1):
+        for step, batch in enumerate(batches, start=run.start_step + 1):
             lr = run.optimizer.param_groups[0]["lr"]
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
@@ -714,9 +716,9 @@ def run_loop(run: Run, metrics_path: Path) -> list[dict[str, Any]]:
     return records
 
 
-def train(cfg: TrainConfig, *, log: TextIO | None = sys.stdout) -> TrainResult:
+def train(cfg: TrainConfig, *, quiet: bool = False) -> TrainResult:
     """Run ``cfg`` end to end: setup, the loop, the final model (``save_pretrained``, safetensors,
-    loadable with plain transformers), the plot and the summary table."""
+    loadable with plain transformers), the plot and the summary table (unless ``quiet``)."""
     from .checkpoint import export_pretrained
 
     cfg = validate(cfg)
@@ -729,9 +731,9 @@ def train(cfg: TrainConfig, *, log: TextIO | None = sys.stdout) -> TrainResult:
     is_main = distributed.init_distributed().is_main
     plot = plot_metrics(records, run.out / "training.png") if cfg.plot and records and is_main else None
     outputs = {"metrics": metrics_path, "model": final} | ({"plot": plot} if plot else {})
-    if log is not None and is_main:
-        print(f"treetrain train: done, outputs in {run.out}/", file=log)
-        print(summary_table(records, cfg, outputs, wall), file=log)
+    if not quiet and is_main:
+        print(f"treetrain train: done, outputs in {run.out}/")
+        print(summary_table(records, cfg, outputs, wall))
     return TrainResult(output=run.out, metrics=metrics_path, final=final, plot=plot, records=records)
 
 
