@@ -21,7 +21,7 @@ from collections.abc import Callable
 import numpy as np
 
 from treetrain import TrajectoryTree
-from treetrain.partition import lower_bound, plan
+from treetrain.partition import lower_bound, partition, plan
 
 VOCAB = 150_000
 CAPACITIES = (4096, 8192, 16384)
@@ -288,6 +288,8 @@ def realistic(seeds: int = 3) -> list[dict]:
                 for name, kw in METHODS.items():
                     acc.setdefault(name, []).append(err(tree, plan_tokens(tree, plan(tree, cap, **kw))))
                 acc.setdefault("greedy/lb", []).append(plan_tokens(tree, plan(tree, cap)) / lb - 1)
+                acc.setdefault("plan ms", []).append(1e3 * timed(lambda t=tree, c=cap: plan(t, c)))
+                acc.setdefault("partition ms", []).append(1e3 * timed(lambda t=tree, c=cap: partition(t, c)))
             rows.append({"capacity": cap, "shape": shape, **{k: float(np.mean(v)) for k, v in acc.items()}})
     return rows
 
@@ -339,6 +341,14 @@ def _table(rows: list[dict], fmt: Callable[[str, object], str]) -> list[str]:
     return lines
 
 
+def _err_cell(key: str, value: object) -> str:
+    if key in ("paths", "por"):
+        return f"{value:.2f}"
+    if key.endswith("ms"):
+        return f"{value:.1f}"
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
 def _speed_cell(key: str, value: object) -> str:
     if key.endswith(" s"):
         return f"{value:.3f}"
@@ -347,14 +357,15 @@ def _speed_cell(key: str, value: object) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sweep", type=int, default=2000, help="random small trees against the optimum")
+    ap.add_argument("--sweep", type=int, default=5000, help="random small trees against the optimum")
     ap.add_argument("--out", default=None, help="write a markdown report here")
     args = ap.parse_args()
     cpu, cores = cpu_name(), os.cpu_count()
     lines = [
         f"# Partitioning benchmark, {datetime.date.today()}",
         "",
-        f"CPU: {cpu}, {cores} cores; Python {platform.python_version()}, numpy {np.__version__}.",
+        f"CPU: {cpu}, {cores} cores; Python {platform.python_version()}, numpy {np.__version__}; "
+        f"load average at start {os.getloadavg()[0]:.1f} (a shared machine: timings are upper bounds).",
         "",
     ]
 
@@ -375,14 +386,15 @@ def main() -> None:
     print("\n".join(lines), flush=True)
 
     rows = realistic()
-    pct = lambda k, v: f"{v:.3f}" if isinstance(v, float) and k not in ("por",) else str(v)  # noqa: E731
     block = [
         "## ERR on realistic shapes (mean of 3 seeds; higher is better)",
         "",
         "ERR = (baseline - partitioned) / (baseline - tree). `lower bound` is the ERR of the "
-        "token lower bound (no partition reaches above it); `greedy/lb` is greedy's excess over it.",
+        "token lower bound (no partition reaches above it); `greedy/lb` is greedy's excess over it "
+        "in tokens. `plan ms`: greedy's path assignment; `partition ms`: plus building the part trees "
+        "(`TrajectoryTree.subset`, O(path tokens)).",
         "",
-        *_table(rows, lambda k, v: f"{v:.2f}" if k in ("paths", "por") else pct(k, v)),
+        *_table(rows, _err_cell),
         "",
     ]
     print("\n".join(block), flush=True)
@@ -390,7 +402,10 @@ def main() -> None:
 
     rows = speed()
     block = [
-        "## Planning time on 100k-node trees (path assignment; best of 3)",
+        "## Planning time on 100k-node trees (path assignment; best of 3, beam 4 once)",
+        "",
+        "`greedy` is the default, which is beam 1 at this size (`BEAM_MAX_NODES`); `vs lb` is the "
+        "excess in tokens over `lower_bound`.",
         "",
         *_table(rows, _speed_cell),
         "",

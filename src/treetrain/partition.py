@@ -57,6 +57,7 @@ import bisect
 import contextlib
 import gc
 import heapq
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -159,23 +160,24 @@ _Bin = tuple
 _Item = tuple
 _State = tuple
 _Packer = Callable[[list, int], list]
+_size = operator.itemgetter(0)
 
 
 def _best_fit_decreasing(items: list[_Item], cap: int) -> list[list[_Item]]:
     """Largest item first, into the open bin with the least room that still fits. ``O(k log k)``
-    (plus list inserts). Sizes ``[5, 4, 3, 2]``, cap 7 -> ``[[5, 2], [4, 3]]``.
+    comparisons (plus list shifts). Sizes ``[5, 4, 3, 2]``, cap 7 -> ``[[5, 2], [4, 3]]``.
     """
-    room: list[int] = []  # ascending, parallel to groups
+    rooms: list[int] = []  # ascending, parallel to groups
     groups: list[list[_Item]] = []
-    for item in sorted(items, key=lambda it: -it[0]):
-        i = bisect.bisect_left(room, item[0])
-        if i < len(room):
-            r, g = room.pop(i) - item[0], groups.pop(i)
+    for item in sorted(items, key=_size, reverse=True):
+        i = bisect.bisect_left(rooms, item[0])
+        if i < len(rooms):
+            r, g = rooms.pop(i) - item[0], groups.pop(i)
             g.append(item)
         else:
             r, g = cap - item[0], [item]
-        j = bisect.bisect_left(room, r)
-        room.insert(j, r)
+        j = bisect.bisect_left(rooms, r)
+        rooms.insert(j, r)
         groups.insert(j, g)
     return groups
 
@@ -189,7 +191,7 @@ def _balanced(items: list[_Item], cap: int) -> list[list[_Item]]:
     k = len(_best_fit_decreasing(items, cap))
     heap = [(0, g) for g in range(k)]  # (load, group index)
     groups: list[list[_Item]] = [[] for _ in range(k)]
-    for item in sorted(items, key=lambda it: -it[0]):
+    for item in sorted(items, key=_size, reverse=True):
         if heap[0][0] + item[0] <= cap:
             load, g = heapq.heappop(heap)
         else:
@@ -205,7 +207,7 @@ def _min_bin_slack(items: list[_Item], cap: int) -> list[list[_Item]]:
     least room (bounded search). Beats best fit on its classic traps: sizes
     ``[28, 25, 25, 14, 13, 10]``, cap 61 -> ``[[28, 14, 13], [25, 25, 10]]`` (best fit: 3 bins).
     """
-    left = sorted(items, key=lambda it: -it[0])
+    left = sorted(items, key=_size, reverse=True)
     groups = []
     while left:
         sizes = [it[0] for it in left]
