@@ -211,6 +211,7 @@ class StepBatch:
     trees: list[TrajectoryTree]
     micro: list[PackedTree]
     trees_consumed: int  # trees read from the stream so far, this batch included (data state)
+    packing: str = "tree"  # how ``micro`` was made: tree, or sequence (one-path trees, the baseline)
     passes: int = 0  # forward/backward passes every rank runs (the busiest rank's); 0: len(micro)
     all_computed_tokens: int | None = None  # tokens computed on all ranks; None: len of this micro
     path_tokens: int = field(init=False)  # what the per-path baseline computes
@@ -301,6 +302,49 @@ def sequence_parts(tree: TrajectoryTree) -> list[TrajectoryTree]:
     return [tree.subset([i]) for i in range(tree.num_paths)]
 
 
+def sequence_logprobs(model: nn.Module, ids: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence ``ids [L]`` through the model's own causal attention (SDPA, no tree mask):
+    log-probs and entropies of its ``L - 1`` targets, through the same chunked LM head as trees."""
+    from .logprobs import target_logprobs
+
+    decoder = getattr(model, "treetrain_decoder", None) or model.base_model  # FSDP's root entry
+    hidden = decoder(input_ids=ids[None], use_cache=False).last_hidden_state[0]
+    return target_logprobs(hidden[:-1], model.get_output_embeddings(), ids[1:], chunk)
+
+
+def sequence_loss(
+    model: nn.Module,
+    packed: PackedTree,
+    objective,
+    normalizer: float,
+    ref_model: nn.Module | None = None,
+    *,
+    backend: str | None = None,
+    chunk: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The per-sequence baseline for one micro-batch of one-path trees: every path its own forward
+    with plain causal attention (what trainers without tree packing run), then the same per-path
+    objective (``treetrain.losses.objective``) under the step's global normalizer.
+
+    Drop-in for ``treetrain.losses.compute_loss``; ``backend`` (tree attention) is unused.
+    """
+    from .logprobs import DEFAULT_CHUNK
+    from .losses import PathMeta
+    from .losses import objective as path_objective
+
+    chunk = chunk or DEFAULT_CHUNK
+    device = model.get_input_embeddings().weight.device
+    ids = [torch.as_tensor(t.path(0), device=device) for t in packed.trees]
+    logp, ent = zip(*(sequence_logprobs(model, x, chunk) for x in ids))
+    ref = None
+    if objective.kl_coef and ref_model is not None:
+        with torch.no_grad():
+            ref = torch.cat([sequence_logprobs(ref_model, x, chunk)[0] for x in ids])
+    entropy = torch.cat(ent) if objective.entropy_coef else torch.cat(ent).detach()
+    meta = PathMeta.from_trees(packed)
+    return path_objective(torch.cat(logp), meta, objective, normalizer, entropy=entropy, ref_logprobs=ref)
+
+
 def make_microbatches(trees: list[TrajectoryTree], packing: str, capacity: int) -> list[list[TrajectoryTree]]:
     """Group the step's trees into micro-batches of at most ``capacity`` tokens each.
 
@@ -362,7 +406,7 @@ def make_batches(
         consumed += len(trees)
         if world_size == 1:
             micro = [pack(mb) for mb in make_microbatches(trees, cfg.packing, cfg.capacity)]
-            yield StepBatch(trees=trees, micro=micro, trees_consumed=consumed)
+            yield StepBatch(trees=trees, micro=micro, trees_consumed=consumed, packing=cfg.packing)
             continue
         mine, passes, computed = rank_microbatches(
             trees, cfg.packing, cfg.capacity, rank, world_size, model_config
@@ -371,6 +415,7 @@ def make_batches(
             trees=trees,
             micro=[pack(mb) for mb in mine],
             trees_consumed=consumed,
+            packing=cfg.packing,
             passes=passes,
             all_computed_tokens=computed,
         )
@@ -428,12 +473,13 @@ def train_step(
     """
     from .losses import compute_loss, loss_normalizer, summarize_metrics
 
+    loss_fn = sequence_loss if batch.packing == "sequence" else compute_loss
     device = next(model.parameters()).device
     normalizer = loss_normalizer(batch.trees, objective)
     sums: dict[str, torch.Tensor] = {}
     for packed in batch.micro:
         with autocast_context(device, autocast_dtype):
-            loss, metrics = compute_loss(
+            loss, metrics = loss_fn(
                 model, packed.to(device), objective, normalizer, ref_model=ref_model, backend=backend
             )
         loss.backward()
