@@ -8,8 +8,9 @@ Two facts carry the whole construction:
   path predecessors (``PackedTree.prev`` chained; a parent shorter than ``k - 1`` is reached
   through, into the grandparents).
 - The delta rule's state after a node is the state its children start from. Nodes at the same
-  level are independent given their parents, so the recurrence runs level by level, all nodes of
-  a level in one batched call that starts each node from its parent's final state.
+  level are independent given their parents, so the recurrence runs level by level, the nodes of
+  a level batched into one call (or a few, by length), each node starting from its parent's
+  final state.
 
 Example, paths ``[A B C D]``, ``[A B E F]``, ``[A G H]`` (nodes ``[A] [B] [C D] [E F] [G H]``)::
 
@@ -41,6 +42,7 @@ __all__ = [
     "TreeLevels",
     "build_levels",
     "conv_window_index",
+    "length_groups",
     "tree_causal_conv1d",
     "tree_gated_delta_rule",
     "tree_gated_delta_rule_nodewise",
