@@ -21,7 +21,6 @@ Run under ``torchrun``; without it every function here is a single-process no-op
 from __future__ import annotations
 
 import heapq
-import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -156,10 +155,11 @@ def all_reduce_sum(x):
 
 
 def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """Clip gradients, sharded (FSDP2 ``DTensor``) or not, to a total norm of ``max_norm``.
+    """``torch.nn.utils.clip_grad_norm_`` for sharded (FSDP2 ``DTensor``) or plain gradients.
 
-    Returns the total norm before clipping as a plain 0-d tensor, the same on every rank. A
-    non-finite norm is returned as is and nothing is scaled (the caller decides what to do).
+    Same arithmetic as torch's (so a single process gets torch's exact result); the total norm
+    comes back as a plain 0-d tensor, the same on every rank. A non-finite norm is returned as is
+    and nothing is scaled: the caller decides what to do.
     """
     from torch.distributed.tensor import DTensor
 
@@ -169,9 +169,10 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> torc
     total = torch.nn.utils.get_total_norm(grads, norm_type)
     if isinstance(total, DTensor):
         total = total.full_tensor()
-    coef = float(max_norm) / (float(total) + 1e-6)
-    if coef < 1.0 and math.isfinite(float(total)):
-        torch._foreach_mul_(grads, coef)
+    if torch.isfinite(total):
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0).item()
+        if coef < 1.0:
+            torch._foreach_mul_(grads, coef)
     return total.detach()
 
 
