@@ -279,7 +279,7 @@ def _cases(args, vocab: int) -> list[tuple[str, list[TrajectoryTree]]]:
     if args.sample:
         from . import data
 
-        trees = [t for t, _ in data.iter_trees(data.sample_path("default"), vocab_size=vocab)]
+        trees = [t for t, _ in data.iter_trees(data.sample_path("agent-dialogues"), vocab_size=vocab)]
         cases.append(("bundled sample", trees))
     return cases
 

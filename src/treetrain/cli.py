@@ -28,28 +28,21 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_stats(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("stats", help="tree statistics of a data file (not available yet)")
-    p.set_defaults(handler=_not_available("stats"))
+    from .stats import add_parser
+
+    add_parser(sub)
 
 
-# ---- bench: treetrain.bench, baseline vs tree speed ---------------------------------------------
-# (to wire: ``from .bench import add_parser; add_parser(sub)``)
+# ---- bench (treetrain.bench: baseline vs tree throughput) --------------------------------------
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="baseline vs tree benchmark (not available yet)")
-    p.set_defaults(handler=_not_available("bench"))
+    from .bench import add_parser
+
+    add_parser(sub)
 
 
 # ---- dispatch ----------------------------------------------------------------------------------
-
-
-def _not_available(name: str):
-    def handler(args: argparse.Namespace) -> int:
-        print(f"treetrain {name}: not available in this version yet", file=sys.stderr)
-        return 2
-
-    return handler
 
 
 def build_parser() -> argparse.ArgumentParser:

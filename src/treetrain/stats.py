@@ -11,7 +11,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("stats", help="tree statistics of a JSONL file: tokens, POR, speedup bounds")
     p.add_argument("file", nargs="?", default=None, help="JSONL (default: the bundled sample)")
     p.add_argument("--format", dest="fmt", default=None, choices=["paths", "messages", "tree"])
-    p.add_argument("--tokenizer", default=None, help="local tokenizer dir (messages format)")
+    p.add_argument("--tokenizer", default=None, help='messages format: a local tokenizer dir, or "qwen"')
     p.add_argument("--capacity", type=int, default=None, help="token budget: report partition ERR")
     p.add_argument("--model", default=None, help="local model dir/config for the FLOP bound")
     p.add_argument("--show", type=int, default=0, help="draw the first N trees")
@@ -30,13 +30,8 @@ def _cost(model: str | None) -> tuple[CostModel, str]:
 def main(args: argparse.Namespace) -> int:
     from . import data
 
-    path = args.file or data.sample_path("default")
-    tokenizer = None
-    if args.tokenizer:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-    trees = [tree for tree, _ in data.iter_trees(path, fmt=args.fmt, tokenizer=tokenizer)]
+    path = args.file or data.sample_path("agent-dialogues")
+    trees = [tree for tree, _ in data.iter_trees(path, format=args.fmt, tokenizer=args.tokenizer)]
     if not trees:
         raise ValueError(f"{path}: no samples")
     cost, cost_name = _cost(args.model)
