@@ -306,3 +306,16 @@ def test_unsupported_recurrent_layer_raises():
     model = torch.nn.Sequential(FooMamba2Mixer())
     with pytest.raises(ValueError, match="no tree routing"):
         patch_recurrent_layers(model)
+
+
+def test_subclassed_layers_are_routed():
+    """FSDP2's fully_shard swaps a module's class for an ``FSDP<Name>`` subclass."""
+    model = tiny_hybrid_model("qwen3_next", dtype=torch.float32)
+    ref = reference_copy(model)
+    for m in model.modules():
+        if type(m).__name__ == "Qwen3NextGatedDeltaNet":
+            m.__class__ = type("FSDPQwen3NextGatedDeltaNet", (type(m),), {})
+    assert patch_recurrent_layers(model) == 2
+    with torch.no_grad():
+        err = rel_err(torch.cat(path_logprobs(model, GROUP)), torch.cat(reference_logprobs(ref, GROUP)))
+    assert err < 1e-5

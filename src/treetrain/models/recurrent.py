@@ -57,6 +57,12 @@ _UNSUPPORTED = re.compile(
 )
 
 
+def _layout(module: nn.Module) -> Projections | None:
+    """The projections of a supported layer; looks through subclasses (FSDP2 wraps a module's
+    class in a ``FSDP<Name>`` subclass)."""
+    return next((_LAYOUTS[c.__name__] for c in type(module).__mro__ if c.__name__ in _LAYOUTS), None)
+
+
 def _levels(packed: PackedTree, tree_mask, device) -> TreeLevels:
     build = lambda: build_levels(packed.node_start, packed.node_end, packed.node_parent, device=device)  # noqa: E731
     return tree_mask.cached(("gdn.levels", str(device)), build) if tree_mask is not None else build()
@@ -75,7 +81,7 @@ def tree_gdn_forward(
     ``tree_mask`` (a ``TreeMask``, optional) caches the level schedule and the conv windows for
     the other layers of the same forward.
     """
-    project = _LAYOUTS.get(type(module).__name__) or _unsupported(module)
+    project = _layout(module) or _unsupported(module)
     if hidden_states.ndim != 3 or hidden_states.shape[0] != 1:
         raise ValueError(
             f"tree forward takes one packed forest [1, T, hidden], got {tuple(hidden_states.shape)}"
@@ -136,11 +142,10 @@ def patch_recurrent_layers(model: nn.Module) -> int:
     """
     n = 0
     for module in model.modules():
-        name = type(module).__name__
-        if name in _LAYOUTS:
+        if _layout(module) is not None:
             if not isinstance(module.__dict__.get("forward"), types.MethodType):
                 module.forward = types.MethodType(_tree_aware_forward, module)
             n += 1
-        elif _UNSUPPORTED.search(name):
+        elif _UNSUPPORTED.search(type(module).__name__):
             _unsupported(module)
     return n
