@@ -1,0 +1,245 @@
+"""CPU tree attention, forward + backward: blocksparse vs dense (masked SDPA) vs plain causal SDPA.
+
+Attention work scales with the (query, key) pairs computed. On a tree whose mask allows ``A``
+pairs the best to hope for is ``t_causal * A / (T (T + 1) / 2)``, with ``t_causal`` the time of plain
+causal SDPA (the CPU flash kernel) on a sequence of the same length ``T``:
+``efficiency = that bound / t_blocksparse``. ``vs paths`` compares with what tree training
+replaces: causal SDPA over every root-to-leaf path on its own.
+
+Trees (``T`` ~ 2k-5k):
+
+- ``group``: one shared prompt then ``n`` sampled branches (a GRPO group).
+- ``per-turn``: a multi-turn conversation's per-turn samples with the reasoning stripped from
+  earlier turns: a spine of turns; at each turn a leaf (the response with its reasoning), the spine
+  going on with the stripped response.
+
+Timing is the fastest of ``--repeats`` runs (noise on a shared machine only adds time);
+``--clock cpu`` measures process CPU time, which is robust to other load but meaningful with
+``--threads 1`` only.
+
+Usage::
+
+    python benchmarks/attention_cpu.py --threads 1 --clock cpu --write
+    python benchmarks/attention_cpu.py --blocks 64 128              # wall clock, default threads
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import re
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from treetrain.attention.blocksparse import blocksparse_attention, build_plan
+from treetrain.attention.dense import dense_attention
+from treetrain.attention.mask import TreeMask, dense_tree_mask
+
+
+class Tree:
+    """A tree built chain by chain in DFS order: ``parent`` per token, and its root-to-leaf paths."""
+
+    def __init__(self):
+        self.parent: list[int] = []
+        self.leaves: list[int] = []
+
+    def chain(self, n: int, after: int, leaf: bool = False) -> int:
+        """Append ``n`` tokens below token ``after`` (-1: a new root); return the last one."""
+        for _ in range(n):
+            self.parent.append(after)
+            after = len(self.parent) - 1
+        if leaf:
+            self.leaves.append(after)
+        return after
+
+    def subtree_end(self) -> torch.Tensor:
+        end = list(range(1, len(self.parent) + 1))
+        for t in reversed(range(len(self.parent))):
+            if self.parent[t] >= 0:
+                end[self.parent[t]] = max(end[self.parent[t]], end[t])
+        return torch.tensor(end, dtype=torch.int64)
+
+    def paths(self) -> list[torch.Tensor]:
+        out = []
+        for t in self.leaves:
+            path = []
+            while t >= 0:
+                path.append(t)
+                t = self.parent[t]
+            out.append(torch.tensor(path[::-1]))
+        return out
+
+
+def group_tree(prompt: int, branches: int, length: int) -> Tree:
+    tree = Tree()
+    root = tree.chain(prompt, -1)
+    for _ in range(branches):
+        tree.chain(length, root, leaf=True)
+    return tree
+
+
+def per_turn_tree(turns: int, user: int, think: int, answer: int) -> Tree:
+    """Turn ``i`` adds ``user`` spine tokens, a leaf (``think + answer``), then ``answer`` on the spine."""
+    tree = Tree()
+    spine = -1
+    for _ in range(turns):
+        spine = tree.chain(user, spine)
+        tree.chain(think + answer, spine, leaf=True)
+        spine = tree.chain(answer, spine)
+    return tree
+
+
+TREES = {
+    "group: prompt 1024 + 6 x 512": lambda: group_tree(1024, 6, 512),
+    "group: prompt 512 + 16 x 224": lambda: group_tree(512, 16, 224),
+    "group: prompt 512 + 6 x 256": lambda: group_tree(512, 6, 256),
+    "per-turn: 8 x (160 user, 160 think, 96 answer)": lambda: per_turn_tree(8, 160, 160, 96),
+    "per-turn: 16 x (64 user, 96 think, 32 answer)": lambda: per_turn_tree(16, 64, 96, 32),
+}
+
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def fastest(fn: Callable[[], None], repeats: int, clock: str) -> float:
+    """Fastest seconds of ``fn()`` over ``repeats`` runs, after one warm-up."""
+    now = CLOCKS[clock]
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = now()
+        fn()
+        best = min(best, now() - t0)
+    return best
+
+
+def cpu_name() -> str:
+    model = "cpu"
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            found = re.search(r"model name\s*:\s*(.+)", f.read())
+        model = found.group(1).strip() if found else model
+    return f"{model}, {os.cpu_count()} cores"
+
+
+def bench_tree(name: str, tree: Tree, blocks: list[int], heads: int, dim: int, repeats: int, clock: str):
+    se = tree.subtree_end()
+    T = se.numel()
+    causal_pairs = T * (T + 1) // 2
+    allowed = int((se - torch.arange(T)).sum())
+    paths = tree.paths()
+    path_pairs = sum(len(p) * (len(p) + 1) // 2 for p in paths)
+    scale = dim**-0.5
+    # [H, T, D] views of token-major storage, as attention layers produce them
+    q, k, v = (torch.randn(T, heads, dim).transpose(0, 1).requires_grad_() for _ in range(3))
+    dense_bool = dense_tree_mask(se)
+
+    def step(fn: Callable) -> Callable[[], None]:
+        def run():
+            q.grad = k.grad = v.grad = None
+            out = fn()
+            out.backward(torch.ones_like(out))
+
+        return run
+
+    def causal():
+        return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale)
+
+    def per_path():  # what tree training replaces: every path on its own
+        outs = [
+            F.scaled_dot_product_attention(
+                q[None, :, p], k[None, :, p], v[None, :, p], is_causal=True, scale=scale
+            )[0]
+            for p in paths
+        ]
+        return torch.cat([o.flatten() for o in outs])
+
+    def flash_masked():
+        return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=dense_bool, scale=scale)
+
+    t_causal = fastest(step(causal), repeats, clock)
+    t_paths = fastest(step(per_path), repeats, clock)
+    t_dense = fastest(
+        step(lambda: dense_attention(q, k, v, TreeMask(se), scale)), max(1, repeats // 3), clock
+    )
+    t_flash_masked = fastest(step(flash_masked), repeats, clock)
+    bound = t_causal * allowed / causal_pairs
+    head = f"| {name} | {T} | {allowed / causal_pairs:.3f} | {path_pairs / allowed:.2f} "
+    rows = []
+
+    def row(method: str, block, computed, t: float) -> None:
+        rows.append(
+            head + f"| {method} | {block} | {computed} | {1e3 * t:.1f} | {t_dense / t:.1f}x "
+            f"| {bound / t:.2f} | {t_paths / t:.2f}x |"
+        )
+
+    row("causal SDPA, no tree", "-", f"{causal_pairs / allowed:.2f}", t_causal)
+    row("per-path causal SDPA", "-", f"{path_pairs / allowed:.2f}", t_paths)
+    row("dense (repo: 3-D SDPA = math path)", "-", f"{T * T / allowed:.2f}", t_dense)
+    row("dense mask, 4-D SDPA (flash)", "-", f"{T * T / allowed:.2f}", t_flash_masked)
+    for block in blocks:
+        plan = build_plan(se, block)  # not timed: built once per forward, shared by all layers
+
+        def blocksparse(block=block, plan=plan):
+            mask = TreeMask(se)
+            mask.cache[("blocksparse", block)] = plan
+            return blocksparse_attention(q, k, v, mask, scale, block)
+
+        t = fastest(step(blocksparse), repeats, clock)
+        row(f"**blocksparse** ({len(plan.tiles)} tiles)", block, f"{plan.computed_pairs / allowed:.3f}", t)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--blocks", type=int, nargs="+", default=[32, 64, 128, 256])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
+    p.add_argument("--trees", nargs="+", type=int, help="indices into the tree list (default: all)")
+    p.add_argument(
+        "--write", action="store_true", help="append to benchmarks/results/attention_cpu_<cpu>_<date>.md"
+    )
+    args = p.parse_args()
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    names = list(TREES)
+    chosen = [names[i] for i in args.trees] if args.trees else names
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    header = (
+        f"### fp32, H = {args.heads}, D = {args.dim}, {args.threads} thread(s), {args.clock} clock, "
+        f"fastest of {args.repeats}; load average {load:.1f} at start\n\n"
+        "| tree | T | allowed / causal pairs | path pairs / allowed | method | block "
+        "| computed / allowed | fwd+bwd ms | vs dense | efficiency | vs paths |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|"
+    )
+    print(header, flush=True)
+    lines = [header]
+    for name in chosen:
+        for line in bench_tree(
+            name, TREES[name](), args.blocks, args.heads, args.dim, args.repeats, args.clock
+        ):
+            print(line, flush=True)
+            lines.append(line)
+    if args.write:
+        hw = cpu_name()
+        slug = re.sub(r"[^a-z0-9]+", "-", hw.lower()).strip("-")
+        path = os.path.join(
+            os.path.dirname(__file__), "results", f"attention_cpu_{slug}_{datetime.date.today()}.md"
+        )
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fresh = not os.path.exists(path)
+        with open(path, "a") as f:
+            if fresh:
+                f.write(f"# CPU tree attention, forward + backward\n\n{hw}; torch {torch.__version__}\n\n")
+            f.write("\n".join(lines) + "\n\n")
+        print(f"appended to {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,306 @@
+"""Block-sparse tree attention for CPU, forward and backward, at the cost of the allowed pairs.
+
+SDPA with an explicit ``[T, T]`` mask computes all ``T^2`` scores whatever the tree shares. Here
+tiles, each one call of PyTorch's CPU flash-attention kernel (what SDPA runs for 4-D inputs),
+cover the allowed pairs ``k <= q < subtree_end[k]`` and little else.
+
+Rows are grouped in blocks of ``block``, ``block * FANOUT``, ``block * FANOUT**2``, ... tokens.
+Every row block attends the keys of the earlier row blocks inside its parent block. Relative to
+the rows ``[s, e)``, a key ``k < s`` is
+
+- *dead* if ``subtree_end[k] <= s``: no row sees it; dropped,
+- *full* if ``subtree_end[k] >= e``: every row sees it; all such keys form one unmasked tile,
+- *partial* otherwise: pushed down to the child row blocks and classified again.
+
+At the finest level the *local tile* of ``[s, e)`` holds its own keys (plainly causal when no
+subtree ends inside the block) and its partial keys, under a small mask. The only masked-out work
+is the local tiles' upper triangles plus at most ``block`` rows per key (a key is partial for the
+one local block its subtree ends in): under ``1.5 * T * block`` pairs. Unmasked tiles have at most
+``FANOUT - 1`` times as many keys as rows, which keeps the kernel near its large-call rate.
+
+Rows covered by several tiles are merged by log-sum-exp. The backward runs the kernel's backward
+per tile with the *merged* output and log-sum-exp, which makes each tile's probabilities the
+global ones, so the tiles' gradients add up exactly.
+
+Example, ``subtree_end = [8, 6, 4, 4, 6, 6, 8, 8]`` (paths ``A B C D``, ``A B E F``, ``A G H``),
+``block = 2``, ``FANOUT = 2`` (row blocks of 2, 4, 8)::
+
+    rows [0, 2) x keys [0, 2)       causal      (local)
+    rows [2, 4) x keys [0, 4)       masked      (local: earlier keys [0, 2) and itself)
+    rows [4, 8) x keys {A}          unmasked    (A ends at 8: full; B ends at 6: partial; C, D dead)
+    rows [4, 6) x keys {B} + [4, 6) masked      (local: B pushed down)
+    rows [6, 8) x keys [6, 8)       causal      (local: E, F end at 6, dead)
+
+The plan depends on ``subtree_end`` only and is cached in the ``TreeMask``: every layer of a
+forward shares it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .mask import TreeMask
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+FANOUT = 4  # row blocks per parent block (measured: 4 beats 2, 8 and 16, benchmarks/attention_cpu.py)
+
+
+@dataclass(frozen=True)
+class _Tile:
+    """One kernel call: rows ``[start, stop)`` against a key range or a gathered key index."""
+
+    start: int
+    stop: int
+    key_start: int
+    key_stop: int
+    index: torch.Tensor | None = None  # [n] int64 key ids; None: keys are range(key_start, key_stop)
+    mask: torch.Tensor | None = None  # [rows, n] bool, True = allowed; None: all allowed (or causal)
+    causal: bool = False  # keys are the rows themselves, lower-triangular
+
+    @property
+    def num_keys(self) -> int:
+        return self.key_stop - self.key_start if self.index is None else self.index.numel()
+
+    @property
+    def pairs(self) -> int:
+        rows = self.stop - self.start
+        return rows * (rows + 1) // 2 if self.causal else rows * self.num_keys
+
+
+def _keyset(keys: torch.Tensor) -> dict:
+    """Sorted key ids -> ``_Tile`` key fields: a range when contiguous (a view, no gather)."""
+    first, last = int(keys[0]), int(keys[-1])
+    if last - first + 1 == keys.numel():
+        return {"key_start": first, "key_stop": last + 1}
+    return {"key_start": 0, "key_stop": 0, "index": keys}
+
+
+@dataclass
+class BlockSparsePlan:
+    """The tiles ``blocksparse_attention`` computes for one ``subtree_end``.
+
+    ``computed_pairs / allowed_pairs`` is the work over the ideal (1.0: not one masked score).
+    """
+
+    num_tokens: int
+    block: int
+    tiles: list[_Tile]  # the local tiles first, one per row block, in row order
+    num_local: int
+    allowed_pairs: int
+    computed_pairs: int
+    _additive: dict = field(default_factory=dict, repr=False)
+
+    def additive_masks(self, dtype: torch.dtype) -> dict[int, torch.Tensor]:
+        """``{tile number: [1, 1, rows, n]}`` additive masks (0 / -inf) in ``dtype``, the kernel's form."""
+        if dtype not in self._additive:
+            self._additive[dtype] = {
+                i: torch.zeros(t.mask.shape, dtype=dtype).masked_fill_(~t.mask, float("-inf"))[None, None]
+                for i, t in enumerate(self.tiles)
+                if t.mask is not None
+            }
+        return self._additive[dtype]
+
+
+def _tree_sizes(T: int, block: int, fanout: int) -> list[int]:
+    """Row-block sizes per level, ``block * fanout**j``, up to the first that covers ``T``."""
+    sizes = [block]
+    while sizes[-1] < T:
+        sizes.append(sizes[-1] * fanout)
+    return sizes
+
+
+def build_plan(subtree_end: torch.Tensor, block: int = 64, fanout: int = FANOUT) -> BlockSparsePlan:
+    """Tile the allowed pairs of ``subtree_end [T]``: ``block``-row local tiles, coarser levels above.
+
+    >>> plan = build_plan(torch.tensor([8, 6, 4, 4, 6, 6, 8, 8]), block=2, fanout=2)
+    >>> [(t.start, t.stop, t.num_keys, t.mask is not None) for t in plan.tiles]
+    [(0, 2, 2, False), (2, 4, 4, True), (4, 6, 3, True), (6, 8, 2, False), (4, 8, 1, False)]
+    >>> plan.allowed_pairs, plan.computed_pairs
+    (22, 24)
+    """
+    if block < 1 or fanout < 2:
+        raise ValueError(f"need block >= 1 and fanout >= 2, got {block}, {fanout}")
+    end = subtree_end.detach().to("cpu", torch.int64)
+    T = end.numel()
+    sizes = _tree_sizes(T, block, fanout)
+    full: dict[tuple[int, int], list[torch.Tensor]] = {}  # (level, row start) -> keys all its rows see
+    local: dict[int, list[torch.Tensor]] = {}  # row start -> keys for the masked local tile
+
+    def push(level: int, s: int, keys: torch.Tensor) -> None:
+        """Rows ``[s, s + sizes[level])`` attend what they may of ``keys`` (``< s``, seen by row ``s``)."""
+        if level == 0:
+            local.setdefault(s, []).append(keys)
+            return
+        e = min(s + sizes[level], T)
+        key_end = end[keys]
+        seen_by_all = key_end >= e
+        if bool(seen_by_all.any()):
+            full.setdefault((level, s), []).append(keys[seen_by_all])
+        partial = keys[~seen_by_all]
+        for c in range(s, e, sizes[level - 1]):
+            partial = partial[end[partial] > c]
+            if partial.numel() == 0:
+                break
+            push(level - 1, c, partial)
+
+    # every row block attends the keys of the earlier row blocks of its parent block
+    for level, size in enumerate(sizes[:-1]):
+        for s in range(0, T, size):
+            first = s - s % sizes[level + 1]
+            if first < s:
+                keys = torch.arange(first, s)
+                keys = keys[end[first:s] > s]
+                if keys.numel():
+                    push(level, s, keys)
+
+    local_tiles = [_local_tiles(end, s, min(s + block, T), local.pop(s, [])) for s in range(0, T, block)]
+    tiles = [tile for tile, _ in local_tiles] + [split for _, split in local_tiles if split is not None]
+    for (level, s), keys in sorted(full.items()):
+        tiles.append(_Tile(s, min(s + sizes[level], T), **_keyset(torch.cat(keys).sort().values)))
+    allowed = int((end - torch.arange(T)).sum())
+    return BlockSparsePlan(T, block, tiles, len(range(0, T, block)), allowed, sum(t.pairs for t in tiles))
+
+
+def _masked_tile(end: torch.Tensor, s: int, e: int, keys: torch.Tensor) -> _Tile:
+    """Rows ``[s, e)`` against sorted ``keys`` with the tree mask (every row must see some key)."""
+    rows = torch.arange(s, e)[:, None]
+    return _Tile(s, e, **_keyset(keys), mask=(keys <= rows) & (rows < end[keys]))
+
+
+def _local_tiles(end: torch.Tensor, s: int, e: int, keys: list[torch.Tensor]) -> tuple[_Tile, _Tile | None]:
+    """Rows ``[s, e)`` against earlier ``keys`` (each seen by some row) and themselves.
+
+    Returns the local tile and, when it pays, a separate tile for the keys that only the first
+    rows see (a subtree that ends inside the block): rows ``[s, m)`` only, so the rows after a
+    branch ends do not compute its keys masked.
+    """
+    keys = torch.cat(keys).sort().values if keys else torch.empty(0, dtype=torch.int64)
+    key_end = end[keys]
+    partial = keys[key_end < e]
+    split = None
+    if partial.numel():
+        m = int(end[partial].max())
+        if partial.numel() * (e - m) >= (e - s) ** 2 // 4:  # masked pairs saved vs one more call
+            split = _masked_tile(end, s, m, partial)
+            keys = keys[key_end >= e]
+    if keys.numel() == 0 and bool((end[s:e] >= e).all()):
+        return _Tile(s, e, s, e, causal=True), split
+    return _masked_tile(end, s, e, torch.cat([keys, torch.arange(s, e)])), split
+
+
+def _keys(x: torch.Tensor, tile: _Tile, rep: int) -> torch.Tensor:
+    """``x [1, Hkv, T, D]`` -> the tile's keys ``[rep, Hkv, n, D]`` (a view unless gathered)."""
+    x = x[:, :, tile.key_start : tile.key_stop] if tile.index is None else x.index_select(2, tile.index)
+    return x.expand(rep, -1, -1, -1)
+
+
+def _scatter_add(dst: torch.Tensor, src: torch.Tensor, tile: _Tile) -> None:
+    """``dst [Hkv, T, D] += src [rep, Hkv, n, D]`` (summed over ``rep``) at the tile's keys."""
+    src = src[0] if src.shape[0] == 1 else src.sum(0)
+    if tile.index is None:
+        dst[:, tile.key_start : tile.key_stop] += src
+    else:
+        dst.index_add_(1, tile.index, src.to(dst.dtype))
+
+
+def _grouped(x: torch.Tensor, hkv: int) -> torch.Tensor:
+    """``[Hq, T, D]`` -> ``[rep, Hkv, T, D]`` view (query head ``h`` reads key head ``h // rep``)."""
+    return x.unflatten(0, (hkv, x.shape[0] // hkv)).transpose(0, 1)
+
+
+def _forward(q, k, v, plan: BlockSparsePlan, scale: float):
+    """``q [Hq, T, D]``, ``k, v [Hkv, T, D]`` -> ``out`` like ``q``, ``lse [rep, Hkv, T]``.
+
+    ``out`` has ``q``'s memory layout; ``lse`` the kernel's accumulation dtype (float32, or
+    float64 for float64 inputs).
+    """
+    hkv, T = k.shape[:2]
+    q4, k4, v4 = _grouped(q, hkv), k[None], v[None]
+    rep = q4.shape[0]
+    masks = plan.additive_masks(q.dtype)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = torch.empty_like(q, dtype=acc)  # empty_like keeps the layout: token-major in, token-major out
+    out4 = _grouped(out, hkv)
+    lse = q.new_empty(rep, hkv, T, dtype=acc)
+    for i, t in enumerate(plan.tiles):
+        rows = slice(t.start, t.stop)
+        o, l = _flash(
+            q4[:, :, rows], _keys(k4, t, rep), _keys(v4, t, rep), 0.0, t.causal,
+            attn_mask=masks.get(i), scale=scale,
+        )  # fmt: skip
+        if i < plan.num_local:  # the local tiles come first and cover every row once
+            out4[:, :, rows] = o
+            lse[:, :, rows] = l
+            continue
+        # fold the tile into the rows' running softmax: the new part weighs sigmoid(l - lse)
+        out4[:, :, rows].lerp_(o.to(acc), torch.sigmoid(l - lse[:, :, rows]).unsqueeze(-1))
+        lse[:, :, rows] = torch.logaddexp(lse[:, :, rows], l)
+    return out.to(q.dtype), lse
+
+
+def _backward(do, q, k, v, out, lse, plan: BlockSparsePlan, scale: float):
+    """Gradients of ``_forward``, accumulated over tiles in ``lse.dtype``, in the inputs' layouts."""
+    hkv = k.shape[0]
+    q4, k4, v4, do4, out4 = _grouped(q, hkv), k[None], v[None], _grouped(do, hkv), _grouped(out, hkv)
+    rep = q4.shape[0]
+    masks = plan.additive_masks(q.dtype)
+    dq = torch.empty_like(q, dtype=lse.dtype)
+    dk = torch.zeros_like(k, dtype=lse.dtype)
+    dv = torch.zeros_like(v, dtype=lse.dtype)
+    dq4 = _grouped(dq, hkv)
+    for i, t in enumerate(plan.tiles):
+        rows = slice(t.start, t.stop)
+        dqt, dkt, dvt = _flash_backward(
+            do4[:, :, rows], q4[:, :, rows], _keys(k4, t, rep), _keys(v4, t, rep),
+            out4[:, :, rows], lse[:, :, rows], 0.0, t.causal, attn_mask=masks.get(i), scale=scale,
+        )  # fmt: skip
+        if i < plan.num_local:
+            dq4[:, :, rows] = dqt
+        else:
+            dq4[:, :, rows] += dqt
+        _scatter_add(dk, dkt, t)
+        _scatter_add(dv, dvt, t)
+    return dq, dk, dv
+
+
+class _BlockSparseAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan: BlockSparsePlan, scale: float):
+        out, lse = _forward(q, k, v, plan, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.scale = plan, scale
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _backward(do, q, k, v, out, lse, ctx.plan, ctx.scale)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def blocksparse_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: TreeMask, scale: float, block: int = 64
+) -> torch.Tensor:
+    """Tree attention that computes (nearly) only the pairs the tree allows, with autograd. CPU only.
+
+    Shapes: ``q [Hq, T, D]``, ``k, v [Hkv, T, D]`` with ``Hq % Hkv == 0`` (GQA: query head ``h``
+    reads key head ``h // (Hq // Hkv)``); returns ``[Hq, T, D]`` in ``q``'s memory layout (so
+    token-major ``[T, H, D]`` storage stays token-major). ``block``: rows of the finest tiles;
+    smaller masks fewer pairs but makes more kernel calls (64 measured best,
+    benchmarks/attention_cpu.py). float64, float32, bfloat16 (accumulated in float32).
+    """
+    if q.device.type != "cpu":
+        raise ValueError(f"blocksparse_attention runs on CPU, got {q.device}; use flex or triton")
+    hq, T, D = q.shape
+    hkv = k.shape[0]
+    if hq % hkv:
+        raise ValueError(f"query heads {hq} must be a multiple of key/value heads {hkv}")
+    if T == 0:
+        return q.new_empty(q.shape)
+    plan = mask.cached(("blocksparse", block), lambda: build_plan(mask.subtree_end, block))
+    return _BlockSparseAttention.apply(q, k, v, plan, scale)
