@@ -283,11 +283,11 @@ def test_runtime_errors_are_clear(setup_dir, tmp_path, capsys):
 
 
 def test_lr_schedule():
-    f = [lr_factor(s, warmup=2, total=10, schedule="cosine", min_ratio=0.1) for s in range(10)]
+    f = [lr_factor(s, warmup=2, total=10, schedule="cosine", min_ratio=0.1) for s in range(11)]
     assert f[0] == pytest.approx(1 / 3) and f[1] == pytest.approx(2 / 3) and f[2] == 1.0
-    assert f[-1] == pytest.approx(0.1) and all(a >= b for a, b in zip(f[2:], f[3:]))
+    assert all(a > b for a, b in zip(f[2:], f[3:10])) and f[9] > 0.1 and f[10] == pytest.approx(0.1)
     lin = [lr_factor(s, 0, 5, "linear") for s in range(5)]
-    assert lin == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0])
+    assert lin == pytest.approx([1.0, 0.8, 0.6, 0.4, 0.2])  # every step trains; 0 after the last
     assert {lr_factor(s, 0, 5, "constant") for s in range(5)} == {1.0}
 
 

@@ -152,8 +152,12 @@ def configure_model(model: nn.Module, activation_checkpointing: bool) -> nn.Modu
     from .models import prepare_model
 
     prepare_model(model)
-    if activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if activation_checkpointing:  # transformers >= 5.x renamed gradient_checkpointing_enable
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     return model
 
@@ -180,14 +184,15 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
 
 
 def lr_factor(step: int, warmup: int, total: int, schedule: str, min_ratio: float = 0.0) -> float:
-    """LR multiplier for optimizer step ``step`` (0-based): linear warmup to 1, then decay to
-    ``min_ratio`` at the last step (``cosine`` or ``linear``) or stay at 1 (``constant``)."""
+    """LR multiplier for optimizer step ``step`` (0-based, ``total`` steps): linear warmup
+    ``1/(w+1) .. w/(w+1)`` over the first ``w = warmup`` steps, then 1 decaying to ``min_ratio``
+    (``cosine`` or ``linear``; reached just after the last step, so the last step still trains)
+    or staying at 1 (``constant``)."""
     if step < warmup:
         return (step + 1) / (warmup + 1)
     if schedule == "constant":
         return 1.0
-    span = max(1, total - 1 - warmup)
-    frac = min(1.0, (step - warmup) / span)
+    frac = min(1.0, (step - warmup) / max(1, total - warmup))
     if schedule == "cosine":
         return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * frac))
     return 1.0 - (1.0 - min_ratio) * frac
@@ -211,7 +216,7 @@ class StepBatch:
     trees: list[TrajectoryTree]
     micro: list[PackedTree]
     trees_consumed: int  # trees read from the stream so far, this batch included (data state)
-    packing: str = "tree"  # how ``micro`` was made: tree, or sequence (one-path trees, the baseline)
+    packing: str  # how ``micro`` was made: tree, or sequence (one-path trees, the baseline)
     passes: int = 0  # forward/backward passes every rank runs (the busiest rank's); 0: len(micro)
     all_computed_tokens: int | None = None  # tokens computed on all ranks; None: len of this micro
     path_tokens: int = field(init=False)  # what the per-path baseline computes
