@@ -608,6 +608,7 @@ def plot_metrics(records: list[dict[str, Any]], path: Path) -> Path:
     ax2.plot(steps, [r["tokens_per_s"] for r in records], marker="o", color="tab:green")
     ax2.set_ylabel("path tokens / s")
     ax2.set_xlabel("optimizer step")
+    ax2.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax2.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
