@@ -269,6 +269,9 @@ def test_bad_yaml_key_and_type(tmp_path):
     f.write_text("lerning_rate: 1\n")
     with pytest.raises(ValueError, match=r"unknown option 'lerning_rate'"):
         parse(["--config", str(f)])
+    f.write_text("steps: 3\nepochs: 1\n")  # one source setting both is ambiguous
+    with pytest.raises(ValueError, match="--steps and --epochs both set the length"):
+        parse(["--config", str(f)])
 
 
 def test_runtime_errors_are_clear(setup_dir, tmp_path, capsys):

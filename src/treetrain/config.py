@@ -114,6 +114,11 @@ def merge(cfg: TrainConfig, values: Mapping[str, Any], source: str) -> TrainConf
     command-line ``--epochs`` overrides a YAML ``steps``.
     """
     out = dataclasses.replace(cfg, loss=dict(cfg.loss))
+    given = {k.replace("-", "_") for k, v in values.items() if v is not None}
+    for group in EXCLUSIVE:
+        if len(given.intersection(group)) > 1:
+            names = " and ".join(f"--{k}" for k in group)
+            raise ValueError(f"{source}: {names} both set the length of the run; set only one of them")
     for key, value in values.items():
         key = key.replace("-", "_")
         if key not in FIELDS:
@@ -241,7 +246,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ValueError(f"--min-lr-ratio: must be in [0, 1] (final lr / peak lr), got {c.min_lr_ratio}")
 
     if c.steps is not None and c.epochs is not None:
-        raise ValueError("--steps and --epochs: set only one of them (steps wins over nothing, so drop one)")
+        raise ValueError("--steps and --epochs: both set the length of the run; set only one of them")
     if c.steps is not None:
         c.steps = _coerce("steps", c.steps, int)
         _positive("steps", c.steps)
