@@ -374,6 +374,10 @@ def rank_microbatches(
     packs its own pieces. Every rank computes the same plan from the same trees, with no
     communication. Returns (this rank's micro-batches, the most micro-batches any rank has, the
     tokens all ranks compute).
+
+    FSDP's collectives run once per forward, so every rank must run the same number of forwards:
+    ``sequence`` packing runs one forward per path (:func:`sequence_loss`), hence one path per
+    micro-batch here, and idle ranks pad with one-forward dummy passes.
     """
     from .partition import pack_microbatches, partition
 
@@ -381,7 +385,10 @@ def rank_microbatches(
     pieces = [part for unit in units for part in partition(unit, capacity)]
     costs = [distributed.tree_cost(piece, model_config) for piece in pieces]
     plan = distributed.assign_to_ranks(costs, world_size)
-    per_rank = [pack_microbatches([pieces[i] for i in idx], capacity) for idx in plan]
+    if packing == "sequence":
+        per_rank = [[[pieces[i]] for i in idx] for idx in plan]
+    else:
+        per_rank = [pack_microbatches([pieces[i] for i in idx], capacity) for idx in plan]
     computed = sum(t.num_tokens for mbs in per_rank for mb in mbs for t in mb)
     return per_rank[rank], max(len(mbs) for mbs in per_rank), computed
 
