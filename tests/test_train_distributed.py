@@ -207,3 +207,19 @@ def test_non_finite_loss_stops_every_rank(workdir, tmp_path):
     assert latest_checkpoint(out).name == "step_2"
     assert assert_checkpoints_intact(out) == [1, 2]
     assert not (out / "final").exists()
+
+
+def test_sequence_packing_two_processes_match_one(workdir, tmp_path):
+    """The per-path baseline runs one forward per path: ranks must still run equally many forwards
+    (FSDP's collectives are per forward), or the job hangs."""
+    from treetrain.cli import main
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    extra = ("--packing", "sequence", "--steps", "3", "--checkpoint-every", "0")
+    proc = launch(2, train_args(workdir, two, *extra))
+    assert main(train_args(workdir, one, *extra)) == 0
+    rc, err = finish(proc, timeout=180)
+    assert rc == 0, err[-3000:]
+    for a, b in zip(metrics(one), metrics(two), strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=0)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4, abs=0)
