@@ -94,6 +94,7 @@ def test_target_logprobs_gradients_small_chunks():
     tgt = torch.randint(0, 11, (9,))
     gl, ge = torch.randn(9, dtype=torch.float64), torch.randn(9, dtype=torch.float64)
     lp, ent = target_logprobs(h, head, tgt, chunk=4)
+    assert target_logprobs(h, head, tgt, chunk=4, entropy=False)[1].numel() == 0
     ((lp * gl).sum() + (ent * ge).sum()).backward()
     mine = [h.grad.clone(), head.weight.grad.clone(), head.bias.grad.clone()]
     h.grad = None
@@ -104,3 +105,14 @@ def test_target_logprobs_gradients_small_chunks():
     assert torch.allclose(lp, lp2, rtol=0, atol=1e-13) and torch.allclose(ent, ent2, rtol=0, atol=1e-13)
     for a, b in zip(mine, [h.grad, head.weight.grad, head.bias.grad]):
         assert torch.allclose(a, b, rtol=0, atol=1e-12)
+    # without an entropy gradient the backward skips the entropy terms
+    h.grad = None
+    head.zero_grad()
+    (target_logprobs(h, head, tgt, chunk=4, entropy=False)[0] * gl).sum().backward()
+    no_ent = [h.grad.clone(), head.weight.grad.clone()]
+    h.grad = None
+    head.zero_grad()
+    (torch.log_softmax(head(h), -1).gather(1, tgt[:, None])[:, 0] * gl).sum().backward()
+    assert torch.allclose(no_ent[0], h.grad, atol=1e-12) and torch.allclose(
+        no_ent[1], head.weight.grad, atol=1e-12
+    )

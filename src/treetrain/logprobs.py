@@ -22,7 +22,7 @@ from .tree import TrajectoryTree
 
 __all__ = ["expand_to_paths", "path_logprobs", "target_logprobs", "tree_logprobs"]
 
-DEFAULT_CHUNK = 1024
+DEFAULT_CHUNK: int | None = None  # None: rows for about 64 MiB of logits (auto_chunk)
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -31,25 +31,27 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class _TargetLogprobs(torch.autograd.Function):
-    """``logp[n] = log_softmax(h[n] @ W.T + b)[target[n]]`` and the entropy, chunked over rows.
+    """``logp[n] = log_softmax(h[n] @ W.T + b)[target[n]]`` (and the entropy), chunked over rows.
 
-    hidden ``[N, H]``, weight ``[V, H]``, bias ``[V]`` or None, targets ``[N]`` -> ``[N]``, ``[N]``.
+    hidden ``[N, H]``, weight ``[V, H]``, bias ``[V]`` or None, targets ``[N]`` -> ``[N]``, ``[N]``
+    (the entropy is empty unless ``entropy`` is set). Saves only the inputs; backward recomputes
+    each chunk's logits, so at most ``[chunk, V]`` logits exist at a time.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk: int):
+    def forward(ctx, hidden, weight, bias, targets, chunk: int, entropy: bool):
         acc = _acc_dtype(hidden.dtype)
         N = hidden.shape[0]
         logp = hidden.new_empty(N, dtype=acc)
-        ent = hidden.new_empty(N, dtype=acc)
+        ent = hidden.new_empty(N if entropy else 0, dtype=acc)
         for s in range(0, N, chunk):
             z = nn.functional.linear(hidden[s : s + chunk], weight, bias).to(acc)
             lse = torch.logsumexp(z, dim=-1)
             logp[s : s + chunk] = z.gather(1, targets[s : s + chunk, None])[:, 0] - lse
-            p = torch.exp(z - lse[:, None])
-            ent[s : s + chunk] = lse - (p * z).sum(-1)
+            if entropy:  # H = lse - sum_v p_v z_v
+                ent[s : s + chunk] = lse - torch.einsum("nv,nv->n", torch.softmax(z, -1), z)
         ctx.save_for_backward(hidden, weight, bias, targets)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.entropy = chunk, entropy
         return logp, ent
 
     @staticmethod
@@ -57,64 +59,85 @@ class _TargetLogprobs(torch.autograd.Function):
         hidden, weight, bias, targets = ctx.saved_tensors
         acc = _acc_dtype(hidden.dtype)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        with_ent = ctx.entropy and g_ent is not None and bool(g_ent.any())
         g_h = torch.empty_like(hidden) if need_h else None
         g_w = torch.zeros_like(weight, dtype=acc) if need_w else None
         g_b = torch.zeros_like(bias, dtype=acc) if (need_b and bias is not None) else None
+        if g_logp is None:
+            g_logp = hidden.new_zeros(hidden.shape[0], dtype=acc)
         for s in range(0, hidden.shape[0], ctx.chunk):
-            h = hidden[s : s + ctx.chunk]
+            rows = slice(s, s + ctx.chunk)
+            h, gl = hidden[rows], g_logp[rows, None]
             z = nn.functional.linear(h, weight, bias).to(acc)
             p = torch.softmax(z, dim=-1)
-            # d logp / dz = onehot - p ;  d entropy / dz = -p * (z - E_p[z])
-            g_z = -p * g_logp[s : s + ctx.chunk, None]
-            g_z.scatter_add_(1, targets[s : s + ctx.chunk, None], g_logp[s : s + ctx.chunk, None])
-            g_z -= g_ent[s : s + ctx.chunk, None] * p * (z - (p * z).sum(-1, keepdim=True))
+            if with_ent:  # d entropy / dz = -p * (z - E_p[z]), formed in z's buffer
+                expect = torch.einsum("nv,nv->n", p, z)[:, None]
+                g_z = z.sub_(expect).mul_(p).mul_(-g_ent[rows, None]).sub_(p.mul_(gl))
+            else:  # d logp / dz = onehot - p, formed in p's buffer
+                del z
+                g_z = p.mul_(-gl)
+            g_z.scatter_add_(1, targets[rows, None], gl)
             g_z = g_z.to(hidden.dtype)
             if need_h:
-                g_h[s : s + ctx.chunk] = g_z @ weight
-            if need_w:
+                g_h[rows] = g_z @ weight
+            if need_w and acc == hidden.dtype:
+                g_w.addmm_(g_z.T, h)
+            elif need_w:
                 g_w += (g_z.T @ h).to(acc)
             if g_b is not None:
                 g_b += g_z.sum(0).to(acc)
         g_w = g_w.to(weight.dtype) if g_w is not None else None
         g_b = g_b.to(bias.dtype) if g_b is not None else None
-        return g_h, g_w, g_b, None, None
+        return g_h, g_w, g_b, None, None, None
+
+
+def auto_chunk(vocab: int, budget_bytes: int = 64 * 2**20) -> int:
+    """Rows per head chunk so one ``[chunk, vocab]`` float32 block is about ``budget_bytes``."""
+    return int(min(4096, max(128, budget_bytes // (4 * vocab))))
 
 
 def target_logprobs(
     hidden: torch.Tensor,
     head: nn.Module,
     targets: torch.Tensor,
-    chunk: int = DEFAULT_CHUNK,
+    chunk: int | None = DEFAULT_CHUNK,
+    entropy: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of ``targets [N]`` under ``head(hidden [N, H])`` and the entropy, each ``[N]``.
 
-    ``head`` is the model's output ``nn.Linear``. Peak extra memory is ``chunk x vocab`` logits.
+    ``head`` is the model's output ``nn.Linear``. Peak extra memory is a few ``chunk x vocab``
+    blocks (default chunk: about 64 MiB of float32 logits). With ``entropy=False`` the entropy is
+    an empty tensor and costs nothing.
     """
     if not isinstance(head, nn.Linear):
         raise ValueError(f"output head must be an nn.Linear, got {type(head).__name__}")
-    return _TargetLogprobs.apply(hidden, head.weight, head.bias, targets, chunk)
+    chunk = chunk or auto_chunk(head.out_features)
+    return _TargetLogprobs.apply(hidden, head.weight, head.bias, targets, chunk, entropy)
 
 
 def tree_logprobs(
     model: nn.Module,
     packed: PackedTree,
     backend: str | None = None,
-    chunk: int = DEFAULT_CHUNK,
+    chunk: int | None = DEFAULT_CHUNK,
+    entropy: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One log-prob (and entropy) per distinct tree token: ``[T]`` each, in DFS order.
 
-    Entries with no context (a root's first token) are 0.
+    Entries with no context (a root's first token) are 0. With ``entropy=False`` the entropies
+    are not computed (zeros are returned).
     """
     hidden = tree_forward(model, packed, backend)
     packed = packed.to(hidden.device)
     has_prev = packed.prev >= 0
     targets = torch.nonzero(has_prev)[:, 0]
     rows = hidden.index_select(0, packed.prev[targets])
-    logp, ent = target_logprobs(rows, model.get_output_embeddings(), packed.input_ids[targets], chunk)
+    head = model.get_output_embeddings()
+    logp, ent = target_logprobs(rows, head, packed.input_ids[targets], chunk, entropy)
     T = packed.num_tokens
     full_logp = logp.new_zeros(T).index_copy(0, targets, logp)
-    full_ent = ent.new_zeros(T).index_copy(0, targets, ent)
-    return full_logp, full_ent
+    full_ent = logp.new_zeros(T)
+    return full_logp, (full_ent.index_copy(0, targets, ent) if entropy else full_ent)
 
 
 def expand_to_paths(per_token: torch.Tensor, packed: PackedTree) -> list[torch.Tensor]:
@@ -142,7 +165,7 @@ def path_logprobs(
     batch,
     *,
     backend: str | None = None,
-    chunk: int = DEFAULT_CHUNK,
+    chunk: int | None = DEFAULT_CHUNK,
     return_entropy: bool = False,
 ):
     """Per-path log-probs from ONE forward over the packed tree, in input path order.
@@ -156,6 +179,6 @@ def path_logprobs(
     [torch.Size([2]), torch.Size([2])]
     """
     packed = _as_packed(batch)
-    logp, ent = tree_logprobs(model, packed, backend, chunk)
+    logp, ent = tree_logprobs(model, packed, backend, chunk, entropy=return_entropy)
     out = expand_to_paths(logp, packed)
     return (out, expand_to_paths(ent, packed)) if return_entropy else out
