@@ -12,8 +12,8 @@ The contract that makes a multi-process step equal to a single-process one:
   sum collectives, so the reduced gradient is exactly the sum of the per-rank gradients (only the
   floating-point summation order differs from a single process).
 - A rank with no work in a step must still run a forward and backward, because FSDP's all-gathers
-  and reduce-scatters are collectives: give it a zero-weight loss over a tiny dummy tree
-  (:func:`dummy_batch`).
+  and reduce-scatters are collectives: it backpropagates :func:`dummy_loss` (zero times the
+  log-probs of a two-token tree). Every rank must run the same number of forwards per step.
 
 Run under ``torchrun``; without it every function here is a single-process no-op.
 """
@@ -114,10 +114,6 @@ def init_distributed(device: str = "auto", backend: str | None = None, timeout_s
         )
     _info = DistInfo(rank, world, local_rank, device, rank == 0)
     return _info
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def barrier() -> None:
