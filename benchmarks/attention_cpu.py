@@ -35,7 +35,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from treetrain.attention.blocksparse import blocksparse_attention, build_plan
+from treetrain.attention.blocksparse import FANOUT, blocksparse_attention, build_plan
 from treetrain.attention.dense import dense_attention
 from treetrain.attention.mask import TreeMask, dense_tree_mask
 
@@ -125,7 +125,27 @@ def cpu_name() -> str:
     return f"{model}, {os.cpu_count()} cores"
 
 
-def bench_tree(name: str, tree: Tree, blocks: list[int], heads: int, dim: int, repeats: int, clock: str):
+def matmul_time(T: int, heads: int, kv_heads: int, dim: int, layer: list[int], repeats: int, clock: str):
+    """Forward + backward seconds of a transformer layer's matmuls on ``T`` tokens: the q, k, v, o
+    projections and a SwiGLU MLP, ``layer = [hidden, ffn]``. What attention's cost adds to."""
+    hidden, ffn = layer
+    x = torch.randn(T, hidden, requires_grad=True)
+    shapes = [(hidden, heads * dim), (hidden, 2 * kv_heads * dim), (heads * dim, hidden)]
+    shapes += [(hidden, 2 * ffn), (ffn, hidden)]
+    w_q, w_kv, w_o, w_up, w_down = ((torch.randn(*s) * s[0] ** -0.5).requires_grad_() for s in shapes)
+
+    def run():
+        h = x + (x @ w_q) @ w_o  # stands in for q -> attention -> o
+        gate, up = (h @ w_up).chunk(2, dim=-1)
+        y = (F.silu(gate) * up) @ w_down
+        (y.sum() + (x @ w_kv).sum()).backward()
+
+    return fastest(run, repeats, clock)
+
+
+def bench_tree(name: str, tree: Tree, args: argparse.Namespace) -> list[str]:
+    heads, kv_heads, dim, blocks = args.heads, args.kv_heads or args.heads, args.dim, args.blocks
+    time_it = lambda fn, repeats=args.repeats: fastest(fn, repeats, args.clock)  # noqa: E731
     se = tree.subtree_end()
     T = se.numel()
     causal_pairs = T * (T + 1) // 2
@@ -134,7 +154,8 @@ def bench_tree(name: str, tree: Tree, blocks: list[int], heads: int, dim: int, r
     path_pairs = sum(len(p) * (len(p) + 1) // 2 for p in paths)
     scale = dim**-0.5
     # [H, T, D] views of token-major storage, as attention layers produce them
-    q, k, v = (torch.randn(T, heads, dim).transpose(0, 1).requires_grad_() for _ in range(3))
+    q = torch.randn(T, heads, dim).transpose(0, 1).requires_grad_()
+    k, v = (torch.randn(T, kv_heads, dim).transpose(0, 1).requires_grad_() for _ in range(2))
     dense_bool = dense_tree_mask(se)
 
     def step(fn: Callable) -> Callable[[], None]:
@@ -145,35 +166,30 @@ def bench_tree(name: str, tree: Tree, blocks: list[int], heads: int, dim: int, r
 
         return run
 
-    def causal():
-        return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale)
+    def sdpa(idx=slice(None), **kw):  # 4-D inputs: SDPA's CPU flash kernel
+        return F.scaled_dot_product_attention(
+            q[None, :, idx], k[None, :, idx], v[None, :, idx], scale=scale, enable_gqa=True, **kw
+        )
 
     def per_path():  # what tree training replaces: every path on its own
-        outs = [
-            F.scaled_dot_product_attention(
-                q[None, :, p], k[None, :, p], v[None, :, p], is_causal=True, scale=scale
-            )[0]
-            for p in paths
-        ]
-        return torch.cat([o.flatten() for o in outs])
+        return torch.cat([sdpa(p, is_causal=True).flatten() for p in paths])
 
-    def flash_masked():
-        return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=dense_bool, scale=scale)
-
-    t_causal = fastest(step(causal), repeats, clock)
-    t_paths = fastest(step(per_path), repeats, clock)
-    t_dense = fastest(
-        step(lambda: dense_attention(q, k, v, TreeMask(se), scale)), max(1, repeats // 3), clock
-    )
-    t_flash_masked = fastest(step(flash_masked), repeats, clock)
+    t_causal = time_it(step(lambda: sdpa(is_causal=True)))
+    t_paths = time_it(step(per_path))
+    t_dense = time_it(step(lambda: dense_attention(q, k, v, TreeMask(se), scale)), max(1, args.repeats // 3))
+    t_flash_masked = time_it(step(lambda: sdpa(attn_mask=dense_bool)))
+    t_matmul = 0.0
+    if args.layer is not None:
+        t_matmul = matmul_time(T, heads, kv_heads, dim, args.layer, args.repeats, args.clock)
     bound = t_causal * allowed / causal_pairs
     head = f"| {name} | {T} | {allowed / causal_pairs:.3f} | {path_pairs / allowed:.2f} "
     rows = []
 
     def row(method: str, block, computed, t: float) -> None:
+        layer = "" if args.layer is None else f" {(t_matmul + bound) / (t_matmul + t):.3f} |"
         rows.append(
             head + f"| {method} | {block} | {computed} | {1e3 * t:.1f} | {t_dense / t:.1f}x "
-            f"| {bound / t:.2f} | {t_paths / t:.2f}x |"
+            f"| {bound / t:.2f} | {t_paths / t:.2f}x |" + layer
         )
 
     row("causal SDPA, no tree", "-", f"{causal_pairs / allowed:.2f}", t_causal)
@@ -181,27 +197,33 @@ def bench_tree(name: str, tree: Tree, blocks: list[int], heads: int, dim: int, r
     row("dense (repo: 3-D SDPA = math path)", "-", f"{T * T / allowed:.2f}", t_dense)
     row("dense mask, 4-D SDPA (flash)", "-", f"{T * T / allowed:.2f}", t_flash_masked)
     for block in blocks:
-        plan = build_plan(se, block)  # not timed: built once per forward, shared by all layers
+        plan = build_plan(se, block, args.fanout)  # not timed: built once per forward, shared by all layers
 
         def blocksparse(block=block, plan=plan):
             mask = TreeMask(se)
             mask.cache[("blocksparse", block)] = plan
             return blocksparse_attention(q, k, v, mask, scale, block)
 
-        t = fastest(step(blocksparse), repeats, clock)
+        t = time_it(step(blocksparse))
         row(f"**blocksparse** ({len(plan.tiles)} tiles)", block, f"{plan.computed_pairs / allowed:.3f}", t)
     return rows
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4, help="query heads")
+    p.add_argument("--kv-heads", type=int, help="key/value heads (GQA; default: --heads)")
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--blocks", type=int, nargs="+", default=[32, 64, 128, 256])
+    p.add_argument("--fanout", type=int, default=FANOUT, help="row blocks per parent block")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
     p.add_argument("--trees", nargs="+", type=int, help="indices into the tree list (default: all)")
+    p.add_argument(
+        "--layer", type=int, nargs=2, metavar=("HIDDEN", "FFN"),
+        help="add a layer-efficiency column: (matmuls + attention bound) / (matmuls + attention)",
+    )  # fmt: skip
     p.add_argument(
         "--write", action="store_true", help="append to benchmarks/results/attention_cpu_<cpu>_<date>.md"
     )
@@ -211,19 +233,22 @@ def main() -> None:
     names = list(TREES)
     chosen = [names[i] for i in args.trees] if args.trees else names
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    layer = "" if args.layer is None else f", layer hidden {args.layer[0]} ffn {args.layer[1]}"
     header = (
-        f"### fp32, H = {args.heads}, D = {args.dim}, {args.threads} thread(s), {args.clock} clock, "
-        f"fastest of {args.repeats}; load average {load:.1f} at start\n\n"
+        f"### fp32, Hq = {args.heads}, Hkv = {args.kv_heads or args.heads}, D = {args.dim}{layer}, "
+        f"fanout {args.fanout}; "
+        f"{args.threads} thread(s), {args.clock} clock, fastest of {args.repeats}, "
+        f"load average {load:.1f} at start\n\n"
         "| tree | T | allowed / causal pairs | path pairs / allowed | method | block "
-        "| computed / allowed | fwd+bwd ms | vs dense | efficiency | vs paths |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|"
+        "| computed / allowed | fwd+bwd ms | vs dense | efficiency | vs paths |"
+        + ("" if args.layer is None else " layer efficiency |")
+        + "\n|---|---|---|---|---|---|---|---|---|---|---|"
+        + ("" if args.layer is None else "---|")
     )
     print(header, flush=True)
     lines = [header]
     for name in chosen:
-        for line in bench_tree(
-            name, TREES[name](), args.blocks, args.heads, args.dim, args.repeats, args.clock
-        ):
+        for line in bench_tree(name, TREES[name](), args):
             print(line, flush=True)
             lines.append(line)
     if args.write:
