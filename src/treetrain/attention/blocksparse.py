@@ -264,7 +264,7 @@ def _forward(q, k, v, plan: BlockSparsePlan, scale: float):
             out4[:, :, rows] = o
             lse[:, :, rows] = l
             continue
-        # fold the tile into the rows' running softmax: the new part weighs sigmoid(l - lse)
+        # merge the tile into the rows' running softmax: the new part weighs sigmoid(l - lse)
         out4[:, :, rows].lerp_(o.to(acc), torch.sigmoid(l - lse[:, :, rows]).unsqueeze(-1))
         lse[:, :, rows] = torch.logaddexp(lse[:, :, rows], l)
     return out.to(q.dtype), lse
