@@ -20,4 +20,5 @@ def dense_attention(
     if rep > 1:
         k = k.repeat_interleave(rep, dim=0)
         v = v.repeat_interleave(rep, dim=0)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=dense, scale=scale)
+    # 4-D inputs: with 3-D ones SDPA takes a slow path that builds the T x T score matrix
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=dense, scale=scale)[0]
