@@ -791,7 +791,7 @@ def train(cfg: TrainConfig, *, quiet: bool = False) -> TrainResult:
     plot = plot_metrics(records, run.out / "training.png") if cfg.plot and records and is_main else None
     outputs = {"metrics": metrics_path, "model": final} | ({"plot": plot} if plot else {})
     if not quiet and is_main:
-        print(f"treetrain train: done, outputs in {run.out}/")
+        print(f"treetrain train: done, outputs in {run.out.resolve()}/")
         print(summary_table(records, cfg, outputs, wall))
     return TrainResult(output=run.out, metrics=metrics_path, final=final, plot=plot, records=records)
 
