@@ -258,18 +258,22 @@ def data_path(cfg: TrainConfig) -> Path:
     return path
 
 
+def _reader_options(cfg: TrainConfig, vocab_size: int) -> dict[str, Any]:
+    """``treetrain.data`` reader options from the config."""
+    return {
+        "format": cfg.data_format,
+        "vocab_size": vocab_size,
+        "capacity": cfg.capacity,
+        "skip_oversized": cfg.skip_oversized,
+        "tokenizer": cfg.tokenizer,
+    }
+
+
 def _read_trees(cfg: TrainConfig, vocab_size: int) -> Iterator[TrajectoryTree]:
     """One lazy pass over the data file; errors name file, line and field."""
     from .data import iter_trees
 
-    for tree, _info in iter_trees(
-        data_path(cfg),
-        format=cfg.data_format,
-        vocab_size=vocab_size,
-        capacity=cfg.capacity,
-        skip_oversized=cfg.skip_oversized,
-        tokenizer=cfg.tokenizer,
-    ):
+    for tree, _info in iter_trees(data_path(cfg), **_reader_options(cfg, vocab_size)):
         yield tree
 
 
@@ -277,14 +281,7 @@ def count_trees(cfg: TrainConfig, vocab_size: int) -> int:
     """Trees in the data file (one validating pass: every bad record is listed), for ``--epochs``."""
     from .data import validate_file
 
-    counts = validate_file(
-        data_path(cfg),
-        format=cfg.data_format,
-        vocab_size=vocab_size,
-        capacity=cfg.capacity,
-        skip_oversized=cfg.skip_oversized,
-        tokenizer=cfg.tokenizer,
-    )
+    counts = validate_file(data_path(cfg), **_reader_options(cfg, vocab_size))
     if counts.samples == 0:
         raise ValueError(f"--data {data_path(cfg)}: the file holds no trees")
     return counts.samples
