@@ -116,3 +116,22 @@ def test_target_logprobs_gradients_small_chunks():
     assert torch.allclose(no_ent[0], h.grad, atol=1e-12) and torch.allclose(
         no_ent[1], head.weight.grad, atol=1e-12
     )
+
+
+def test_bf16_autocast_on_cpu_within_reference_error():
+    """Under CPU autocast RoPE leaves q/k in float32 and v in bf16: the hook must unify them.
+
+    The tree's bf16 error against the float32 truth stays within a small multiple of the
+    reference's own bf16-autocast error (both round at different points: 8 mantissa bits).
+    """
+    model = tiny_model("qwen3", dtype=torch.float32)
+    ref_model = reference_copy(model)
+    truth = reference_logprobs(ref_model, GROUP)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref16 = reference_logprobs(ref_model, GROUP)
+    ref_e = max((a.float() - b).abs().max().item() for a, b in zip(ref16, truth))
+    for backend in ("dense", "blocksparse"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            lps = path_logprobs(model, GROUP, backend=backend)
+        tree_e = max((a.float() - b).abs().max().item() for a, b in zip(lps, truth))
+        assert tree_e <= 4 * ref_e + 1e-3, (backend, tree_e, ref_e)

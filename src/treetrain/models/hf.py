@@ -38,6 +38,10 @@ def _tree_attention(module, query, key, value, attention_mask, scaling=None, dro
         raise ValueError(f"tree attention takes batch size 1 (a packed forest), got {query.shape[0]}")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    dev = query.device.type
+    if torch.is_autocast_enabled(dev):  # as SDPA under autocast: q, k, v in the autocast dtype
+        dtype = torch.get_autocast_dtype(dev)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     out = get_backend(mask.backend)(query[0], key[0], value[0], mask, scaling)
     return out.transpose(0, 1).unsqueeze(0), None
 
