@@ -121,15 +121,19 @@ def tree_logprobs(
     backend: str | None = None,
     chunk: int | None = DEFAULT_CHUNK,
     entropy: bool = True,
+    needed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One log-prob (and entropy) per distinct tree token: ``[T]`` each, in DFS order.
 
     Entries with no context (a root's first token) are 0. With ``entropy=False`` the entropies
-    are not computed (zeros are returned).
+    are not computed (zeros are returned). ``needed [T]`` (bool) limits the LM head to those
+    targets (e.g. tokens some path trains on); the others are 0 and carry no gradient.
     """
     hidden = tree_forward(model, packed, backend)
     packed = packed.to(hidden.device)
     has_prev = packed.prev >= 0
+    if needed is not None:
+        has_prev &= needed.to(has_prev.device)
     targets = torch.nonzero(has_prev)[:, 0]
     rows = hidden.index_select(0, packed.prev[targets])
     head = model.get_output_embeddings()

@@ -635,7 +635,10 @@ def compute_loss(
         packed = pack(list(_trees(packed)))
     meta = PathMeta.from_trees(packed)
     _require(meta, cfg, ref_model is not None)
-    logp, ent = tree_logprobs(model, packed, backend, chunk)
+    # Every objective and metric reads masked targets only: score just those in the LM head.
+    needed = torch.zeros(packed.num_tokens, dtype=torch.bool)
+    needed[packed.target_index()[meta.mask.cpu() > 0]] = True
+    logp, ent = tree_logprobs(model, packed, backend, chunk, needed=needed)
     meta = meta.to(logp.device, logp.dtype)
     if objective_needs(cfg).token_weights:
         return _token_weight_loss(logp, ent, meta, packed, cfg, normalizer)
@@ -643,7 +646,8 @@ def compute_loss(
     ref = None
     if cfg.kl_coef != 0 and ref_model is not None:
         with torch.no_grad():
-            ref = tree_logprobs(ref_model, packed, backend, chunk)[0].to(logp.device).index_select(0, target)
+            ref = tree_logprobs(ref_model, packed, backend, chunk, needed=needed)[0]
+            ref = ref.to(logp.device).index_select(0, target)
     ent_paths = ent.index_select(0, target) if cfg.entropy_coef != 0 else ent.detach().index_select(0, target)
     return objective(logp.index_select(0, target), meta, cfg, normalizer, entropy=ent_paths, ref_logprobs=ref)
 
