@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import statistics
-import threading
 import time
 from dataclasses import asdict, dataclass
 
@@ -115,41 +114,46 @@ def tree_step(model, trees, coeffs, capacity: int, backend: str | None) -> list[
 # ---- measurement -----------------------------------------------------------------------------
 
 
-class PeakMemory:
-    """Peak memory of a block: CUDA allocator stats, or sampled process RSS growth on CPU."""
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
-    def __init__(self, device: torch.device):
-        self.device, self.peak = device, 0
 
-    def _rss(self) -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def _one_step(mode: str, model, trees, capacity: int, backend) -> list[torch.Tensor]:
+    coeffs = _coeffs(trees)
+    if mode == "baseline":
+        return baseline_step(model, trees, coeffs, capacity)
+    return tree_step(model, trees, coeffs, capacity, backend)
 
-    def __enter__(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.start = torch.cuda.memory_allocated()
-            return self
-        self.start, self.peak_rss, self._stop = self._rss(), 0, False
 
-        def sample():
-            while not self._stop:
-                self.peak_rss = max(self.peak_rss, self._rss())
-                time.sleep(0.002)
+def _child_peak(mode: str, model_args: tuple, trees, capacity: int, backend) -> int:
+    """In a fresh process: bytes the process's high-water mark grows by during one step."""
+    import resource
 
-        self._thread = threading.Thread(target=sample, daemon=True)
-        self._thread.start()
-        return self
+    model = bench_model(*model_args)
+    before = _rss_bytes()
+    _one_step(mode, model, trees, capacity, backend)
+    return max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before)
 
-    def __exit__(self, *exc):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            self.peak = torch.cuda.max_memory_allocated() - self.start
-        else:
-            self._stop = True
-            self._thread.join()
-            self.peak = max(0, max(self.peak_rss, self._rss()) - self.start)
+
+def peak_memory(mode: str, model, model_args: tuple, trees, capacity: int, backend) -> int:
+    """Peak memory of one step: CUDA allocator stats, or a fresh CPU process's RSS high-water mark.
+
+    On CPU one process cannot measure both modes: freed memory stays mapped, so whichever mode
+    runs second would look free. Each mode runs once in its own spawned process instead.
+    """
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        model.zero_grad(set_to_none=True)
+        _one_step(mode, model, trees, capacity, backend)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - start
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_child_peak, (mode, model_args, trees, capacity, backend))
 
 
 @dataclass
@@ -169,40 +173,33 @@ class Result:
     max_logprob_diff: float
 
 
-def _timed(fn, device) -> tuple[float, int, list[torch.Tensor]]:
-    with PeakMemory(device) as mem:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        lps = fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-    return dt, mem.peak, lps
+def _timed(fn, device) -> tuple[float, list[torch.Tensor]]:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    lps = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0, lps
 
 
-def run_case(name, model, trees, capacity, repeats, backend, cost: CostModel) -> Result:
+def run_case(name, model, model_args, trees, capacity, repeats, backend, cost: CostModel) -> Result:
     device = model.get_input_embeddings().weight.device
-    coeffs = _coeffs(trees)
     base_tok = sum(t.num_path_tokens for t in trees)
     tree_tok = sum(t.num_tokens for t in trees)
     base_flops = sum(train_flops(t.num_path_tokens, baseline_pairs(t), cost) for t in trees)
     tree_flops = sum(train_flops(t.num_tokens, tree_pairs(t), cost) for t in trees)
     times: dict[str, list[float]] = {"baseline": [], "tree": []}
-    peaks: dict[str, int] = {"baseline": 0, "tree": 0}
     last: dict[str, list[torch.Tensor]] = {}
-    steps = {
-        "baseline": lambda: baseline_step(model, trees, coeffs, capacity),
-        "tree": lambda: tree_step(model, trees, coeffs, capacity, backend),
-    }
+    steps = {m: (lambda m=m: _one_step(m, model, trees, capacity, backend)) for m in ("baseline", "tree")}
     for r in range(repeats + 1):  # the first round warms up and is not timed
         for mode in ("baseline", "tree") if r % 2 == 0 else ("tree", "baseline"):
             model.zero_grad(set_to_none=True)
-            dt, peak, lps = _timed(steps[mode], device)
+            dt, lps = _timed(steps[mode], device)
             if r > 0:
                 times[mode].append(dt)
-                peaks[mode] = max(peaks[mode], peak)
             last[mode] = lps
+    peaks = {m: peak_memory(m, model, model_args, trees, capacity, backend) for m in ("baseline", "tree")}
     diff = max(
         (a.float() - b.float()).abs().max().item()
         for a, b in zip(last["baseline"], last["tree"])
@@ -279,9 +276,19 @@ def _cases(args, vocab: int) -> list[tuple[str, list[TrajectoryTree]]]:
     if args.sample:
         from . import data
 
-        trees = [t for t, _ in data.iter_trees(data.sample_path("agent-dialogues"), vocab_size=vocab)]
-        cases.append(("bundled sample", trees))
+        trees = [t for t, _ in data.iter_trees(data.sample_path("agent-dialogues"))]
+        cases.append(("bundled sample", renumber(trees, vocab)))
     return cases
+
+
+def renumber(trees: list[TrajectoryTree], vocab: int) -> list[TrajectoryTree]:
+    """Map the distinct token ids used to ``0..n-1`` (a bijection: the trees keep their shape)."""
+    used = np.unique(np.concatenate([t.tokens for t in trees]))
+    if used.size > vocab:
+        raise ValueError(f"--sample uses {used.size} distinct token ids; use --vocab {used.size} or more")
+    return [
+        TrajectoryTree.from_paths([np.searchsorted(used, p) for p in t.paths()], **t.fields) for t in trees
+    ]
 
 
 def format_table(results: list[Result]) -> str:
@@ -327,12 +334,13 @@ def main(args: argparse.Namespace) -> int:
         if args.dtype
         else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     )
-    model = bench_model(args.hidden, args.layers, args.vocab, args.heads, device, dtype)
+    model_args = (args.hidden, args.layers, args.vocab, args.heads, device, dtype)
+    model = bench_model(*model_args)
     cost = CostModel.from_config(model.config)
     results = []
     for name, trees in _cases(args, args.vocab):
         print(f"{name}: {sum(t.num_path_tokens for t in trees):,} baseline tokens ...", flush=True)
-        r = run_case(name, model, trees, args.capacity, args.repeats, args.backend, cost)
+        r = run_case(name, model, model_args, trees, args.capacity, args.repeats, args.backend, cost)
         print(
             f"  speedup {r.speedup:.2f}x of bound {r.flop_bound:.2f}x (efficiency {r.efficiency:.2f}), "
             f"max log-prob diff {r.max_logprob_diff:.1e}",

@@ -1,0 +1,35 @@
+"""treetrain bench end to end on a tiny model: both modes agree and every field is reported."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from treetrain.bench import group_tree, per_turn_tree
+from treetrain.cli import main
+
+
+def test_synthetic_trees_have_the_requested_por():
+    for por in (0.2, 0.5, 0.92):
+        tree = group_tree(por, paths=16, length=100, vocab=50)
+        assert tree.num_path_tokens == 1600 and abs(tree.por - por) < 0.01
+    chain = per_turn_tree(turns=10, turn_len=20, vocab=50)
+    assert chain.num_tokens == 200 and chain.num_path_tokens == 20 * 55
+    with pytest.raises(ValueError, match="--por 0.99"):
+        group_tree(0.99, paths=4, length=100, vocab=50)
+
+
+@pytest.mark.slow
+def test_bench_cli_small(tmp_path):
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    argv = ["bench", "--hidden", "32", "--layers", "1", "--heads", "2", "--vocab", "64"]
+    argv += ["--paths", "4", "--path-len", "48", "--por", "0.5", "--turns", "3", "--turn-len", "16"]
+    argv += ["--repeats", "1", "--capacity", "96", "--json", str(out), "--plot", str(png)]
+    assert main(argv) == 0
+    results = json.loads(out.read_text())
+    assert [r["name"] for r in results] == ["group POR 50%", "per-turn 3 turns"]
+    for r in results:
+        assert r["max_logprob_diff"] < 1e-4  # float32: the same log-probs from both modes
+        assert r["flop_bound"] > 1 and r["speedup"] > 0 and r["baseline_peak_mb"] >= 0
+    assert png.stat().st_size > 1000
