@@ -126,14 +126,23 @@ def _one_step(mode: str, model, trees, capacity: int, backend) -> list[torch.Ten
     return tree_step(model, trees, coeffs, capacity, backend)
 
 
-def _child_peak(mode: str, model_args: tuple, trees, capacity: int, backend) -> int:
-    """In a fresh process: bytes the process's high-water mark grows by during one step."""
-    import resource
+def _peak_rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
 
+
+def _child_peak(mode: str, model_args: tuple, trees, capacity: int, backend) -> int:
+    """In a fresh process: bytes the RSS high-water mark grows by during one step.
+
+    The mark is reset first (``/proc/self/clear_refs``): a spawned child otherwise inherits the
+    parent's mark through fork+exec.
+    """
     model = bench_model(*model_args)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
     before = _rss_bytes()
     _one_step(mode, model, trees, capacity, backend)
-    return max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before)
+    return max(0, _peak_rss_bytes() - before)
 
 
 def peak_memory(mode: str, model, model_args: tuple, trees, capacity: int, backend) -> int:
@@ -313,11 +322,16 @@ def plot(results: list[Result], out: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    por = [r.por * 100 for r in results]
-    ax.plot(por, [r.flop_bound for r in results], "k--o", label="FLOP bound")
-    ax.plot(por, [r.speedup for r in results], "C0-o", label="measured speedup")
-    for r in results:
-        ax.annotate(r.name, (r.por * 100, r.speedup), fontsize=7, xytext=(3, -10), textcoords="offset points")
+    sweep = sorted((r for r in results if r.name.startswith("group")), key=lambda r: r.por)
+    others = [r for r in results if not r.name.startswith("group")]
+    if sweep:
+        por = [r.por * 100 for r in sweep]
+        ax.plot(por, [r.flop_bound for r in sweep], "k--o", label="FLOP bound (group trees)")
+        ax.plot(por, [r.speedup for r in sweep], "C0-o", label="measured (group trees)")
+    for i, r in enumerate(others):
+        ax.plot(r.por * 100, r.flop_bound, "k^", label="FLOP bound (other)" if i == 0 else None)
+        ax.plot(r.por * 100, r.speedup, "C1s", label="measured (other)" if i == 0 else None)
+        ax.annotate(r.name, (r.por * 100, r.speedup), fontsize=7, xytext=(-60, 6), textcoords="offset points")
     ax.set_xlabel("POR (%)")
     ax.set_ylabel("speedup over per-path baseline (x)")
     ax.set_yscale("log")
