@@ -62,19 +62,25 @@ def test_float64_random_trees(arch, paths):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_float32_within_reference_rounding(arch):
-    """float32: tree error vs float64 truth is bounded by a small multiple of the reference's own."""
+    """float32: tree error vs float64 truth is bounded by a small multiple of the reference's own.
+
+    The truth is the same weights in float64 (HF's init draws different numbers per dtype, so the
+    float64 model must be a converted copy, not a fresh one).
+    """
     paths = GROUP
-    model64 = tiny_model(arch, dtype=torch.float64)
+    model32 = tiny_model(arch, dtype=torch.float32)
+    model64 = reference_copy(model32).double()
     with float64_casts():
         truth = reference_logprobs(model64, paths)
-    model32 = tiny_model(arch, dtype=torch.float32)
     ref32 = reference_logprobs(reference_copy(model32), paths)
-    tree32 = path_logprobs(model32, paths, backend="dense")
-    ref_e = max(rel_err(a, b) for a, b in zip(ref32, truth))
-    tree_e = max(rel_err(a, b) for a, b in zip(tree32, truth))
-    # float32 rounding is ~6e-8 per op; both runs round differently (other summation orders), so
-    # the tree may be a few times worse or better than the reference on any one case.
-    assert tree_e <= 4 * ref_e + 1e-6, (tree_e, ref_e)
+    for backend in ("dense", "blocksparse"):
+        tree32 = path_logprobs(reference_copy(model32), paths, backend=backend)
+        ref_e = max(rel_err(a, b) for a, b in zip(ref32, truth))
+        tree_e = max(rel_err(a, b) for a, b in zip(tree32, truth))
+        # float32 rounding is ~6e-8 per op; both runs round differently (other summation orders),
+        # so the tree may be a few times worse or better than the reference on any one case.
+        assert ref_e < 1e-5, ref_e  # the truth really is the same model
+        assert tree_e <= 4 * ref_e, (backend, tree_e, ref_e)
 
 
 def test_entropy_matches_reference():
