@@ -13,6 +13,7 @@ attention per allowed query-key pair.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -98,9 +99,8 @@ def tree_step(model, trees, coeffs, capacity: int, backend: str | None) -> list[
     device = model.get_input_embeddings().weight.device
     offsets = np.cumsum([0] + [t.num_paths for t in trees])
     out: list[torch.Tensor | None] = [None] * int(offsets[-1])
-    tagged = [t.subset(range(t.num_paths)) for t in trees]
-    for k, t in enumerate(tagged):
-        t.path_ids = t.path_ids + offsets[k]  # global path numbers, kept through partitioning
+    # global path numbers (kept through partitioning); a shallow copy, no rebuild
+    tagged = [dataclasses.replace(t, path_ids=t.path_ids + offsets[k]) for k, t in enumerate(trees)]
     for mb in pack_microbatches(tagged, capacity):
         lps = path_logprobs(model, pack(mb), backend=backend)
         ids = [int(i) for part in mb for i in part.path_ids]

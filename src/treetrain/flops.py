@@ -13,6 +13,7 @@ Training = forward + backward ~ 3 x forward. Example: paths ``[A B C]``, ``[A B 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -45,18 +46,14 @@ class CostModel:
 
 # A Qwen3-0.6B-shaped model: the reference shape when no model is given.
 QWEN3_0_6B = CostModel.from_config(
-    type(
-        "Cfg",
-        (),
-        dict(
-            hidden_size=1024,
-            num_hidden_layers=28,
-            vocab_size=151936,
-            num_attention_heads=16,
-            head_dim=128,
-            num_key_value_heads=8,
-            intermediate_size=3072,
-        ),
+    SimpleNamespace(
+        hidden_size=1024,
+        num_hidden_layers=28,
+        vocab_size=151936,
+        num_attention_heads=16,
+        head_dim=128,
+        num_key_value_heads=8,
+        intermediate_size=3072,
     )
 )
 
