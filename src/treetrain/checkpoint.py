@@ -5,9 +5,9 @@ Layout under the checkpoints directory (``RUN/checkpoints``)::
     latest                  text: the name of the newest complete checkpoint ("step_120")
     step_120/
       state/                torch.distributed.checkpoint: model + optimizer, sharded per rank
-      rng/rank_0.pt ...     each rank's RNG states (torch, CUDA, numpy, python)
-      scheduler.pt          the LR scheduler's state_dict
-      meta.json             step, world size, data state, every file's size; written last
+      rng/rank_0.json ...   each rank's RNG states (torch, CUDA, numpy, python), JSON
+      scheduler.json        the LR scheduler's state_dict, JSON
+      meta.json             step, world size, data state, every file's size and sha256; written last
 
 A checkpoint is written into ``step_N.tmp``; every file is fsynced, then ``meta.json``, then the
 directory is renamed to ``step_N`` and ``latest`` is replaced (write ``latest.tmp``, fsync, rename).
@@ -19,7 +19,11 @@ Model and optimizer go through ``torch.distributed.checkpoint`` with ``get_state
 ``set_state_dict``, so FSDP2-sharded state is saved shard by shard (no gather) and can be loaded
 at another world size. The same code runs in a single process.
 
-Checkpoints hold pickled Python objects (RNG, scheduler): load only checkpoints you wrote.
+Loading runs no code from the checkpoint (:mod:`treetrain.safe_state`): RNG, scheduler, data state
+and manifest are JSON; DCP's tensors and non-tensor values are read with
+``torch.load(weights_only=True)`` and its ``.metadata`` pickle with an unpickler that accepts only
+DCP's metadata classes. Before anything is loaded every file's sha256 is checked against
+``meta.json``; a mismatch names the file and the previous checkpoint that verifies.
 """
 
 from __future__ import annotations
@@ -27,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import re
 import shutil
 import signal
@@ -35,10 +38,20 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from .safe_state import (
+    SafePlanner,
+    SafeReader,
+    UnsafeStateError,
+    rng_from_json,
+    rng_to_json,
+    scheduler_from_json,
+    scheduler_to_json,
+    sha256_file,
+)
 
 __all__ = [
     "CheckpointError",
@@ -50,10 +63,11 @@ __all__ = [
     "verify_checkpoint",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: sizes only, RNG and scheduler pickled (refused on load)
 LATEST = "latest"
 META = "meta.json"
 STATE = "state"
+SCHEDULER = "scheduler.json"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 FAULT_ENV = "TREETRAIN_CHECKPOINT_FAULT"  # tests: "STAGE" or "STAGE@STEP" -> SIGKILL at that point
 
@@ -136,34 +150,38 @@ def _fault(stage: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _file_sizes(directory: Path) -> dict[str, int]:
-    return {
-        str(p.relative_to(directory)): p.stat().st_size
-        for p in sorted(directory.rglob("*"))
-        if p.is_file() and p.name != META
-    }
+def _gather(obj: Any) -> list[Any]:
+    """``obj`` of every rank, in rank order (``[obj]`` in one process)."""
+    if not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * _world()
+    dist.all_gather_object(out, obj)
+    return out
 
 
-# ---- RNG ---------------------------------------------------------------------------------------
+def _broadcast(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
-def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "numpy": np.random.get_state(),
-        "python": random.getstate(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+def _manifest(directory: Path, names: list[str] | None = None) -> dict[str, dict[str, Any] | None]:
+    """``{relative path: {"bytes": size, "sha256": hex}}`` (None: no such file) of ``names``, or of
+    every file under ``directory`` but ``meta.json``. Collective: each rank hashes a share."""
+    if names is None:
+        listing = [str(p.relative_to(directory)) for p in sorted(directory.rglob("*")) if p.is_file()]
+        names = _broadcast([rel for rel in listing if rel != META])
+    mine: dict[str, dict[str, Any] | None] = {}
+    for rel in names[_rank() :: _world()]:
+        f = directory / rel
+        mine[rel] = {"bytes": f.stat().st_size, "sha256": sha256_file(f)} if f.is_file() else None
+    merged: dict[str, Any] = {}
+    for part in _gather(mine):
+        merged.update(part)
+    return {rel: merged[rel] for rel in names}
 
 
 # ---- model + optimizer state -------------------------------------------------------------------
@@ -200,26 +218,95 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     root = _root(directory)
     pointer = root / LATEST
     if pointer.is_file():
-        named = root / pointer.read_text().strip()
+        with open(pointer, "rb") as f:  # a step name; anything else is a stale or garbled pointer
+            raw = f.read(64)
+        named = root / raw.decode("ascii", errors="replace").strip()
         if named.parent == root and _step_of(named) is not None and _is_complete(named):
             return named
     found = list_checkpoints(root)
     return found[-1] if found else None
 
 
+def _read_meta(path: Path) -> dict[str, Any]:
+    """``meta.json``, checked to be the manifest this version writes."""
+    try:
+        meta = json.loads((path / META).read_text())
+    except (OSError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"{path}: {META} is unreadable ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
+        found = meta.get("format") if isinstance(meta, dict) else None
+        hint = (
+            " (format 1 stored RNG and scheduler state as pickles, which can run code when loaded; "
+            "it is not loaded)"
+            if found == 1
+            else ""
+        )
+        raise CheckpointError(
+            f"{path}: {META} is checkpoint format {found!r}; this treetrain reads format "
+            f"{FORMAT_VERSION}{hint}"
+        )
+    files, data_state = meta.get("files"), meta.get("data_state")
+    if not (
+        isinstance(files, dict)
+        and all(
+            isinstance(v, dict) and type(v.get("bytes")) is int and isinstance(v.get("sha256"), str)
+            for v in files.values()
+        )
+        and isinstance(data_state, dict)
+        and type(meta.get("step")) is int
+        and type(meta.get("world_size")) is int
+    ):
+        raise CheckpointError(f"{path}: {META} is malformed (expected step, world_size, data_state, files)")
+    return meta
+
+
+def _mismatches(path: Path, meta: dict[str, Any]) -> list[str]:
+    """What differs between the files and the manifest (collective: hashes are shared out)."""
+    problems = []
+    for rel, want in meta["files"].items():
+        if not (path / rel).is_file():
+            problems.append(f"{rel} is missing")
+        elif (path / rel).stat().st_size != want["bytes"]:
+            problems.append(f"{rel} has {(path / rel).stat().st_size} bytes, expected {want['bytes']}")
+    if problems:
+        return problems
+    got = _manifest(path, list(meta["files"]))
+    return [
+        f"{rel} does not match its sha256 in {META} (corrupted or modified)"
+        for rel, want in meta["files"].items()
+        if got[rel]["sha256"] != want["sha256"]
+    ]
+
+
+def _previous_good(path: Path) -> Path | None:
+    """The newest checkpoint older than ``path`` (a ``step_N``) that verifies, or None."""
+    step = _step_of(path)
+    for older in reversed(list_checkpoints(path.parent)):
+        if step is not None and _step_of(older) < step:
+            with contextlib.suppress(CheckpointError):
+                if not _mismatches(older, _read_meta(older)):
+                    return older
+    return None
+
+
 def verify_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """Check that a checkpoint is complete (every file ``meta.json`` lists exists with its size).
-    Returns the metadata; raises :class:`CheckpointError` otherwise."""
+    """Check that a checkpoint is whole: every file ``meta.json`` lists exists with its size and
+    sha256. Returns the metadata; raises :class:`CheckpointError` naming the bad file and the
+    previous checkpoint that verifies. Collective when a process group is initialized (each rank
+    hashes a share of the files)."""
     path = Path(path)
     if not (path / META).is_file():
         raise CheckpointError(f"{path}: not a complete checkpoint (no {META})")
-    meta = json.loads((path / META).read_text())
-    for rel, size in meta["files"].items():
-        f = path / rel
-        if not f.is_file():
-            raise CheckpointError(f"{path}: missing {rel}")
-        if f.stat().st_size != size:
-            raise CheckpointError(f"{path}: {rel} has {f.stat().st_size} bytes, expected {size}")
+    meta = _read_meta(path)
+    problems = _mismatches(path, meta)
+    if problems:
+        prev = _previous_good(path)
+        where = (
+            f"the previous good checkpoint is {prev}: move {path} out of {path.parent} to resume from it"
+            if prev is not None
+            else "no earlier checkpoint verifies"
+        )
+        raise CheckpointError(f"{path}: {'; '.join(problems)}; {where}")
     return meta
 
 
@@ -247,6 +334,7 @@ def save_checkpoint(
         data_json = json.dumps(data_state)
     except TypeError as e:
         raise ValueError(f"data_state must be JSON-serializable: {e}") from None
+    sched_json = scheduler_to_json(scheduler) if scheduler is not None else None
     import torch.distributed.checkpoint as dcp
 
     root = _root(directory)
@@ -261,13 +349,15 @@ def save_checkpoint(
 
     with _single_process_quiet():
         dcp.save(_state_dicts(model, optimizer), checkpoint_id=tmp / STATE, no_dist=not dist.is_initialized())
-    _write_durable(tmp / "rng" / f"rank_{rank}.pt", lambda f: torch.save(_rng_state(), f))
+    rng = rng_to_json(cuda=torch.cuda.is_available() and torch.cuda.is_initialized())
+    _write_durable(tmp / "rng" / f"rank_{rank}.json", lambda f: f.write(rng.encode()))
+    if rank == 0 and scheduler is not None:
+        _write_durable(tmp / SCHEDULER, lambda f: f.write(sched_json.encode()))
     _fault("state_written", step)
     _barrier()
+    files = _manifest(tmp)
 
     if rank == 0:
-        if scheduler is not None:
-            _write_durable(tmp / "scheduler.pt", lambda f: torch.save(scheduler.state_dict(), f))
         for d in (tmp / STATE, tmp / "rng", tmp):
             _fsync_dir(d)
         meta = {
@@ -275,7 +365,7 @@ def save_checkpoint(
             "step": int(step),
             "world_size": _world(),
             "data_state": json.loads(data_json),
-            "files": _file_sizes(tmp),
+            "files": files,
         }
         _write_durable(tmp / META, lambda f: f.write((json.dumps(meta, indent=1) + "\n").encode()))
         _fsync_dir(tmp)
@@ -337,27 +427,42 @@ def load_checkpoint(
     resharded on load; ranks without a saved RNG state keep theirs, with a warning).
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
     ckpt = _resolve(path)
     meta = verify_checkpoint(ckpt)
+    reader = SafeReader(ckpt / STATE)
+    try:
+        reader.read_metadata()  # checked here for a clear error; DCP reads it again, as safely
+    except UnsafeStateError as e:
+        raise CheckpointError(f"{ckpt / STATE}: refused: {e}") from None
     state = _state_dicts(model, optimizer)
     try:
         with _single_process_quiet():
-            dcp.load(state, checkpoint_id=ckpt / STATE, no_dist=not dist.is_initialized())
-    except Exception as e:  # DCP reports missing keys / shape mismatches as a generic error
+            dcp.load(state, storage_reader=reader, planner=SafePlanner(), no_dist=not dist.is_initialized())
+    except (Exception, CheckpointException) as e:  # DCP: missing keys, shape mismatches, reader errors
+        unsafe = _unsafe_cause(e)
+        if unsafe is not None:
+            raise CheckpointError(f"{ckpt / STATE}: refused: {unsafe}") from None
         raise CheckpointError(f"{ckpt}: cannot load into this model/optimizer: {e}") from e
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     if scheduler is not None:
-        if not (ckpt / "scheduler.pt").is_file():
+        if SCHEDULER not in meta["files"]:
             raise CheckpointError(f"{ckpt}: holds no scheduler state")
-        scheduler.load_state_dict(torch.load(ckpt / "scheduler.pt", weights_only=False))
-    rng_file = ckpt / "rng" / f"rank_{_rank()}.pt"
-    if rng_file.is_file():
-        _set_rng_state(torch.load(rng_file, weights_only=False))
+        try:
+            scheduler_from_json(scheduler, (ckpt / SCHEDULER).read_bytes())
+        except (UnsafeStateError, KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{ckpt / SCHEDULER}: refused: {e}") from None
+    rng_file = ckpt / "rng" / f"rank_{_rank()}.json"
+    if f"rng/{rng_file.name}" in meta["files"]:
+        try:
+            rng_from_json(rng_file.read_bytes())
+        except UnsafeStateError as e:
+            raise CheckpointError(f"{rng_file}: refused: {e}") from None
     else:
         warnings.warn(
             f"{ckpt}: saved with {meta['world_size']} ranks, no RNG state for rank {_rank()}; keeping this "
@@ -365,6 +470,26 @@ def load_checkpoint(
             stacklevel=2,
         )
     return int(meta["step"]), dict(meta["data_state"])
+
+
+def _unsafe_cause(e: BaseException) -> UnsafeStateError | None:
+    """The :class:`UnsafeStateError` behind ``e`` (DCP wraps errors of its readers; in a process
+    group each rank's exception is kept in a ``CheckpointException``'s ``failures``)."""
+    seen: set[int] = set()
+    todo: list[BaseException] = [e]
+    while todo:
+        x = todo.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, UnsafeStateError):
+            return x
+        todo += [c for c in (x.__cause__, x.__context__) if c is not None]
+        failures = getattr(x, "failures", None)
+        if isinstance(failures, dict):  # rank -> (exception, stack summary)
+            for f in failures.values():
+                todo += [x for x in (f if isinstance(f, tuple) else (f,)) if isinstance(x, BaseException)]
+    return None
 
 
 # ---- final export ------------------------------------------------------------------------------
