@@ -321,10 +321,11 @@ def qwen_tokenizer_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     return final
 
 
-def load_tokenizer(tokenizer: Any):
+def load_tokenizer(tokenizer: Any, *, trust_remote_code: bool = False):
     """A Hugging Face tokenizer from an object (returned as is), a local directory, or ``"qwen"``
     (the offline tokenizer of :func:`qwen_tokenizer_dir`, loaded once per process). Never touches
-    the network.
+    the network; a directory whose tokenizer needs its own Python code is refused unless
+    ``trust_remote_code``.
 
     Example::
 
@@ -343,7 +344,9 @@ def load_tokenizer(tokenizer: Any):
         )
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    return AutoTokenizer.from_pretrained(
+        str(path), local_files_only=True, trust_remote_code=trust_remote_code
+    )
 
 
 @functools.lru_cache(maxsize=4)

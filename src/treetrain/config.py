@@ -87,6 +87,9 @@ class TrainConfig:
     prefetch: int = 2  # batches prepared ahead in a background thread; 0: inline
     checkpoint_every: int = 0  # optimizer steps between resumable checkpoints; 0: only the final model
     resume: bool = False  # continue from the latest checkpoint in output/checkpoints
+    overwrite: bool = False  # replace an earlier run's files in output (other files are kept)
+    trust_remote_code: bool = False  # let --model / --tokenizer directories run their own Python code
+    max_line_bytes: int = 256 * 2**20  # a longer JSONL line is an error (read in bounded memory)
     plot: bool = False  # write output/training.png (loss and throughput)
     progress: bool = True  # tqdm progress bar
 
@@ -223,8 +226,12 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         setattr(c, name, _coerce(name, getattr(c, name), str))
     for name in ("skip_oversized", "activation_checkpointing", "resume", "plot", "progress"):
         setattr(c, name, _coerce(name, getattr(c, name), bool))
+    for name in ("overwrite", "trust_remote_code"):
+        setattr(c, name, _coerce(name, getattr(c, name), bool))
     for name in ("capacity", "batch_trees", "warmup_steps", "seed", "prefetch", "checkpoint_every"):
         setattr(c, name, _coerce(name, getattr(c, name), int))
+    c.max_line_bytes = _coerce("max_line_bytes", c.max_line_bytes, int)
+    _positive("max_line_bytes", c.max_line_bytes)
     for name in ("lr", "eps", "weight_decay", "min_lr_ratio"):
         setattr(c, name, _coerce(name, getattr(c, name), float))
 
@@ -350,6 +357,23 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefetch", type=int, help="batches prepared ahead in a thread (default 2; 0: off)")
     g.add_argument("--checkpoint-every", type=int, help="steps between resumable checkpoints (0: off)")
     _bool_flag(g, "resume", "continue from the latest checkpoint under OUTPUT/checkpoints")
+    _bool_flag(
+        g,
+        "overwrite",
+        "replace an earlier run in OUTPUT (its config, metrics, checkpoints, final model; any other "
+        "file there is kept), or write into a non-empty directory that is not a run",
+    )
+    _bool_flag(
+        g,
+        "trust-remote-code",
+        "let the --model and --tokenizer directories run their own Python code (transformers' "
+        "trust_remote_code); off by default: such a model or tokenizer is refused",
+    )
+    g.add_argument(
+        "--max-line-bytes",
+        type=int,
+        help=f"a longer line in the data file is an error (default {d.max_line_bytes // 2**20} MiB)",
+    )
     _bool_flag(g, "plot", "write OUTPUT/training.png: loss and throughput per step")
     _bool_flag(g, "progress", "show the progress bar (default on)")
 

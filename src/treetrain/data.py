@@ -80,6 +80,8 @@ _KEYS = {
 }
 _LOGPROB_TOLERANCE = 1e-4  # log-probabilities above this are an error (rounding can give +1e-7)
 _MAX_STORED_ERRORS = 1000  # collected errors kept in memory; the count is always exact
+MAX_LINE_BYTES = 256 * 2**20  # default limit on one JSONL line
+_CHUNK = 1 << 20  # lines are read this much at a time
 
 
 # ---- errors and bookkeeping ---------------------------------------------------------------------
@@ -639,10 +641,34 @@ def _parse_unguarded(
 # ---- files --------------------------------------------------------------------------------------
 
 
-def _open_lines(path: Path) -> Iterator[bytes]:
+class _TooLong(bytes):
+    """Stands for a line longer than the limit (its bytes were read and dropped)."""
+
+    limit: int
+
+
+def _open_lines(path: Path, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[bytes]:
+    """The file's lines, each read in chunks of at most 1 MiB: a line over ``max_line_bytes`` is
+    yielded as a :class:`_TooLong` marker, so memory stays under the limit plus one chunk."""
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rb") as f:
-        yield from f
+        while chunk := f.readline(min(_CHUNK, max_line_bytes + 1)):
+            parts, size = [chunk], len(chunk)
+            while not parts[-1].endswith(b"\n") and size <= max_line_bytes:
+                more = f.readline(min(_CHUNK, max_line_bytes + 1 - size))
+                if not more:
+                    break
+                parts.append(more)
+                size += len(more)
+            if size > max_line_bytes:
+                tail = parts[-1]
+                while not tail.endswith(b"\n") and (tail := f.readline(_CHUNK)):  # skip the rest
+                    pass
+                too_long = _TooLong(b"-")
+                too_long.limit = max_line_bytes
+                yield too_long
+            else:
+                yield b"".join(parts)
 
 
 def _reject_constant(name: str):
@@ -651,6 +677,11 @@ def _reject_constant(name: str):
 
 def _decode(raw: bytes, lineno: int) -> Any:
     """Bytes of one line -> JSON value; raises _Invalid."""
+    if isinstance(raw, _TooLong):
+        raise _Invalid(
+            f"the line is longer than max_line_bytes={raw.limit:,} bytes; "
+            "raise the limit (--max-line-bytes) if the record is meant to be this large"
+        )
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -681,6 +712,7 @@ class TreeStream(Iterator[tuple[TrajectoryTree, SampleInfo]]):
         skip_oversized: bool = False,
         tokenizer=None,
         on_error: str = "raise",
+        max_line_bytes: int = MAX_LINE_BYTES,
     ):
         if format is not None and format not in FORMATS:
             raise ValueError(f"format: expected one of {FORMATS} or None, got {format!r}")
@@ -698,7 +730,10 @@ class TreeStream(Iterator[tuple[TrajectoryTree, SampleInfo]]):
             tokenizer = load_tokenizer(tokenizer)
         self.format, self.vocab_size, self.capacity = format, vocab_size, capacity
         self.skip_oversized, self.tokenizer, self.on_error = skip_oversized, tokenizer, on_error
+        if not isinstance(max_line_bytes, int) or max_line_bytes <= 0:
+            raise ValueError(f"max_line_bytes: expected a positive integer, got {max_line_bytes!r}")
         self.counts = DataCounts(file=str(path))
+        self.max_line_bytes = max_line_bytes
         self.errors: list[DataError] = []
         self._gen = self._run()
 
@@ -710,7 +745,7 @@ class TreeStream(Iterator[tuple[TrajectoryTree, SampleInfo]]):
 
     def _run(self) -> Iterator[tuple[TrajectoryTree, SampleInfo]]:
         file, c = str(self.path), self.counts
-        for lineno, raw in enumerate(_open_lines(self.path), start=1):
+        for lineno, raw in enumerate(_open_lines(self.path, self.max_line_bytes), start=1):
             c.lines += 1
             if not raw.strip():
                 c.blank_lines += 1
@@ -752,6 +787,7 @@ def iter_trees(
     skip_oversized: bool = False,
     tokenizer=None,
     on_error: str = "raise",
+    max_line_bytes: int = MAX_LINE_BYTES,
 ) -> TreeStream:
     """Read a JSONL file (``.gz`` too) lazily, one line at a time, and yield ``(tree, SampleInfo)``.
 
@@ -759,7 +795,8 @@ def iter_trees(
     below it. ``capacity``: a sample whose longest path exceeds it is an error, or with
     ``skip_oversized=True`` skipped and counted. ``tokenizer``: for ``messages`` lines, a Hugging
     Face tokenizer, a local directory, or ``"qwen"``. ``on_error="collect"`` skips invalid records
-    into ``stream.errors`` instead of raising at the first one.
+    into ``stream.errors`` instead of raising at the first one. A line longer than
+    ``max_line_bytes`` is an invalid record (checked while reading, in bounded memory).
 
     Example::
 
@@ -776,6 +813,7 @@ def iter_trees(
         skip_oversized=skip_oversized,
         tokenizer=tokenizer,
         on_error=on_error,
+        max_line_bytes=max_line_bytes,
     )
 
 
@@ -788,6 +826,7 @@ def validate_file(
     skip_oversized: bool = False,
     tokenizer=None,
     max_errors: int = 20,
+    max_line_bytes: int = MAX_LINE_BYTES,
 ) -> DataCounts:
     """One full streaming pass (every tree built, then dropped) before any compute.
 
@@ -808,6 +847,7 @@ def validate_file(
         skip_oversized=skip_oversized,
         tokenizer=tokenizer,
         on_error="collect",
+        max_line_bytes=max_line_bytes,
     )
     for _ in stream:
         pass

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import itertools
 import json
 import math
@@ -40,6 +41,7 @@ import torch
 from torch import nn
 
 from . import distributed
+from .checkpoint import CheckpointError
 from .config import DEFAULT_STEPS, TrainConfig, add_train_arguments, config_from_args, validate
 from .packing import PackedTree, pack
 from .tree import TrajectoryTree
@@ -121,9 +123,12 @@ def default_model_config(vocab_size: int = 151936):
     )
 
 
-def build_model(model: str | None, seed: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def build_model(
+    model: str | None, seed: int, dtype: torch.dtype, device: torch.device, *, trust_remote_code: bool = False
+) -> nn.Module:
     """A causal LM from a local directory (weights, or only ``config.json``: random init from
-    ``seed``) or, with ``model=None``, the embedded tiny Qwen3 config (random init)."""
+    ``seed``) or, with ``model=None``, the embedded tiny Qwen3 config (random init). A directory
+    whose model needs its own Python code is refused unless ``trust_remote_code``."""
     import transformers
 
     torch.manual_seed(seed)
@@ -138,12 +143,16 @@ def build_model(model: str | None, seed: int, dtype: torch.dtype, device: torch.
             )
         weights = [*path.glob("*.safetensors"), *path.glob("*.bin")]
         if weights:
-            net = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            net = transformers.AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, trust_remote_code=trust_remote_code
+            )
             return net.to(device)
-        config = transformers.AutoConfig.from_pretrained(path)
+        config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     # initialize in float32 whatever the dtype, so one seed gives one initial model (normal_ draws
     # differ between float32 and float64 kernels), then cast
-    net = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    net = transformers.AutoModelForCausalLM.from_config(
+        config, dtype=torch.float32, trust_remote_code=trust_remote_code
+    )
     return net.to(device=device, dtype=dtype)
 
 
@@ -265,8 +274,17 @@ def _reader_options(cfg: TrainConfig, vocab_size: int) -> dict[str, Any]:
         "vocab_size": vocab_size,
         "capacity": cfg.capacity,
         "skip_oversized": cfg.skip_oversized,
-        "tokenizer": cfg.tokenizer,
+        "tokenizer": _tokenizer(cfg.tokenizer, cfg.trust_remote_code) if cfg.tokenizer else None,
+        "max_line_bytes": cfg.max_line_bytes,
     }
+
+
+@functools.lru_cache(maxsize=2)
+def _tokenizer(name: str, trust_remote_code: bool):
+    """``--tokenizer``, loaded once per run (code in its directory runs only with ``trust_remote_code``)."""
+    from .chat import load_tokenizer
+
+    return load_tokenizer(name, trust_remote_code=trust_remote_code)
 
 
 def _read_trees(cfg: TrainConfig, vocab_size: int) -> Iterator[TrajectoryTree]:
@@ -673,12 +691,19 @@ def setup(cfg: TrainConfig) -> Run:
     device = info.device if info.distributed else resolve_device(cfg.device)
     param_dtype, autocast_dtype = resolve_dtype(cfg.dtype, device)
     out = Path(cfg.output)
+    from . import rundir
+
+    rundir.check_output(out, resume=cfg.resume, overwrite=cfg.overwrite)  # before any work or write
+    distributed.barrier()
+    if info.is_main and cfg.overwrite:
+        rundir.clear_run(out)
     out.mkdir(parents=True, exist_ok=True)
     if info.is_main:
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
 
     model = configure_model(
-        build_model(cfg.model, cfg.seed, param_dtype, device), cfg.activation_checkpointing
+        build_model(cfg.model, cfg.seed, param_dtype, device, trust_remote_code=cfg.trust_remote_code),
+        cfg.activation_checkpointing,
     )
     objective = build_objective(cfg)
     ref_model = build_reference_model(model) if objective.kl_coef and cfg.reference == "model" else None
@@ -816,6 +841,10 @@ def main(args: argparse.Namespace) -> int:
     except NonFiniteError as e:
         if distributed.init_distributed().is_main:
             print(f"treetrain train: stopped: {e}", file=sys.stderr)
+        return 1
+    except CheckpointError as e:  # a corrupted, tampered or unsafe checkpoint: named, no traceback
+        if distributed.init_distributed().is_main:
+            print(f"treetrain train: error: {e}", file=sys.stderr)
         return 1
     finally:
         distributed.destroy()
