@@ -81,7 +81,7 @@ _KEYS = {
 _LOGPROB_TOLERANCE = 1e-4  # log-probabilities above this are an error (rounding can give +1e-7)
 _MAX_STORED_ERRORS = 1000  # collected errors kept in memory; the count is always exact
 MAX_LINE_BYTES = 256 * 2**20  # default limit on one JSONL line
-_CHUNK = 1 << 20  # lines are read this much at a time
+_CHUNK = 1 << 16  # lines are read this much at a time
 
 
 # ---- errors and bookkeeping ---------------------------------------------------------------------
@@ -648,7 +648,7 @@ class _TooLong(bytes):
 
 
 def _open_lines(path: Path, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[bytes]:
-    """The file's lines, each read in chunks of at most 1 MiB: a line over ``max_line_bytes`` is
+    """The file's lines, each read in chunks of at most 64 KiB: a line over ``max_line_bytes`` is
     yielded as a :class:`_TooLong` marker, so memory stays under the limit plus one chunk."""
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rb") as f:
@@ -661,7 +661,8 @@ def _open_lines(path: Path, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[by
                 parts.append(more)
                 size += len(more)
             if size > max_line_bytes:
-                tail = parts[-1]
+                tail = parts.pop()
+                parts.clear()
                 while not tail.endswith(b"\n") and (tail := f.readline(_CHUNK)):  # skip the rest
                     pass
                 too_long = _TooLong(b"-")

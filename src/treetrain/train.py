@@ -143,17 +143,33 @@ def build_model(
             )
         weights = [*path.glob("*.safetensors"), *path.glob("*.bin")]
         if weights:
-            net = transformers.AutoModelForCausalLM.from_pretrained(
-                path, dtype=dtype, trust_remote_code=trust_remote_code
-            )
+            with refuse_remote_code("--model", model):
+                net = transformers.AutoModelForCausalLM.from_pretrained(
+                    path, dtype=dtype, trust_remote_code=trust_remote_code
+                )
             return net.to(device)
-        config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        with refuse_remote_code("--model", model):
+            config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     # initialize in float32 whatever the dtype, so one seed gives one initial model (normal_ draws
     # differ between float32 and float64 kernels), then cast
     net = transformers.AutoModelForCausalLM.from_config(
         config, dtype=torch.float32, trust_remote_code=trust_remote_code
     )
     return net.to(device=device, dtype=dtype)
+
+
+@contextlib.contextmanager
+def refuse_remote_code(flag: str, where: str):
+    """transformers' refusal to run a directory's own code, as a ``ValueError`` naming the flag."""
+    try:
+        yield
+    except ValueError as e:
+        if "trust_remote_code" not in str(e):
+            raise
+        raise ValueError(
+            f"{flag} {where}: loading it runs Python code from that directory (its auto_map); "
+            "treetrain does not run it unless you pass --trust-remote-code (only for code you trust)"
+        ) from None
 
 
 def configure_model(model: nn.Module, activation_checkpointing: bool) -> nn.Module:
@@ -284,7 +300,8 @@ def _tokenizer(name: str, trust_remote_code: bool):
     """``--tokenizer``, loaded once per run (code in its directory runs only with ``trust_remote_code``)."""
     from .chat import load_tokenizer
 
-    return load_tokenizer(name, trust_remote_code=trust_remote_code)
+    with refuse_remote_code("--tokenizer", name):
+        return load_tokenizer(name, trust_remote_code=trust_remote_code)
 
 
 def _read_trees(cfg: TrainConfig, vocab_size: int) -> Iterator[TrajectoryTree]:
