@@ -192,3 +192,12 @@ def test_missing_file_and_format_1_are_refused(tmp_path, ck):
     (ck / "meta.json").write_text(json.dumps(meta | {"format": 1}))
     with pytest.raises(CheckpointError, match="format 1 stored RNG and scheduler state as pickles"):
         load_checkpoint(ck, *build(seed=1))
+
+
+@pytest.mark.parametrize("rel", ["../../outside.json", "/etc/hostname"])
+def test_manifest_paths_stay_inside_the_checkpoint(ck, rel):
+    meta = json.loads((ck / "meta.json").read_text())
+    meta["files"][rel] = {"bytes": 1, "sha256": "0" * 64}
+    (ck / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="a path outside the checkpoint"):
+        verify_checkpoint(ck)

@@ -257,6 +257,10 @@ def _read_meta(path: Path) -> dict[str, Any]:
         and type(meta.get("world_size")) is int
     ):
         raise CheckpointError(f"{path}: {META} is malformed (expected step, world_size, data_state, files)")
+    for rel in files:  # only files inside the checkpoint are ever opened
+        parts = Path(rel).parts
+        if not parts or Path(rel).is_absolute() or ".." in parts:
+            raise CheckpointError(f"{path}: {META} lists {rel!r}, a path outside the checkpoint")
     return meta
 
 
