@@ -278,7 +278,7 @@ def _mismatches(path: Path, meta: dict[str, Any]) -> list[str]:
     return [
         f"{rel} does not match its sha256 in {META} (corrupted or modified)"
         for rel, want in meta["files"].items()
-        if got[rel]["sha256"] != want["sha256"]
+        if got[rel] is None or got[rel]["sha256"] != want["sha256"]
     ]
 
 
@@ -492,7 +492,7 @@ def _unsafe_cause(e: BaseException) -> UnsafeStateError | None:
         failures = getattr(x, "failures", None)
         if isinstance(failures, dict):  # rank -> (exception, stack summary)
             for f in failures.values():
-                todo += [x for x in (f if isinstance(f, tuple) else (f,)) if isinstance(x, BaseException)]
+                todo += [y for y in (f if isinstance(f, tuple) else (f,)) if isinstance(y, BaseException)]
     return None
 
 
