@@ -147,17 +147,25 @@ def test_planted_object_in_dcp_shard_is_refused(ck, tmp_path, where):
 # ---- integrity ---------------------------------------------------------------------------------
 
 
-def _three_checkpoints(tmp_path) -> Path:
+@pytest.fixture(scope="module")
+def saved_three(tmp_path_factory) -> Path:
     model, opt, sched = build()
+    run = tmp_path_factory.mktemp("three")
     for s in (1, 2, 3):
         step(model, opt, sched)
-        save_checkpoint(tmp_path, s, model, opt, sched, {"s": s}, keep=3)
+        save_checkpoint(run, s, model, opt, sched, {"s": s}, keep=3)
+    return run / "checkpoints"
+
+
+def _three_checkpoints(saved_three: Path, tmp_path: Path) -> Path:
+    """A fresh copy of three checkpoints (steps 1, 2, 3) in ``tmp_path/checkpoints``."""
+    shutil.copytree(saved_three, tmp_path / "checkpoints")
     return tmp_path / "checkpoints"
 
 
 @pytest.mark.parametrize("rel", [*STATE_FILES, "scheduler.json", "rng/rank_0.json"])
-def test_tampered_file_is_named_with_previous_good(tmp_path, rel):
-    root = _three_checkpoints(tmp_path)
+def test_tampered_file_is_named_with_previous_good(saved_three, tmp_path, rel):
+    root = _three_checkpoints(saved_three, tmp_path)
     f = root / "step_3" / rel
     data = bytearray(f.read_bytes())
     data[len(data) // 2] ^= 0x01  # one bit, same size
@@ -169,8 +177,8 @@ def test_tampered_file_is_named_with_previous_good(tmp_path, rel):
     assert f"the previous good checkpoint is {root / 'step_2'}" in msg
 
 
-def test_truncated_file_and_corrupt_previous(tmp_path):
-    root = _three_checkpoints(tmp_path)
+def test_truncated_file_and_corrupt_previous(saved_three, tmp_path):
+    root = _three_checkpoints(saved_three, tmp_path)
     shard = root / "step_3" / "state" / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:-100])
     sched = root / "step_2" / "scheduler.json"
