@@ -209,3 +209,18 @@ def test_manifest_paths_stay_inside_the_checkpoint(ck, rel):
     (ck / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match="a path outside the checkpoint"):
         verify_checkpoint(ck)
+
+
+def test_dcp_metadata_cannot_point_outside_the_checkpoint(ck):
+    """A ``.metadata`` (only allowed classes) whose shard paths lead out of ``state/``."""
+    import dataclasses
+
+    from treetrain.safe_state import SafeReader
+
+    metadata = SafeReader(ck / "state").read_metadata()
+    metadata.storage_data = {
+        k: dataclasses.replace(v, relative_path="../../../secret") for k, v in metadata.storage_data.items()
+    }
+    plant(ck, "state/.metadata", pickle.dumps(metadata))
+    with pytest.raises(CheckpointError, match="outside the checkpoint"):
+        load_checkpoint(ck, *build(seed=1))

@@ -212,6 +212,10 @@ class SafeReader(FileSystemReader):
                 raise UnsafeStateError(f"the DCP metadata does not unpickle: {e!r}") from None
         if not isinstance(metadata, Metadata):
             raise UnsafeStateError(f"the DCP metadata is a {type(metadata).__name__}, not a Metadata")
+        for info in (metadata.storage_data or {}).values():  # shard files: names inside this directory
+            rel = Path(str(getattr(info, "relative_path", "")))
+            if rel.is_absolute() or len(rel.parts) != 1 or rel.name in ("", ".", ".."):
+                raise UnsafeStateError(f"the DCP metadata points at {str(rel)!r}, outside the checkpoint")
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
