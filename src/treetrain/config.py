@@ -89,10 +89,20 @@ class TrainConfig:
     resume: bool = False  # continue from the latest checkpoint in output/checkpoints
     plot: bool = False  # write output/training.png (loss and throughput)
     progress: bool = True  # tqdm progress bar
+    # LoRA adapter through PEFT (treetrain.lora); lora_r 0: full fine-tuning
+    lora_r: int = 0
+    lora_alpha: float | None = None  # None: 2 * lora_r
+    lora_targets: str | None = None  # comma-separated module names; None: PEFT's default
+    lora_dropout: float = 0.0
+    peft_config: Any = None  # YAML mapping of peft.LoraConfig fields, or a peft.LoraConfig
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
+        d = dataclasses.asdict(dataclasses.replace(self, peft_config=None))
         d["betas"] = list(self.betas)
+        if self.peft_config is not None:
+            from .lora import peft_config_dict
+
+            d["peft_config"] = peft_config_dict(self.peft_config)
         return d
 
 
@@ -123,6 +133,8 @@ def merge(cfg: TrainConfig, values: Mapping[str, Any], source: str) -> TrainConf
         key = key.replace("-", "_")
         if key not in FIELDS:
             raise _unknown(key, source)
+        if key == "peft_config" and isinstance(value, Mapping):
+            value = dict(value)
         if key == "loss":
             if not isinstance(value, Mapping):
                 raise ValueError(f"{source}: loss must be a mapping of objective options, got {value!r}")
@@ -280,6 +292,16 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         _choice("attention", c.attention, ("dense", "blocksparse", "flex", "triton"))
     if not isinstance(c.loss, dict) or not all(isinstance(k, str) for k in c.loss):
         raise ValueError(f"loss: expected a mapping of objective option names to values, got {c.loss!r}")
+    c.lora_r = _coerce("lora_r", c.lora_r or 0, int)
+    c.lora_dropout = _coerce("lora_dropout", c.lora_dropout or 0.0, float)
+    if c.lora_alpha is not None:
+        c.lora_alpha = _coerce("lora_alpha", c.lora_alpha, float)
+    if c.lora_targets is not None and not isinstance(c.lora_targets, str):  # YAML list
+        c.lora_targets = ",".join(map(str, c.lora_targets))
+    if c.lora_r or c.peft_config is not None or c.lora_alpha is not None or c.lora_targets:
+        from .lora import config_from_train
+
+        config_from_train(c)  # checks the adapter options (and that peft is installed)
     return c
 
 
@@ -352,6 +374,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     _bool_flag(g, "resume", "continue from the latest checkpoint under OUTPUT/checkpoints")
     _bool_flag(g, "plot", "write OUTPUT/training.png: loss and throughput per step")
     _bool_flag(g, "progress", "show the progress bar (default on)")
+    from .lora import add_lora_arguments
+
+    add_lora_arguments(p)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:

@@ -41,6 +41,8 @@ from torch import nn
 
 from . import distributed
 from .config import DEFAULT_STEPS, TrainConfig, add_train_arguments, config_from_args, validate
+from .lora import apply_lora, is_peft_model, save_adapter
+from .lora import config_from_train as lora_config_of
 from .packing import PackedTree, pack
 from .tree import TrajectoryTree
 
@@ -680,6 +682,8 @@ def setup(cfg: TrainConfig) -> Run:
     model = configure_model(
         build_model(cfg.model, cfg.seed, param_dtype, device), cfg.activation_checkpointing
     )
+    lora = lora_config_of(cfg)
+    model = apply_lora(model, lora) if lora is not None else model
     objective = build_objective(cfg)
     ref_model = build_reference_model(model) if objective.kl_coef and cfg.reference == "model" else None
     # FSDP2 from outside the model (a no-op in one process), before the optimizer sees the parameters
@@ -783,7 +787,10 @@ def train(cfg: TrainConfig, *, quiet: bool = False) -> TrainResult:
     t0 = time.perf_counter()
     records = run_loop(run, metrics_path)
     wall = time.perf_counter() - t0
-    final = export_pretrained(run.model, run.out / "final")
+    if is_peft_model(run.model):  # the adapter alone, for peft.PeftModel.from_pretrained
+        final = save_adapter(run.model, run.out / "final")
+    else:
+        final = export_pretrained(run.model, run.out / "final")
     is_main = distributed.init_distributed().is_main
     plot = plot_metrics(records, run.out / "training.png") if cfg.plot and records and is_main else None
     outputs = {"metrics": metrics_path, "model": final} | ({"plot": plot} if plot else {})

@@ -131,6 +131,12 @@ def prepare_model(model: nn.Module) -> nn.Module:
     return model
 
 
+def _decoder(model: nn.Module) -> nn.Module:
+    """The decoder of a ``...ForCausalLM``, also inside a ``peft.PeftModel`` (LoRA)."""
+    get_base = getattr(model, "get_base_model", None)  # PeftModel: base_model is PEFT's LoraModel
+    return (get_base() if callable(get_base) else model).base_model
+
+
 def tree_forward(model: nn.Module, packed: PackedTree, backend: str | None = None) -> torch.Tensor:
     """Final hidden states of the decoder over a packed forest: ``[T, hidden]``.
 
@@ -146,7 +152,7 @@ def tree_forward(model: nn.Module, packed: PackedTree, backend: str | None = Non
     mask = TreeMask(
         packed.subtree_end, backend=backend or default_backend(device), position_ids=packed.position_ids
     )
-    decoder = getattr(model, "treetrain_decoder", None) or model.base_model
+    decoder = getattr(model, "treetrain_decoder", None) or _decoder(model)
     out = decoder(
         input_ids=packed.input_ids[None],
         position_ids=packed.position_ids[None],
