@@ -95,6 +95,7 @@ class TrainConfig:
     lora_targets: str | None = None  # comma-separated module names; None: PEFT's default
     lora_dropout: float = 0.0
     peft_config: Any = None  # YAML mapping of peft.LoraConfig fields, or a peft.LoraConfig
+    report_to: str = "none"  # trackers, comma-separated: tensorboard,wandb,mlflow,trackio | none
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(dataclasses.replace(self, peft_config=None))
@@ -298,6 +299,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         c.lora_alpha = _coerce("lora_alpha", c.lora_alpha, float)
     if c.lora_targets is not None and not isinstance(c.lora_targets, str):  # YAML list
         c.lora_targets = ",".join(map(str, c.lora_targets))
+    if not isinstance(c.report_to, str):  # YAML list
+        c.report_to = ",".join(map(str, c.report_to or ["none"]))
+    from .trackers import parse_report_to
+
+    parse_report_to(c.report_to)  # known names, libraries installed
     if c.lora_r or c.peft_config is not None or c.lora_alpha is not None or c.lora_targets:
         from .lora import config_from_train
 
@@ -374,6 +380,11 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     _bool_flag(g, "resume", "continue from the latest checkpoint under OUTPUT/checkpoints")
     _bool_flag(g, "plot", "write OUTPUT/training.png: loss and throughput per step")
     _bool_flag(g, "progress", "show the progress bar (default on)")
+    g.add_argument(
+        "--report-to",
+        help="experiment trackers, comma-separated: tensorboard, wandb, mlflow, trackio, or none "
+        f"(default {d.report_to}); they log the metrics.jsonl scalars",
+    )
     from .lora import add_lora_arguments
 
     add_lora_arguments(p)

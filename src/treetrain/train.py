@@ -44,6 +44,7 @@ from .config import DEFAULT_STEPS, TrainConfig, add_train_arguments, config_from
 from .lora import apply_lora, is_peft_model, save_adapter
 from .lora import config_from_train as lora_config_of
 from .packing import PackedTree, pack
+from .trackers import open_trackers
 from .tree import TrajectoryTree
 
 __all__ = [
@@ -735,6 +736,7 @@ def run_loop(run: Run, metrics_path: Path) -> list[dict[str, Any]]:
         tqdm(
             total=run.steps, initial=run.start_step, unit="step", disable=not (cfg.progress and info.is_main)
         ) as bar,
+        open_trackers(cfg.report_to, run.out, cfg.to_dict(), enabled=info.is_main) as trackers,
     ):
         for step, batch in enumerate(batches, start=run.start_step + 1):
             lr = run.optimizer.param_groups[0]["lr"]
@@ -768,6 +770,7 @@ def run_loop(run: Run, metrics_path: Path) -> list[dict[str, Any]]:
             records.append(record)
             if fh is not None:
                 log_metrics(fh, record)
+                trackers.log(record)
             bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}")
             bar.update(1)
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < run.steps:
