@@ -54,6 +54,7 @@ class TrainConfig:
     # data
     data: str | None = None  # JSONL file; None: the bundled sample
     data_format: str | None = None  # paths | messages | tree; None: detect per line
+    columns: Any = None  # table sources: "field=column,..." or a mapping (treetrain.sources)
     tokenizer: str | None = None  # for messages data: a local HF tokenizer dir, or "qwen"
     skip_oversized: bool = False  # drop (and count) paths longer than capacity instead of failing
     # model
@@ -134,7 +135,7 @@ def merge(cfg: TrainConfig, values: Mapping[str, Any], source: str) -> TrainConf
         key = key.replace("-", "_")
         if key not in FIELDS:
             raise _unknown(key, source)
-        if key == "peft_config" and isinstance(value, Mapping):
+        if key in ("peft_config", "columns") and isinstance(value, Mapping):
             value = dict(value)
         if key == "loss":
             if not isinstance(value, Mapping):
@@ -299,6 +300,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         c.lora_alpha = _coerce("lora_alpha", c.lora_alpha, float)
     if c.lora_targets is not None and not isinstance(c.lora_targets, str):  # YAML list
         c.lora_targets = ",".join(map(str, c.lora_targets))
+    if c.columns is not None:
+        from .sources import parse_columns
+
+        c.columns = parse_columns(c.columns)
     if not isinstance(c.report_to, str):  # YAML list
         c.report_to = ",".join(map(str, c.report_to or ["none"]))
     from .trackers import parse_report_to
@@ -332,8 +337,18 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         help="override any option, e.g. --set lr=1e-4 --set loss.clip_low=0.2 (repeatable)",
     )
     g = p.add_argument_group("data and model")
-    g.add_argument("--data", help="JSONL file of trees (default: the bundled agent-dialogue sample)")
+    g.add_argument(
+        "--data",
+        help="JSONL file of trees (.gz too), a Parquet/Arrow file or a datasets.save_to_disk directory "
+        "(default: the bundled agent-dialogue sample)",
+    )
     g.add_argument("--data-format", help="paths | messages | tree (default: detected per line)")
+    g.add_argument(
+        "--columns",
+        metavar="FIELD=COLUMN,...",
+        help="Parquet/Arrow/datasets sources: map treetrain fields to columns, e.g. "
+        "paths=input_ids,loss_masks=mask (default: treetrain's and TRL's column names)",
+    )
     g.add_argument("--tokenizer", help='for messages data: a local tokenizer directory, or "qwen"')
     _bool_flag(g, "skip-oversized", "drop paths longer than --capacity instead of failing")
     g.add_argument(

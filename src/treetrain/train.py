@@ -44,6 +44,7 @@ from .config import DEFAULT_STEPS, TrainConfig, add_train_arguments, config_from
 from .lora import apply_lora, is_peft_model, save_adapter
 from .lora import config_from_train as lora_config_of
 from .packing import PackedTree, pack
+from .sources import is_table_source
 from .trackers import open_trackers
 from .tree import TrajectoryTree
 
@@ -254,9 +255,10 @@ def data_path(cfg: TrainConfig) -> Path:
 
         return Path(sample_path(SAMPLE))
     path = Path(cfg.data)
-    if not path.is_file():
+    if not path.is_file() and not (path.is_dir() and is_table_source(path)):
         raise ValueError(
-            f"--data {cfg.data}: no such file; pass a JSONL file of trees (or omit for the sample)"
+            f"--data {cfg.data}: no such file; pass a JSONL file of trees, a Parquet/Arrow file or a "
+            "datasets.save_to_disk directory (or omit for the sample)"
         )
     return path
 
@@ -269,6 +271,7 @@ def _reader_options(cfg: TrainConfig, vocab_size: int) -> dict[str, Any]:
         "capacity": cfg.capacity,
         "skip_oversized": cfg.skip_oversized,
         "tokenizer": cfg.tokenizer,
+        "columns": cfg.columns,
     }
 
 
