@@ -328,13 +328,15 @@ def _bool_flag(parser: argparse.ArgumentParser, name: str, help: str) -> None:
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     """The ``treetrain train`` flags. Every default is ``None``: only flags given override."""
     d = TrainConfig()
-    p.add_argument("--config", help="YAML config file (flags given on the command line override it)")
+    p.add_argument(
+        "--config", help="YAML config file; flags given on the command line override it (default: none)"
+    )
     p.add_argument(
         "--set",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override any option, e.g. --set lr=1e-4 --set loss.clip_low=0.2 (repeatable)",
+        help="override any option, e.g. --set lr=1e-4 --set loss.clip_low=0.2 (repeatable; default: none)",
     )
     g = p.add_argument_group("data and model")
     g.add_argument(
@@ -349,14 +351,20 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         help="Parquet/Arrow/datasets sources: map treetrain fields to columns, e.g. "
         "paths=input_ids,loss_masks=mask (default: treetrain's and TRL's column names)",
     )
-    g.add_argument("--tokenizer", help='for messages data: a local tokenizer directory, or "qwen"')
-    _bool_flag(g, "skip-oversized", "drop paths longer than --capacity instead of failing")
+    g.add_argument(
+        "--tokenizer", help='for messages data: a local tokenizer directory, or "qwen" (default: none)'
+    )
+    _bool_flag(g, "skip-oversized", "drop paths longer than --capacity instead of failing (default off)")
     g.add_argument(
         "--model",
         help="local Hugging Face model directory; a directory with only config.json is randomly "
         "initialized from --seed (default: an embedded tiny Qwen3 config, random init)",
     )
-    g.add_argument("--attention", help="tree attention backend: dense | blocksparse | flex | triton")
+    g.add_argument(
+        "--attention",
+        help="tree attention backend: dense | blocksparse | flex | triton (default: blocksparse on CPU, "
+        "triton on CUDA)",
+    )
     g = p.add_argument_group("objective and batching")
     g.add_argument("--objective", help=f"sft | reinforce | grpo | ppo | gspo (default {d.objective})")
     g.add_argument(
@@ -372,7 +380,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--capacity", type=int, help=f"tokens per micro-batch (default {d.capacity})")
     g.add_argument("--batch-trees", type=int, help=f"trees per optimizer step (default {d.batch_trees})")
     g.add_argument("--steps", type=int, help=f"optimizer steps (default {DEFAULT_STEPS} unless --epochs)")
-    g.add_argument("--epochs", type=float, help="passes over the data instead of --steps")
+    g.add_argument("--epochs", type=float, help="passes over the data instead of --steps (default: unset)")
     g = p.add_argument_group("optimizer (AdamW) and schedule")
     g.add_argument("--lr", type=float, help=f"peak learning rate (default {d.lr})")
     g.add_argument("--betas", type=float, nargs=2, metavar=("B1", "B2"), help=f"default {d.betas}")
@@ -380,20 +388,29 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--weight-decay", type=float, help=f"default {d.weight_decay}")
     g.add_argument("--schedule", help=f"cosine | linear | constant after warmup (default {d.schedule})")
     g.add_argument("--warmup-steps", type=int, help=f"linear warmup steps (default {d.warmup_steps})")
-    g.add_argument("--min-lr-ratio", type=float, help="final lr / peak lr for cosine and linear decay")
+    g.add_argument(
+        "--min-lr-ratio",
+        type=float,
+        help=f"final lr / peak lr for cosine and linear decay (default {d.min_lr_ratio})",
+    )
     g.add_argument("--grad-clip", type=float, help=f"max global grad norm, 0: off (default {d.grad_clip})")
     g = p.add_argument_group("run")
     g.add_argument("--output", help=f"output directory (default {d.output})")
     g.add_argument("--seed", type=int, help=f"random seed (default {d.seed})")
     g.add_argument("--device", help="auto | cpu | cuda | cuda:N (default auto)")
     g.add_argument(
-        "--dtype", help="auto (bfloat16 autocast on CUDA, float32 on CPU) | float32 | bfloat16 | float64"
+        "--dtype",
+        help="auto (bfloat16 autocast on CUDA, float32 on CPU) | float32 | bfloat16 | float64 (default auto)",
     )
-    _bool_flag(g, "activation-checkpointing", "recompute layer activations in backward (less memory)")
+    _bool_flag(
+        g, "activation-checkpointing", "recompute layer activations in backward: less memory (default off)"
+    )
     g.add_argument("--prefetch", type=int, help="batches prepared ahead in a thread (default 2; 0: off)")
-    g.add_argument("--checkpoint-every", type=int, help="steps between resumable checkpoints (0: off)")
-    _bool_flag(g, "resume", "continue from the latest checkpoint under OUTPUT/checkpoints")
-    _bool_flag(g, "plot", "write OUTPUT/training.png: loss and throughput per step")
+    g.add_argument(
+        "--checkpoint-every", type=int, help="steps between resumable checkpoints, 0: off (default 0)"
+    )
+    _bool_flag(g, "resume", "continue from the latest checkpoint under OUTPUT/checkpoints (default off)")
+    _bool_flag(g, "plot", "write OUTPUT/training.png: loss and throughput per step (default off)")
     _bool_flag(g, "progress", "show the progress bar (default on)")
     g.add_argument(
         "--report-to",
