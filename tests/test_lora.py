@@ -97,6 +97,9 @@ def test_python_peft_config(tmp_path):
     cfg.model = str(tmp_path / "tiny")
     res = train(cfg, quiet=True)
     assert json.loads((res.final / "adapter_config.json").read_text())["target_modules"] == ["o_proj"]
+    cfg.packing, cfg.output = "sequence", str(tmp_path / "seq")  # the baseline runs LoRA models too
+    seq = train(cfg, quiet=True)
+    assert abs(seq.records[0]["loss"] - res.records[0]["loss"]) < 1e-4 * abs(res.records[0]["loss"])
     obj = TrainConfig(peft_config=peft.LoraConfig(r=2, target_modules=["q_proj"]))
     assert validate(obj).to_dict()["peft_config"]["target_modules"] == ["q_proj"]
 

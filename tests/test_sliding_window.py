@@ -176,10 +176,10 @@ def sliding_config(arch: str):
         return transformers.Qwen2Config(
             **COMMON, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1
         )
-    if arch == "gemma2":  # attention softcapping; the final-logit one is not in the tree head
+    if arch == "gemma2":  # both softcaps, small enough to bite on these logits
         return transformers.Gemma2Config(
             **COMMON, sliding_window=WINDOW, query_pre_attn_scalar=12, attn_logit_softcapping=5.0,
-            final_logit_softcapping=None, layer_types=["sliding_attention", "full_attention"],
+            final_logit_softcapping=3.0, layer_types=["sliding_attention", "full_attention"],
         )  # fmt: skip
     if arch == "gemma3":
         return transformers.Gemma3TextConfig(
@@ -270,3 +270,30 @@ def test_gemma2_blocksparse_softcap_error_names_the_alternative():
     model = sliding_model("gemma2")
     with pytest.raises(ValueError, match="blocksparse backend; use attention backend 'dense'"):
         path_logprobs(model, PATHS, backend="blocksparse")
+
+
+def test_final_logit_softcap_head_matches_autograd():
+    """The chunked head with Gemma 2's final softcap: log-probs, entropies and their gradients
+    against autograd through ``log_softmax(cap * tanh(h W^T / cap))``."""
+    from treetrain.logprobs import target_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(8, 11, bias=True).double()
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(11, 8, generator=g, dtype=torch.float64) * 2)
+    h = torch.randn(7, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, 11, (7,), generator=g)
+    cl, ce = (
+        torch.randn(7, generator=g, dtype=torch.float64),
+        torch.randn(7, generator=g, dtype=torch.float64),
+    )
+    logp, ent = target_logprobs(h, head, t, chunk=3, softcap=2.0)
+    got = [logp, ent, *torch.autograd.grad((cl * logp + ce * ent).sum(), (h, head.weight, head.bias))]
+    lsm = torch.log_softmax(torch.tanh(head(h) / 2.0) * 2.0, -1)
+    ref_logp, ref_ent = lsm.gather(1, t[:, None])[:, 0], -(lsm.exp() * lsm).sum(-1)
+    want = [ref_logp, ref_ent]
+    want += torch.autograd.grad((cl * ref_logp + ce * ref_ent).sum(), (h, head.weight, head.bias))
+    for a, b in zip(got, want):
+        assert rel_err(a, b) < 1e-12, rel_err(a, b)
+    capped_lp, _ = target_logprobs(h, head, t, chunk=3)
+    assert rel_err(capped_lp, logp) > 1e-2  # the cap matters at this scale

@@ -313,11 +313,14 @@ def sequence_parts(tree: TrajectoryTree) -> list[TrajectoryTree]:
 def sequence_logprobs(model: nn.Module, ids: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence ``ids [L]`` through the model's own causal attention (SDPA, no tree mask):
     log-probs and entropies of its ``L - 1`` targets, through the same chunked LM head as trees."""
-    from .logprobs import target_logprobs
+    from .logprobs import logit_softcap, target_logprobs
+    from .models.hf import decoder_of
 
-    decoder = getattr(model, "treetrain_decoder", None) or model.base_model  # FSDP's root entry
+    decoder = getattr(model, "treetrain_decoder", None) or decoder_of(model)  # FSDP's root entry
     hidden = decoder(input_ids=ids[None], use_cache=False).last_hidden_state[0]
-    return target_logprobs(hidden[:-1], model.get_output_embeddings(), ids[1:], chunk)
+    return target_logprobs(
+        hidden[:-1], model.get_output_embeddings(), ids[1:], chunk, softcap=logit_softcap(model)
+    )
 
 
 def sequence_loss(

@@ -110,19 +110,12 @@ def register() -> None:
     _registered = True
 
 
-def _check_supported(config) -> None:
-    text = getattr(config, "text_config", None) or config
-    if getattr(text, "final_logit_softcapping", None):
-        raise ValueError("final_logit_softcapping is not supported by treetrain's log-prob head")
-
-
 def prepare_model(model: nn.Module) -> nn.Module:
     """Switch a model's attention to ``treetrain`` and route its recurrent layers along the tree.
 
     Called without a tree, the model still works as an ordinary model (plain SDPA). Returns it.
     """
     register()
-    _check_supported(model.config)
     if model.config._attn_implementation != ATTN_NAME:
         model.set_attn_implementation(ATTN_NAME)
     from .recurrent import patch_recurrent_layers
@@ -131,7 +124,7 @@ def prepare_model(model: nn.Module) -> nn.Module:
     return model
 
 
-def _decoder(model: nn.Module) -> nn.Module:
+def decoder_of(model: nn.Module) -> nn.Module:
     """The decoder of a ``...ForCausalLM``, also inside a ``peft.PeftModel`` (LoRA)."""
     get_base = getattr(model, "get_base_model", None)  # PeftModel: base_model is PEFT's LoraModel
     return (get_base() if callable(get_base) else model).base_model
@@ -152,7 +145,7 @@ def tree_forward(model: nn.Module, packed: PackedTree, backend: str | None = Non
     mask = TreeMask(
         packed.subtree_end, backend=backend or default_backend(device), position_ids=packed.position_ids
     )
-    decoder = getattr(model, "treetrain_decoder", None) or _decoder(model)
+    decoder = getattr(model, "treetrain_decoder", None) or decoder_of(model)
     out = decoder(
         input_ids=packed.input_ids[None],
         position_ids=packed.position_ids[None],
