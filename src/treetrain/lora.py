@@ -118,9 +118,20 @@ def apply_lora(model: nn.Module, config) -> nn.Module:
 
 
 def save_adapter(model: nn.Module, out_dir: str | Path) -> Path:
-    """``save_pretrained`` of the adapter alone (``adapter_config.json``, safetensors weights)."""
+    """``save_pretrained`` of the adapter alone (``adapter_config.json``, safetensors weights).
+
+    Collective under FSDP: the full state dict is gathered, rank 0 writes.
+    """
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     out = Path(out_dir)
-    model.save_pretrained(out)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if rank0:
+        model.save_pretrained(out, state_dict=full, is_main_process=True)
+    if dist.is_initialized():
+        dist.barrier()
     return out
 
 
