@@ -59,6 +59,9 @@ def test_parquet_arrow_and_datasets_read_like_jsonl(tmp_path, jsonl):
     assert want[0][0] == 5  # 1 2 3 4 5: the shared prefix once
     for name in ("t.parquet", "t.arrow", "s.arrow", "ds", "dd"):
         _same_trees(_trees(tmp_path / name), want)
+    from treetrain.cli import main
+
+    assert main(["stats", "--data", str(tmp_path / "ds"), "--capacity", "4"]) == 0  # stats reads them too
     counts = validate_file(tmp_path / "t.parquet")
     assert counts.samples == 3 and counts.lines == 3 and counts.tree_tokens == 5 + 4 + 5
 
