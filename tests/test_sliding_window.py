@@ -267,9 +267,15 @@ def test_window_changes_the_result():
 
 
 def test_gemma2_blocksparse_softcap_error_names_the_alternative():
+    from treetrain.models.hf import auto_backend
+
     model = sliding_model("gemma2")
     with pytest.raises(ValueError, match="blocksparse backend; use attention backend 'dense'"):
         path_logprobs(model, PATHS, backend="blocksparse")
+    # the automatic choice avoids it: dense on CPU (flex on CUDA)
+    assert auto_backend(model, torch.device("cpu")) == "dense"
+    assert auto_backend(sliding_model("gemma3"), torch.device("cpu")) == "blocksparse"
+    assert len(path_logprobs(model, PATHS)) == len(PATHS)
 
 
 def test_final_logit_softcap_head_matches_autograd():

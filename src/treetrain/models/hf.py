@@ -124,6 +124,16 @@ def prepare_model(model: nn.Module) -> nn.Module:
     return model
 
 
+def auto_backend(model: nn.Module, device: torch.device) -> str:
+    """The device's default backend, or one that supports the model's attention softcap (Gemma 2):
+    ``dense`` on CPU, ``flex`` on CUDA, where the default (blocksparse, triton) has no softcap."""
+    name = default_backend(device)
+    softcap = getattr(model.config.get_text_config(), "attn_logit_softcapping", None)
+    if softcap and name in ("blocksparse", "triton"):
+        return "flex" if torch.device(device).type == "cuda" else "dense"
+    return name
+
+
 def decoder_of(model: nn.Module) -> nn.Module:
     """The decoder of a ``...ForCausalLM``, also inside a ``peft.PeftModel`` (LoRA)."""
     get_base = getattr(model, "get_base_model", None)  # PeftModel: base_model is PEFT's LoraModel
@@ -143,7 +153,7 @@ def tree_forward(model: nn.Module, packed: PackedTree, backend: str | None = Non
     packed = packed.to(device)
     T = packed.num_tokens
     mask = TreeMask(
-        packed.subtree_end, backend=backend or default_backend(device), position_ids=packed.position_ids
+        packed.subtree_end, backend=backend or auto_backend(model, device), position_ids=packed.position_ids
     )
     decoder = getattr(model, "treetrain_decoder", None) or decoder_of(model)
     out = decoder(
