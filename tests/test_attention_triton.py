@@ -233,15 +233,16 @@ import treetrain.attention.triton_kernel as tk
 P, D = "*{dtype}", {d}
 cfg = dict(GROUP=2, D=D, BLOCK_M={block_m}, BLOCK_N={block_n}, BLOCK_D=D, PRECISION="tf32")
 rows = dict(LSE="*fp32", DELTA="*fp32", SEND="*i64", KMIN="*i32", KMAX="*i32", T="i32")
+rows |= dict(POS="*i64", WINDOW="i32")  # the sliding window's positions and width
 sigs = {{
     tk._fwd_kernel: dict(Q=P, K=P, V=P, O=P, qk_scale="fp32"),
     tk._bwd_delta_kernel: dict(O=P, DO=P),
     tk._bwd_dkdv_kernel: dict(Q=P, K=P, V=P, DO=P, DK=P, DV=P, qk_scale="fp32", sm_scale="fp32"),
     tk._bwd_dq_kernel: dict(Q=P, K=P, V=P, DO=P, DQ=P, qk_scale="fp32", sm_scale="fp32"),
 }}
-for fn, sig in sigs.items():
-    sig |= {{a: t for a, t in rows.items() if a in fn.arg_names}}
-    cx = {{a: v for a, v in cfg.items() if a in fn.arg_names}}
+for (fn, sig), window in [(item, w) for item in sigs.items() for w in (False, True)]:  # sliding window
+    sig = sig | {{a: t for a, t in rows.items() if a in fn.arg_names}}
+    cx = {{a: v for a, v in (cfg | dict(HAS_WINDOW=window)).items() if a in fn.arg_names}}
     sig |= dict.fromkeys(cx, "constexpr")
     sig = {{a: sig[a] for a in fn.arg_names}}
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=cx)

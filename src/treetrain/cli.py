@@ -46,10 +46,13 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(
         prog="treetrain", description="Train LLMs on tree-structured agent trajectories."
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.add_argument("--version", action="version", version=f"treetrain {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", help="run treetrain COMMAND --help")
     _add_train(sub)
     _add_stats(sub)
     _add_bench(sub)

@@ -54,6 +54,7 @@ class TrainConfig:
     # data
     data: str | None = None  # JSONL file; None: the bundled sample
     data_format: str | None = None  # paths | messages | tree; None: detect per line
+    columns: Any = None  # table sources: "field=column,..." or a mapping (treetrain.sources)
     tokenizer: str | None = None  # for messages data: a local HF tokenizer dir, or "qwen"
     skip_oversized: bool = False  # drop (and count) paths longer than capacity instead of failing
     # model
@@ -92,10 +93,21 @@ class TrainConfig:
     max_line_bytes: int = 256 * 2**20  # a longer JSONL line is an error (read in bounded memory)
     plot: bool = False  # write output/training.png (loss and throughput)
     progress: bool = True  # tqdm progress bar
+    # LoRA adapter through PEFT (treetrain.lora); lora_r 0: full fine-tuning
+    lora_r: int = 0
+    lora_alpha: float | None = None  # None: 2 * lora_r
+    lora_targets: str | None = None  # comma-separated module names; None: PEFT's default
+    lora_dropout: float = 0.0
+    peft_config: Any = None  # YAML mapping of peft.LoraConfig fields, or a peft.LoraConfig
+    report_to: str = "none"  # trackers, comma-separated: tensorboard,wandb,mlflow,trackio | none
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
+        d = dataclasses.asdict(dataclasses.replace(self, peft_config=None))
         d["betas"] = list(self.betas)
+        if self.peft_config is not None:
+            from .lora import peft_config_dict
+
+            d["peft_config"] = peft_config_dict(self.peft_config)
         return d
 
 
@@ -126,6 +138,8 @@ def merge(cfg: TrainConfig, values: Mapping[str, Any], source: str) -> TrainConf
         key = key.replace("-", "_")
         if key not in FIELDS:
             raise _unknown(key, source)
+        if key in ("peft_config", "columns") and isinstance(value, Mapping):
+            value = dict(value)
         if key == "loss":
             if not isinstance(value, Mapping):
                 raise ValueError(f"{source}: loss must be a mapping of objective options, got {value!r}")
@@ -287,6 +301,25 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         _choice("attention", c.attention, ("dense", "blocksparse", "flex", "triton"))
     if not isinstance(c.loss, dict) or not all(isinstance(k, str) for k in c.loss):
         raise ValueError(f"loss: expected a mapping of objective option names to values, got {c.loss!r}")
+    c.lora_r = _coerce("lora_r", c.lora_r or 0, int)
+    c.lora_dropout = _coerce("lora_dropout", c.lora_dropout or 0.0, float)
+    if c.lora_alpha is not None:
+        c.lora_alpha = _coerce("lora_alpha", c.lora_alpha, float)
+    if c.lora_targets is not None and not isinstance(c.lora_targets, str):  # YAML list
+        c.lora_targets = ",".join(map(str, c.lora_targets))
+    if c.columns is not None:
+        from .sources import parse_columns
+
+        c.columns = parse_columns(c.columns)
+    if not isinstance(c.report_to, str):  # YAML list
+        c.report_to = ",".join(map(str, c.report_to or ["none"]))
+    from .trackers import parse_report_to
+
+    parse_report_to(c.report_to)  # known names, libraries installed
+    if c.lora_r or c.peft_config is not None or c.lora_alpha is not None or c.lora_targets:
+        from .lora import config_from_train
+
+        config_from_train(c)  # checks the adapter options (and that peft is installed)
     return c
 
 
@@ -302,25 +335,43 @@ def _bool_flag(parser: argparse.ArgumentParser, name: str, help: str) -> None:
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     """The ``treetrain train`` flags. Every default is ``None``: only flags given override."""
     d = TrainConfig()
-    p.add_argument("--config", help="YAML config file (flags given on the command line override it)")
+    p.add_argument(
+        "--config", help="YAML config file; flags given on the command line override it (default: none)"
+    )
     p.add_argument(
         "--set",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override any option, e.g. --set lr=1e-4 --set loss.clip_low=0.2 (repeatable)",
+        help="override any option, e.g. --set lr=1e-4 --set loss.clip_low=0.2 (repeatable; default: none)",
     )
     g = p.add_argument_group("data and model")
-    g.add_argument("--data", help="JSONL file of trees (default: the bundled agent-dialogue sample)")
+    g.add_argument(
+        "--data",
+        help="JSONL file of trees (.gz too), a Parquet/Arrow file or a datasets.save_to_disk directory "
+        "(default: the bundled agent-dialogue sample)",
+    )
     g.add_argument("--data-format", help="paths | messages | tree (default: detected per line)")
-    g.add_argument("--tokenizer", help='for messages data: a local tokenizer directory, or "qwen"')
-    _bool_flag(g, "skip-oversized", "drop paths longer than --capacity instead of failing")
+    g.add_argument(
+        "--columns",
+        metavar="FIELD=COLUMN,...",
+        help="Parquet/Arrow/datasets sources: map treetrain fields to columns, e.g. "
+        "paths=input_ids,loss_masks=mask (default: treetrain's and TRL's column names)",
+    )
+    g.add_argument(
+        "--tokenizer", help='for messages data: a local tokenizer directory, or "qwen" (default: none)'
+    )
+    _bool_flag(g, "skip-oversized", "drop paths longer than --capacity instead of failing (default off)")
     g.add_argument(
         "--model",
         help="local Hugging Face model directory; a directory with only config.json is randomly "
         "initialized from --seed (default: an embedded tiny Qwen3 config, random init)",
     )
-    g.add_argument("--attention", help="tree attention backend: dense | blocksparse | flex | triton")
+    g.add_argument(
+        "--attention",
+        help="tree attention backend: dense | blocksparse | flex | triton (default: blocksparse on CPU, "
+        "triton on CUDA)",
+    )
     g = p.add_argument_group("objective and batching")
     g.add_argument("--objective", help=f"sft | reinforce | grpo | ppo | gspo (default {d.objective})")
     g.add_argument(
@@ -336,7 +387,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--capacity", type=int, help=f"tokens per micro-batch (default {d.capacity})")
     g.add_argument("--batch-trees", type=int, help=f"trees per optimizer step (default {d.batch_trees})")
     g.add_argument("--steps", type=int, help=f"optimizer steps (default {DEFAULT_STEPS} unless --epochs)")
-    g.add_argument("--epochs", type=float, help="passes over the data instead of --steps")
+    g.add_argument("--epochs", type=float, help="passes over the data instead of --steps (default: unset)")
     g = p.add_argument_group("optimizer (AdamW) and schedule")
     g.add_argument("--lr", type=float, help=f"peak learning rate (default {d.lr})")
     g.add_argument("--betas", type=float, nargs=2, metavar=("B1", "B2"), help=f"default {d.betas}")
@@ -344,24 +395,29 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--weight-decay", type=float, help=f"default {d.weight_decay}")
     g.add_argument("--schedule", help=f"cosine | linear | constant after warmup (default {d.schedule})")
     g.add_argument("--warmup-steps", type=int, help=f"linear warmup steps (default {d.warmup_steps})")
-    g.add_argument("--min-lr-ratio", type=float, help="final lr / peak lr for cosine and linear decay")
+    g.add_argument(
+        "--min-lr-ratio",
+        type=float,
+        help=f"final lr / peak lr for cosine and linear decay (default {d.min_lr_ratio})",
+    )
     g.add_argument("--grad-clip", type=float, help=f"max global grad norm, 0: off (default {d.grad_clip})")
     g = p.add_argument_group("run")
     g.add_argument("--output", help=f"output directory (default {d.output})")
     g.add_argument("--seed", type=int, help=f"random seed (default {d.seed})")
     g.add_argument("--device", help="auto | cpu | cuda | cuda:N (default auto)")
     g.add_argument(
-        "--dtype", help="auto (bfloat16 autocast on CUDA, float32 on CPU) | float32 | bfloat16 | float64"
+        "--dtype",
+        help="auto (bfloat16 autocast on CUDA, float32 on CPU) | float32 | bfloat16 | float64 (default auto)",
     )
-    _bool_flag(g, "activation-checkpointing", "recompute layer activations in backward (less memory)")
+    _bool_flag(
+        g, "activation-checkpointing", "recompute layer activations in backward: less memory (default off)"
+    )
     g.add_argument("--prefetch", type=int, help="batches prepared ahead in a thread (default 2; 0: off)")
-    g.add_argument("--checkpoint-every", type=int, help="steps between resumable checkpoints (0: off)")
-    _bool_flag(g, "resume", "continue from the latest checkpoint under OUTPUT/checkpoints")
     _bool_flag(
         g,
         "overwrite",
         "replace an earlier run in OUTPUT (its config, metrics, checkpoints, final model; any other "
-        "file there is kept), or write into a non-empty directory that is not a run",
+        "file there is kept), or write into a non-empty directory that is not a run (default off)",
     )
     _bool_flag(
         g,
@@ -374,8 +430,20 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         help=f"a longer line in the data file is an error (default {d.max_line_bytes // 2**20} MiB)",
     )
-    _bool_flag(g, "plot", "write OUTPUT/training.png: loss and throughput per step")
+    g.add_argument(
+        "--checkpoint-every", type=int, help="steps between resumable checkpoints, 0: off (default 0)"
+    )
+    _bool_flag(g, "resume", "continue from the latest checkpoint under OUTPUT/checkpoints (default off)")
+    _bool_flag(g, "plot", "write OUTPUT/training.png: loss and throughput per step (default off)")
     _bool_flag(g, "progress", "show the progress bar (default on)")
+    g.add_argument(
+        "--report-to",
+        help="experiment trackers, comma-separated: tensorboard, wandb, mlflow, trackio, or none "
+        f"(default {d.report_to}); they log the metrics.jsonl scalars",
+    )
+    from .lora import add_lora_arguments
+
+    add_lora_arguments(p)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:

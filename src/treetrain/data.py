@@ -53,6 +53,7 @@ from typing import Any
 
 import numpy as np
 
+from . import sources
 from .tree import TrajectoryTree
 
 __all__ = [
@@ -101,10 +102,14 @@ class DataError(ValueError):
     location) are there for programs.
     """
 
-    def __init__(self, reason: str, *, file: str | None = None, line: int = 0, field: tuple = ()):
+    def __init__(
+        self, reason: str, *, file: str | None = None, line: int = 0, field: tuple = (), unit: str = "line"
+    ):
         self.file, self.line, self.field, self.reason = file, line, tuple(field), reason
         self.errors: list[DataError] = []  # validate_file's summary: the errors it lists
-        where = "" if file is None else f"{file}:{line}: " if line else f"{file}: "
+        where = "" if file is None else f"{file}: " if not line else f"{file}:{line}: "
+        if file is not None and line and unit != "line":  # tables: "data.parquet: row 7: ..."
+            where = f"{file}: {unit} {line}: "
         what = f"field {_field_str(self.field)}: " if self.field else ""
         super().__init__(f"{where}{what}{reason}")
 
@@ -699,6 +704,14 @@ def _decode(raw: bytes, lineno: int) -> Any:
         raise _Invalid("invalid JSON: nested too deeply") from None
 
 
+def _row_record(row: dict, columns: dict[str, str]) -> dict:
+    """A table row -> a record (``treetrain.sources``); raises _Invalid."""
+    try:
+        return sources.to_record(row, columns)
+    except ValueError as e:
+        raise _Invalid(str(e)) from None
+
+
 class TreeStream(Iterator[tuple[TrajectoryTree, SampleInfo]]):
     """The lazy reader behind :func:`iter_trees`: iterate it for ``(tree, info)``; ``counts`` and
     ``errors`` fill in as it goes (complete once it is exhausted)."""
@@ -714,6 +727,7 @@ class TreeStream(Iterator[tuple[TrajectoryTree, SampleInfo]]):
         tokenizer=None,
         on_error: str = "raise",
         max_line_bytes: int = MAX_LINE_BYTES,
+        columns: dict[str, str] | str | None = None,
     ):
         if format is not None and format not in FORMATS:
             raise ValueError(f"format: expected one of {FORMATS} or None, got {format!r}")
@@ -723,7 +737,11 @@ class TreeStream(Iterator[tuple[TrajectoryTree, SampleInfo]]):
             if v is not None and (not isinstance(v, int) or v <= 0):
                 raise ValueError(f"{name}: expected a positive integer or None, got {v!r}")
         self.path = Path(path)
-        if not self.path.is_file():
+        self.table = sources.is_table_source(self.path)  # Parquet, Arrow, a datasets directory
+        self.columns = sources.parse_columns(columns)
+        if self.columns and not self.table:
+            raise ValueError(f"columns: only for Parquet/Arrow/datasets sources, not {path}")
+        if not (self.path.is_file() or self.table):
             raise FileNotFoundError(f"{path}: no such data file")
         if tokenizer is not None:
             from .chat import load_tokenizer
@@ -746,13 +764,14 @@ class TreeStream(Iterator[tuple[TrajectoryTree, SampleInfo]]):
 
     def _run(self) -> Iterator[tuple[TrajectoryTree, SampleInfo]]:
         file, c = str(self.path), self.counts
-        for lineno, raw in enumerate(_open_lines(self.path, self.max_line_bytes), start=1):
+        raws = sources.iter_rows(self.path) if self.table else _open_lines(self.path, self.max_line_bytes)
+        for lineno, raw in enumerate(raws, start=1):
             c.lines += 1
-            if not raw.strip():
+            if not self.table and not raw.strip():
                 c.blank_lines += 1
                 continue
             try:
-                record = _decode(raw, lineno)
+                record = _row_record(raw, self.columns) if self.table else _decode(raw, lineno)
                 tree, fmt, where = _parse(record, self.format, self.vocab_size, self.tokenizer)
                 longest = int(tree.path_lengths.max())
                 if self.capacity is not None and longest > self.capacity:
@@ -767,7 +786,9 @@ class TreeStream(Iterator[tuple[TrajectoryTree, SampleInfo]]):
                         *where[p],
                     )
             except _Invalid as e:
-                err = DataError(e.reason, file=file, line=lineno, field=e.where)
+                err = DataError(
+                    e.reason, file=file, line=lineno, field=e.where, unit="row" if self.table else "line"
+                )
                 if self.on_error == "raise":
                     raise err from None
                 c.errors += 1
@@ -789,6 +810,7 @@ def iter_trees(
     tokenizer=None,
     on_error: str = "raise",
     max_line_bytes: int = MAX_LINE_BYTES,
+    columns: dict[str, str] | str | None = None,
 ) -> TreeStream:
     """Read a JSONL file (``.gz`` too) lazily, one line at a time, and yield ``(tree, SampleInfo)``.
 
@@ -815,6 +837,7 @@ def iter_trees(
         tokenizer=tokenizer,
         on_error=on_error,
         max_line_bytes=max_line_bytes,
+        columns=columns,
     )
 
 
@@ -828,6 +851,7 @@ def validate_file(
     tokenizer=None,
     max_errors: int = 20,
     max_line_bytes: int = MAX_LINE_BYTES,
+    columns: dict[str, str] | str | None = None,
 ) -> DataCounts:
     """One full streaming pass (every tree built, then dropped) before any compute.
 
@@ -849,6 +873,7 @@ def validate_file(
         tokenizer=tokenizer,
         on_error="collect",
         max_line_bytes=max_line_bytes,
+        columns=columns,
     )
     for _ in stream:
         pass

@@ -260,7 +260,9 @@ def shard_model(
 
 def _attach_decoder(model: nn.Module) -> None:
     """``model.treetrain_decoder(**kw)`` runs ``model.base_model(**kw)``: a root-level entry point."""
-    base = model.base_model
+    from .models.hf import decoder_of
+
+    base = decoder_of(model)  # inside a peft.PeftModel too
 
     def treetrain_decoder(*args, **kwargs):
         return base(*args, **kwargs)

@@ -35,23 +35,26 @@ class _TargetLogprobs(torch.autograd.Function):
 
     hidden ``[N, H]``, weight ``[V, H]``, bias ``[V]`` or None, targets ``[N]`` -> ``[N]``, ``[N]``
     (the entropy is empty unless ``entropy`` is set). Saves only the inputs; backward recomputes
-    each chunk's logits, so at most ``[chunk, V]`` logits exist at a time.
+    each chunk's logits, so at most ``[chunk, V]`` logits exist at a time. ``softcap`` (Gemma 2's
+    ``final_logit_softcapping``): the logits are ``softcap * tanh(z / softcap)``.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk: int, entropy: bool):
+    def forward(ctx, hidden, weight, bias, targets, chunk: int, entropy: bool, softcap: float | None = None):
         acc = _acc_dtype(hidden.dtype)
         N = hidden.shape[0]
         logp = hidden.new_empty(N, dtype=acc)
         ent = hidden.new_empty(N if entropy else 0, dtype=acc)
         for s in range(0, N, chunk):
             z = nn.functional.linear(hidden[s : s + chunk], weight, bias).to(acc)
+            if softcap is not None:
+                z = torch.tanh(z / softcap).mul_(softcap)
             lse = torch.logsumexp(z, dim=-1)
             logp[s : s + chunk] = z.gather(1, targets[s : s + chunk, None])[:, 0] - lse
             if entropy:  # H = lse - sum_v p_v z_v
                 ent[s : s + chunk] = lse - torch.einsum("nv,nv->n", torch.softmax(z, -1), z)
         ctx.save_for_backward(hidden, weight, bias, targets)
-        ctx.chunk, ctx.entropy = chunk, entropy
+        ctx.chunk, ctx.entropy, ctx.softcap = chunk, entropy, softcap
         return logp, ent
 
     @staticmethod
@@ -69,6 +72,9 @@ class _TargetLogprobs(torch.autograd.Function):
             rows = slice(s, s + ctx.chunk)
             h, gl = hidden[rows], g_logp[rows, None]
             z = nn.functional.linear(h, weight, bias).to(acc)
+            if ctx.softcap is not None:  # d capped / dz = 1 - tanh^2, applied to g_z below
+                tanh = torch.tanh(z / ctx.softcap)
+                z = tanh * ctx.softcap
             p = torch.softmax(z, dim=-1)
             if with_ent:  # d entropy / dz = -p * (z - E_p[z]), formed in z's buffer
                 expect = torch.einsum("nv,nv->n", p, z)[:, None]
@@ -77,6 +83,8 @@ class _TargetLogprobs(torch.autograd.Function):
                 del z
                 g_z = p.mul_(-gl)
             g_z.scatter_add_(1, targets[rows, None], gl)
+            if ctx.softcap is not None:
+                g_z.mul_(1 - tanh * tanh)
             g_z = g_z.to(hidden.dtype)
             if need_h:
                 g_h[rows] = g_z @ weight
@@ -88,7 +96,7 @@ class _TargetLogprobs(torch.autograd.Function):
                 g_b += g_z.sum(0).to(acc)
         g_w = g_w.to(weight.dtype) if g_w is not None else None
         g_b = g_b.to(bias.dtype) if g_b is not None else None
-        return g_h, g_w, g_b, None, None, None
+        return g_h, g_w, g_b, None, None, None, None
 
 
 def auto_chunk(vocab: int, budget_bytes: int = 64 * 2**20) -> int:
@@ -102,6 +110,7 @@ def target_logprobs(
     targets: torch.Tensor,
     chunk: int | None = DEFAULT_CHUNK,
     entropy: bool = True,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of ``targets [N]`` under ``head(hidden [N, H])`` and the entropy, each ``[N]``.
 
@@ -112,7 +121,12 @@ def target_logprobs(
     if not isinstance(head, nn.Linear):
         raise ValueError(f"output head must be an nn.Linear, got {type(head).__name__}")
     chunk = chunk or auto_chunk(head.out_features)
-    return _TargetLogprobs.apply(hidden, head.weight, head.bias, targets, chunk, entropy)
+    return _TargetLogprobs.apply(hidden, head.weight, head.bias, targets, chunk, entropy, softcap)
+
+
+def logit_softcap(model: nn.Module) -> float | None:
+    """The model's final-logit soft-capping (Gemma 2: ``final_logit_softcapping``), or None."""
+    return getattr(model.config.get_text_config(), "final_logit_softcapping", None) or None
 
 
 def tree_logprobs(
@@ -137,7 +151,9 @@ def tree_logprobs(
     targets = torch.nonzero(has_prev)[:, 0]
     rows = hidden.index_select(0, packed.prev[targets])
     head = model.get_output_embeddings()
-    logp, ent = target_logprobs(rows, head, packed.input_ids[targets], chunk, entropy)
+    logp, ent = target_logprobs(
+        rows, head, packed.input_ids[targets], chunk, entropy, softcap=logit_softcap(model)
+    )
     T = packed.num_tokens
     full_logp = logp.new_zeros(T).index_copy(0, targets, logp)
     full_ent = logp.new_zeros(T)

@@ -1,4 +1,8 @@
-"""``treetrain stats FILE``: how much a dataset shares, and what a tree trainer can gain from it."""
+"""``treetrain stats --data FILE``: how much a dataset shares, and what a tree trainer can gain from it.
+
+``--data``/``--data-format`` are the names ``train`` uses; the older positional ``FILE`` and
+``--format`` still work (undocumented aliases).
+"""
 
 from __future__ import annotations
 
@@ -8,13 +12,51 @@ from .flops import QWEN3_0_6B, CostModel, flop_bound, token_bound
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser("stats", help="tree statistics of a JSONL file: tokens, POR, speedup bounds")
-    p.add_argument("file", nargs="?", default=None, help="JSONL (default: the bundled sample)")
-    p.add_argument("--format", dest="fmt", default=None, choices=["paths", "messages", "tree"])
-    p.add_argument("--tokenizer", default=None, help='messages format: a local tokenizer dir, or "qwen"')
-    p.add_argument("--capacity", type=int, default=None, help="token budget: report partition ERR")
-    p.add_argument("--model", default=None, help="local model dir/config for the FLOP bound")
-    p.add_argument("--show", type=int, default=0, help="draw the first N trees")
+    p = sub.add_parser(
+        "stats",
+        help="tree statistics of a data file: tokens, POR, speedup bounds",
+        description="How much a dataset shares: distinct vs path tokens, POR, the token and FLOP "
+        "speedup bounds of tree training, optionally the partition ERR and a picture of the tree.",
+    )
+    p.add_argument("file", nargs="?", default=None, help=argparse.SUPPRESS)  # alias of --data
+    p.add_argument(
+        "--data",
+        default=None,
+        help="JSONL (.gz), Parquet/Arrow file or datasets directory (default: the bundled sample)",
+    )
+    formats = ["paths", "messages", "tree"]
+    p.add_argument(
+        "--data-format",
+        dest="fmt",
+        default=None,
+        choices=formats,
+        help="the data format (default: detected per record)",
+    )
+    p.add_argument("--format", dest="fmt", choices=formats, help=argparse.SUPPRESS)  # alias
+    p.add_argument(
+        "--columns",
+        default=None,
+        metavar="FIELD=COLUMN,...",
+        help="table sources: map treetrain fields to columns (default: treetrain's and TRL's names)",
+    )
+    p.add_argument(
+        "--tokenizer", default=None, help='messages format: a local tokenizer dir, or "qwen" (default none)'
+    )
+    p.add_argument(
+        "--capacity", type=int, default=None, help="token budget: also report partition ERR (default off)"
+    )
+    p.add_argument(
+        "--model", default=None, help="local model dir/config for the FLOP bound (default: Qwen3-0.6B shape)"
+    )
+    p.add_argument("--show", type=int, default=0, help="draw the first N trees as text (default 0)")
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="PNG",
+        help="write a picture of a tree (depth, branching, shared tokens) and of the sharing by "
+        "position over all trees (default: no picture)",
+    )
+    p.add_argument("--plot-tree", type=int, default=0, help="which tree --plot draws (default 0, the first)")
     p.set_defaults(handler=main)
     return p
 
@@ -30,8 +72,11 @@ def _cost(model: str | None) -> tuple[CostModel, str]:
 def main(args: argparse.Namespace) -> int:
     from . import data
 
-    path = args.file or data.sample_path("agent-dialogues")
-    trees = [tree for tree, _ in data.iter_trees(path, format=args.fmt, tokenizer=args.tokenizer)]
+    if args.file and args.data and args.file != args.data:
+        raise ValueError(f"two data files: {args.file} and --data {args.data}; give one (--data)")
+    path = args.data or args.file or data.sample_path("agent-dialogues")
+    stream = data.iter_trees(path, format=args.fmt, tokenizer=args.tokenizer, columns=args.columns)
+    trees = [tree for tree, _ in stream]
     if not trees:
         raise ValueError(f"{path}: no samples")
     cost, cost_name = _cost(args.model)
@@ -70,4 +115,8 @@ def main(args: argparse.Namespace) -> int:
     for t in trees[: args.show]:
         print()
         print(t.render())
+    if args.plot:
+        from .treeplot import plot_trees
+
+        print(f"plot: {plot_trees(trees, args.plot, args.plot_tree).resolve()}")
     return 0

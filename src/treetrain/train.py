@@ -43,7 +43,11 @@ from torch import nn
 from . import distributed
 from .checkpoint import CheckpointError
 from .config import DEFAULT_STEPS, TrainConfig, add_train_arguments, config_from_args, validate
+from .lora import apply_lora, is_peft_model, save_adapter
+from .lora import config_from_train as lora_config_of
 from .packing import PackedTree, pack
+from .sources import is_table_source
+from .trackers import open_trackers
 from .tree import TrajectoryTree
 
 __all__ = [
@@ -276,9 +280,10 @@ def data_path(cfg: TrainConfig) -> Path:
 
         return Path(sample_path(SAMPLE))
     path = Path(cfg.data)
-    if not path.is_file():
+    if not path.is_file() and not (path.is_dir() and is_table_source(path)):
         raise ValueError(
-            f"--data {cfg.data}: no such file; pass a JSONL file of trees (or omit for the sample)"
+            f"--data {cfg.data}: no such file; pass a JSONL file of trees, a Parquet/Arrow file or a "
+            "datasets.save_to_disk directory (or omit for the sample)"
         )
     return path
 
@@ -292,6 +297,7 @@ def _reader_options(cfg: TrainConfig, vocab_size: int) -> dict[str, Any]:
         "skip_oversized": cfg.skip_oversized,
         "tokenizer": _tokenizer(cfg.tokenizer, cfg.trust_remote_code) if cfg.tokenizer else None,
         "max_line_bytes": cfg.max_line_bytes,
+        "columns": cfg.columns,
     }
 
 
@@ -342,11 +348,14 @@ def sequence_parts(tree: TrajectoryTree) -> list[TrajectoryTree]:
 def sequence_logprobs(model: nn.Module, ids: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence ``ids [L]`` through the model's own causal attention (SDPA, no tree mask):
     log-probs and entropies of its ``L - 1`` targets, through the same chunked LM head as trees."""
-    from .logprobs import target_logprobs
+    from .logprobs import logit_softcap, target_logprobs
+    from .models.hf import decoder_of
 
-    decoder = getattr(model, "treetrain_decoder", None) or model.base_model  # FSDP's root entry
+    decoder = getattr(model, "treetrain_decoder", None) or decoder_of(model)  # FSDP's root entry
     hidden = decoder(input_ids=ids[None], use_cache=False).last_hidden_state[0]
-    return target_logprobs(hidden[:-1], model.get_output_embeddings(), ids[1:], chunk)
+    return target_logprobs(
+        hidden[:-1], model.get_output_embeddings(), ids[1:], chunk, softcap=logit_softcap(model)
+    )
 
 
 def sequence_loss(
@@ -722,6 +731,8 @@ def setup(cfg: TrainConfig) -> Run:
         build_model(cfg.model, cfg.seed, param_dtype, device, trust_remote_code=cfg.trust_remote_code),
         cfg.activation_checkpointing,
     )
+    lora = lora_config_of(cfg)
+    model = apply_lora(model, lora) if lora is not None else model
     objective = build_objective(cfg)
     ref_model = build_reference_model(model) if objective.kl_coef and cfg.reference == "model" else None
     # FSDP2 from outside the model (a no-op in one process), before the optimizer sees the parameters
@@ -773,6 +784,7 @@ def run_loop(run: Run, metrics_path: Path) -> list[dict[str, Any]]:
         tqdm(
             total=run.steps, initial=run.start_step, unit="step", disable=not (cfg.progress and info.is_main)
         ) as bar,
+        open_trackers(cfg.report_to, run.out, cfg.to_dict(), enabled=info.is_main) as trackers,
     ):
         for step, batch in enumerate(batches, start=run.start_step + 1):
             lr = run.optimizer.param_groups[0]["lr"]
@@ -806,6 +818,7 @@ def run_loop(run: Run, metrics_path: Path) -> list[dict[str, Any]]:
             records.append(record)
             if fh is not None:
                 log_metrics(fh, record)
+                trackers.log(record)
             bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}")
             bar.update(1)
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < run.steps:
@@ -825,7 +838,10 @@ def train(cfg: TrainConfig, *, quiet: bool = False) -> TrainResult:
     t0 = time.perf_counter()
     records = run_loop(run, metrics_path)
     wall = time.perf_counter() - t0
-    final = export_pretrained(run.model, run.out / "final")
+    if is_peft_model(run.model):  # the adapter alone, for peft.PeftModel.from_pretrained
+        final = save_adapter(run.model, run.out / "final")
+    else:
+        final = export_pretrained(run.model, run.out / "final")
     is_main = distributed.init_distributed().is_main
     plot = plot_metrics(records, run.out / "training.png") if cfg.plot and records and is_main else None
     outputs = {"metrics": metrics_path, "model": final} | ({"plot": plot} if plot else {})

@@ -99,23 +99,56 @@ class BlockSparsePlan:
     computed_pairs: int
     _additive: dict = field(default_factory=dict, repr=False)
 
-    def kernel_masks(self, dtype: torch.dtype, rep: int) -> dict[int, torch.Tensor]:
+    def kernel_masks(
+        self, dtype: torch.dtype, rep: int, position_ids: torch.Tensor | None = None, window=None
+    ) -> dict[int, torch.Tensor]:
         """``{tile number: [1, 1, rep * rows, n]}`` additive masks (0 / -inf), the kernel's form.
 
         The rows repeat ``rep`` times, once per query head of a GQA group (see ``_fold``); causal
-        tiles need a mask then too.
+        tiles need a mask then too. With a sliding ``window`` every tile whose rows and keys lie
+        ``window`` or more positions apart also gets ``pos[q] - pos[k] < window``.
         """
-        if (dtype, rep) not in self._additive:
+        key = (dtype, rep, window)
+        if key not in self._additive:
             masks = {}
             for i, t in enumerate(self.tiles):
                 allowed = t.mask
-                if t.causal and rep > 1:
+                if t.causal and (rep > 1 or window is not None):
                     allowed = torch.ones(t.stop - t.start, t.num_keys, dtype=torch.bool).tril()
+                if window is not None:
+                    near = _window_allowed(position_ids, t, window)
+                    if near is not None:
+                        allowed = near if allowed is None else allowed & near
                 if allowed is not None:
                     additive = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
                     masks[i] = additive.repeat(rep, 1)[None, None]
-            self._additive[(dtype, rep)] = masks
-        return self._additive[(dtype, rep)]
+            self._additive[key] = masks
+        return self._additive[key]
+
+    def hidden_rows(self, position_ids: torch.Tensor, window: int) -> dict[int, torch.Tensor]:
+        """``{tile number: [rows] bool}``: rows the window hides all of a tile's keys from.
+
+        The CPU kernel returns log-sum-exp 0 (not -inf) for such a row, so the merge must skip it.
+        """
+        key = ("hidden", window)
+        if key not in self._additive:
+            hidden = {}
+            # local tiles come first and are skipped: every row sees itself there
+            for i, t in enumerate(self.tiles[self.num_local :], start=self.num_local):
+                near = _window_allowed(position_ids, t, window)
+                if near is not None and t.mask is not None:
+                    near &= t.mask
+                if near is not None and not bool(near.any(dim=1).all()):
+                    hidden[i] = ~near.any(dim=1)
+            self._additive[key] = hidden
+        return self._additive[key]
+
+
+def _window_allowed(pos: torch.Tensor, t: _Tile, window: int) -> torch.Tensor | None:
+    """``[rows, n]`` bool ``pos[q] - pos[k] < window`` for a tile, or None when all pairs are near."""
+    keys = torch.arange(t.key_start, t.key_stop) if t.index is None else t.index
+    near = pos[t.start : t.stop, None] - pos[keys][None, :] < window
+    return None if bool(near.all()) else near
 
 
 def _tree_sizes(T: int, block: int, fanout: int) -> list[int]:
@@ -239,7 +272,7 @@ def _unfold(x: torch.Tensor, rep: int) -> torch.Tensor:
     return x[0].unflatten(1, (rep, -1)).transpose(0, 1)
 
 
-def _forward(q, k, v, plan: BlockSparsePlan, scale: float):
+def _forward(q, k, v, plan: BlockSparsePlan, scale: float, pos=None, window=None):
     """``q [Hq, T, D]``, ``k, v [Hkv, T, D]`` -> ``out`` like ``q``, ``lse [rep, Hkv, T]``.
 
     ``out`` has ``q``'s memory layout; ``lse`` the kernel's accumulation dtype (float32, or
@@ -248,7 +281,8 @@ def _forward(q, k, v, plan: BlockSparsePlan, scale: float):
     hkv, T = k.shape[:2]
     q4, k4, v4 = _grouped(q, hkv), k[None], v[None]
     rep = q4.shape[0]
-    masks = plan.kernel_masks(q.dtype, rep)
+    masks = plan.kernel_masks(q.dtype, rep, pos, window)
+    hidden = plan.hidden_rows(pos, window) if window is not None else {}
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = torch.empty_like(q, dtype=acc)  # empty_like keeps the layout: token-major in, token-major out
     out4 = _grouped(out, hkv)
@@ -260,6 +294,8 @@ def _forward(q, k, v, plan: BlockSparsePlan, scale: float):
             attn_mask=masks.get(i), scale=scale,
         )  # fmt: skip
         o, l = _unfold(o, rep), _unfold(l, rep)
+        if i in hidden:  # the window hides all of this tile's keys from some rows: they add nothing
+            l = l.masked_fill(hidden[i], float("-inf"))
         if i < plan.num_local:  # the local tiles come first and cover every row once
             out4[:, :, rows] = o
             lse[:, :, rows] = l
@@ -270,12 +306,12 @@ def _forward(q, k, v, plan: BlockSparsePlan, scale: float):
     return out.to(q.dtype), lse
 
 
-def _backward(do, q, k, v, out, lse, plan: BlockSparsePlan, scale: float):
+def _backward(do, q, k, v, out, lse, plan: BlockSparsePlan, scale: float, pos=None, window=None):
     """Gradients of ``_forward``, accumulated over tiles in ``lse.dtype``, in the inputs' layouts."""
     hkv = k.shape[0]
     q4, k4, v4, do4, out4 = _grouped(q, hkv), k[None], v[None], _grouped(do, hkv), _grouped(out, hkv)
     rep = q4.shape[0]
-    masks = plan.kernel_masks(q.dtype, rep)
+    masks = plan.kernel_masks(q.dtype, rep, pos, window)
     dq = torch.empty_like(q, dtype=lse.dtype)
     dk = torch.zeros_like(k, dtype=lse.dtype)
     dv = torch.zeros_like(v, dtype=lse.dtype)
@@ -299,22 +335,30 @@ def _backward(do, q, k, v, out, lse, plan: BlockSparsePlan, scale: float):
 
 class _BlockSparseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan: BlockSparsePlan, scale: float):
-        out, lse = _forward(q, k, v, plan, scale)
+    def forward(ctx, q, k, v, plan: BlockSparsePlan, scale: float, pos, window):
+        out, lse = _forward(q, k, v, plan, scale, pos, window)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan, ctx.scale = plan, scale
+        ctx.plan, ctx.scale, ctx.pos, ctx.window = plan, scale, pos, window
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(do, q, k, v, out, lse, ctx.plan, ctx.scale)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        dq, dk, dv = _backward(do, q, k, v, out, lse, ctx.plan, ctx.scale, ctx.pos, ctx.window)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def blocksparse_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: TreeMask, scale: float, block: int = 64
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: TreeMask,
+    scale: float,
+    block: int = 64,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Tree attention that computes (nearly) only the pairs the tree allows, with autograd. CPU only.
 
@@ -323,7 +367,14 @@ def blocksparse_attention(
     token-major ``[T, H, D]`` storage stays token-major). ``block``: rows of the finest tiles;
     smaller masks fewer pairs but makes more kernel calls (64 measured best,
     benchmarks/attention_cpu.py). float64, float32, bfloat16 (accumulated in float32).
+    ``window``: sliding window along each path (an extra mask on the tiles that cross it).
+    ``softcap`` is not supported (the CPU flash kernel has no score hook).
     """
+    if softcap is not None:
+        raise ValueError(
+            f"attention logit softcapping ({softcap}) is not supported by the blocksparse backend; "
+            "use attention backend 'dense' (CPU) or 'flex'"
+        )
     if q.device.type != "cpu":
         raise ValueError(f"blocksparse_attention runs on CPU, got {q.device}; use flex or triton")
     hq, T, D = q.shape
@@ -332,5 +383,7 @@ def blocksparse_attention(
         raise ValueError(f"query heads {hq} must be a multiple of key/value heads {hkv}")
     if T == 0:
         return q.new_empty(q.shape)
+    pos = mask.window_positions(window)
+    pos = None if pos is None else pos.detach().to("cpu", torch.int64)
     plan = mask.cached(("blocksparse", block), lambda: build_plan(mask.subtree_end, block))
-    return _BlockSparseAttention.apply(q, k, v, plan, scale)
+    return _BlockSparseAttention.apply(q, k, v, plan, scale, pos, window)

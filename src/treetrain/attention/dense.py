@@ -9,16 +9,31 @@ from .mask import TreeMask, dense_tree_mask
 
 
 def dense_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: TreeMask, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: TreeMask,
+    scale: float,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Tree attention with an explicit mask.
 
     Shapes: ``q [Hq, T, D]``, ``k, v [Hkv, T, D]`` with ``Hq % Hkv == 0`` (GQA); returns ``[Hq, T, D]``.
+    ``window``: sliding window along each path (``pos[q] - pos[k] < window``, see ``mask.py``).
+    ``softcap``: Gemma 2's attention logit soft-capping, ``softcap * tanh(scores / softcap)``.
     """
-    dense = mask.cached("dense", lambda: dense_tree_mask(mask.subtree_end))
+    pos = mask.window_positions(window)
+    dense = mask.cached(("dense", window), lambda: dense_tree_mask(mask.subtree_end, pos, window))
     rep = q.shape[0] // k.shape[0]
     if rep > 1:
         k = k.repeat_interleave(rep, dim=0)
         v = v.repeat_interleave(rep, dim=0)
+    if softcap is not None:  # SDPA has no score hook: the scores in full, as HF's eager attention
+        scores = (q @ k.transpose(-1, -2)) * scale
+        scores = torch.tanh(scores / softcap) * softcap
+        probs = torch.softmax(scores.masked_fill(~dense, float("-inf")), dim=-1)
+        return probs @ v
     # 4-D inputs: with 3-D ones SDPA takes a slow path that builds the T x T score matrix
     return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=dense, scale=scale)[0]

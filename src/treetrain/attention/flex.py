@@ -17,10 +17,18 @@ from .mask import TreeMask, block_classes
 FLEX_BLOCK = 128
 
 
-def tree_block_mask(subtree_end: torch.Tensor, block: int = FLEX_BLOCK) -> BlockMask:
-    """``BlockMask`` for ``k <= q < subtree_end[k]`` with partial and full block tables."""
+def tree_block_mask(
+    subtree_end: torch.Tensor,
+    block: int = FLEX_BLOCK,
+    position_ids: torch.Tensor | None = None,
+    window: int | None = None,
+) -> BlockMask:
+    """``BlockMask`` for ``k <= q < subtree_end[k]`` with partial and full block tables.
+
+    With ``window``, also ``position_ids[q] - position_ids[k] < window`` (closes over ``[T]`` only).
+    """
     T = subtree_end.numel()
-    any_allowed, full = block_classes(subtree_end, block)
+    any_allowed, full = block_classes(subtree_end, block, position_ids, window)
     partial = any_allowed & ~full
 
     def table(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,10 +37,15 @@ def tree_block_mask(subtree_end: torch.Tensor, block: int = FLEX_BLOCK) -> Block
         order = torch.argsort((~sel).to(torch.int8), dim=1, stable=True).to(torch.int32)
         return counts[None, None], order[None, None]
 
-    se = subtree_end
+    se, pos = subtree_end, position_ids
 
-    def mask_mod(b, h, q_idx, kv_idx):
+    def tree_mod(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (q_idx < se[kv_idx])
+
+    def window_mod(b, h, q_idx, kv_idx):
+        return tree_mod(b, h, q_idx, kv_idx) & (pos[q_idx] - pos[kv_idx] < window)
+
+    mask_mod = tree_mod if window is None else window_mod
 
     kv_num, kv_idx = table(partial)
     full_num, full_idx = table(full)
@@ -54,11 +67,33 @@ def _flex(device: torch.device):
     return flex_attention
 
 
+def _softcap_mod(softcap: float):
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return torch.tanh(score / softcap) * softcap
+
+    return score_mod
+
+
 def flex_tree_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: TreeMask, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: TreeMask,
+    scale: float,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """``q [Hq, T, D]``, ``k, v [Hkv, T, D]`` -> ``[Hq, T, D]``. CPU: forward only (no flex backward)."""
-    bm = mask.cached("flex", lambda: tree_block_mask(mask.subtree_end))
+    """``q [Hq, T, D]``, ``k, v [Hkv, T, D]`` -> ``[Hq, T, D]``. CPU: forward only (no flex backward).
+
+    ``window``: sliding window along each path; ``softcap``: Gemma 2's logit soft-capping (a
+    ``score_mod`` on the scaled scores).
+    """
+    pos = mask.window_positions(window)
+    bm = mask.cached(("flex", window), lambda: tree_block_mask(mask.subtree_end, FLEX_BLOCK, pos, window))
     gqa = q.shape[0] != k.shape[0]
-    out = _flex(q.device)(q[None], k[None], v[None], block_mask=bm, scale=scale, enable_gqa=gqa)
+    score_mod = None if softcap is None else _softcap_mod(softcap)
+    out = _flex(q.device)(
+        q[None], k[None], v[None], score_mod=score_mod, block_mask=bm, scale=scale, enable_gqa=gqa
+    )
     return out[0]

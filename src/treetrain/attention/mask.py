@@ -8,6 +8,12 @@ Example, paths ``[A B C D]``, ``[A B E F]``, ``[A G H]`` in DFS order ``A B C D 
 
     subtree_end = [8, 6, 4, 4, 6, 6, 8, 8]
     dense_tree_mask(subtree_end)[q=4 (E)] = [1, 1, 0, 0, 1, 0, 0, 0]   # sees A B E
+
+Sliding-window layers (Mistral, Qwen2, Gemma 2/3) add one condition, measured along the path:
+``pos[q] - pos[k] < window`` (Hugging Face's ``kv_idx > q_idx - window``), where ``pos`` is the
+token's index in its own path (``position_ids``). For a tree-visible pair, ``k`` is on ``q``'s path,
+so the position distance is exactly the distance a per-path forward sees. With ``window = 2``
+the mask above becomes, for ``q = 5`` (F, position 3): ``[0, 0, 0, 0, 1, 1, 0, 0]`` (sees E F).
 """
 
 from __future__ import annotations
@@ -28,6 +34,17 @@ class TreeMask:
     subtree_end: torch.Tensor  # [T] int64
     backend: str = "dense"
     cache: dict = field(default_factory=dict)
+    position_ids: torch.Tensor | None = None  # [T] int64; needed by sliding-window layers only
+
+    def window_positions(self, window: int | None) -> torch.Tensor | None:
+        """``position_ids`` when ``window`` is set (checked), else None."""
+        if window is None:
+            return None
+        if window < 1:
+            raise ValueError(f"sliding window must be >= 1, got {window}")
+        if self.position_ids is None:
+            raise ValueError("a sliding-window layer needs TreeMask.position_ids (the path positions)")
+        return self.position_ids
 
     @property
     def num_tokens(self) -> int:
@@ -40,12 +57,20 @@ class TreeMask:
         return self.cache[key]
 
 
-def dense_tree_mask(subtree_end: torch.Tensor) -> torch.Tensor:
-    """Boolean ``[T, T]`` mask, ``mask[q, k] = k <= q < subtree_end[k]``. Reference only: O(T^2)."""
+def dense_tree_mask(
+    subtree_end: torch.Tensor, position_ids: torch.Tensor | None = None, window: int | None = None
+) -> torch.Tensor:
+    """Boolean ``[T, T]`` mask, ``mask[q, k] = k <= q < subtree_end[k]``. Reference only: O(T^2).
+
+    With ``window``, also ``position_ids[q] - position_ids[k] < window``.
+    """
     T = subtree_end.numel()
     idx = torch.arange(T, device=subtree_end.device)
     q, k = idx[:, None], idx[None, :]
-    return (k <= q) & (q < subtree_end[None, :])
+    mask = (k <= q) & (q < subtree_end[None, :])
+    if window is not None:
+        mask &= position_ids[:, None] - position_ids[None, :] < window
+    return mask
 
 
 def check_subtree_end(subtree_end: torch.Tensor) -> None:
@@ -66,11 +91,17 @@ def block_bounds(subtree_end: torch.Tensor, block: int) -> tuple[torch.Tensor, t
     return lo, hi
 
 
-def block_classes(subtree_end: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+def block_classes(
+    subtree_end: torch.Tensor,
+    block: int,
+    position_ids: torch.Tensor | None = None,
+    window: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Classify (query block, key block) pairs: ``(any_allowed, all_allowed)``, bool ``[nb, nb]``.
 
     ``all_allowed`` is exact; ``any_allowed`` may over-approximate (such a block is computed with
-    its mask applied, so that is safe). O((T / block)^2), never T x T.
+    its mask applied, so that is safe). O((T / block)^2), never T x T. With a sliding ``window``,
+    per-block min/max positions bound ``pos[q] - pos[k]`` for both classes.
     """
     T = subtree_end.numel()
     lo, hi = block_bounds(subtree_end, block)
@@ -79,4 +110,8 @@ def block_classes(subtree_end: torch.Tensor, block: int) -> tuple[torch.Tensor, 
     k0, k1 = starts[None, :], torch.clamp(starts + block, max=T)[None, :]
     any_allowed = (k0 <= q1 - 1) & (hi[None, :] > q0)
     all_allowed = (k1 - 1 <= q0) & (lo[None, :] >= q1)
+    if window is not None:
+        pmin, pmax = block_bounds(position_ids, block)  # per block min, max position (ints >= 0)
+        any_allowed &= pmin[:, None] - pmax[None, :] < window
+        all_allowed &= pmax[:, None] - pmin[None, :] < window
     return any_allowed, all_allowed

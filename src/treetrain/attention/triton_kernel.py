@@ -48,6 +48,12 @@ def _visible(q_idx, k_idx, k_end):
 
 
 @_jit
+def _near(q_pos, k_pos, WINDOW):
+    """Sliding window along the path: ``pos[q] - pos[k] < WINDOW`` (Hugging Face's semantics)."""
+    return q_pos - k_pos < WINDOW
+
+
+@_jit
 def _is_full(q0, k0, k_min, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Every query of ``[q0, q0+BLOCK_M)`` sees every key of ``[k0, k0+BLOCK_N)``. Never true for
     tiles that cross ``T`` (``k_min <= T``, and a key block crossing ``T`` ends past every ``q0``)."""
@@ -72,9 +78,9 @@ def _store_rows(ptr, idx, x, T, D: tl.constexpr, BLOCK_D: tl.constexpr):
 
 @_jit
 def _fwd_tile(
-    acc, m_i, l_i, q, K, V, SEND, offs_m, k0, T, qk_scale,
+    acc, m_i, l_i, q, K, V, SEND, POS, q_pos, WINDOW, offs_m, k0, T, qk_scale,
     D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-    MASKED: tl.constexpr,
+    MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step over keys ``[k0, k0+BLOCK_N)``. acc: [BLOCK_M, BLOCK_D] fp32."""
     offs_n = k0 + tl.arange(0, BLOCK_N)
@@ -83,7 +89,11 @@ def _fwd_tile(
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     if MASKED:
         k_end = tl.load(SEND + offs_n, mask=offs_n < T, other=0)  # keys past T: hidden from all
-        s = tl.where(_visible(offs_m[:, None], offs_n[None, :], k_end[None, :]), s, float("-inf"))
+        vis = _visible(offs_m[:, None], offs_n[None, :], k_end[None, :])
+        if HAS_WINDOW:
+            k_pos = tl.load(POS + offs_n, mask=offs_n < T, other=0)
+            vis = vis & _near(q_pos[:, None], k_pos[None, :], WINDOW)
+        s = tl.where(vis, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet: avoid nan
     p = tl.exp2(s - m_use[:, None])
@@ -95,11 +105,12 @@ def _fwd_tile(
 
 @_jit
 def _fwd_kernel(
-    Q, K, V, SEND, KMIN, KMAX, O, LSE, T, qk_scale,
+    Q, K, V, SEND, POS, WINDOW, KMIN, KMAX, O, LSE, T, qk_scale,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):  # fmt: skip
-    """Grid (cdiv(T, BLOCK_M), Hq). Writes O [Hq, T, D] and LSE [Hq, T] (log2 units, +inf if empty)."""
+    """Grid (cdiv(T, BLOCK_M), Hq). Writes O [Hq, T, D] and LSE [Hq, T] (log2 units, +inf if empty).
+    With ``HAS_WINDOW`` every visited tile is masked (the window is checked per pair)."""
     q0 = tl.program_id(0) * BLOCK_M
     h = tl.program_id(1).to(tl.int64)
     Q += h * T * D
@@ -108,6 +119,7 @@ def _fwd_kernel(
     V += (h // GROUP) * T * D
     offs_m = q0 + tl.arange(0, BLOCK_M)
     q = _load_rows(Q, offs_m, T, D, BLOCK_D)
+    q_pos = tl.load(POS + offs_m, mask=offs_m < T, other=0) if HAS_WINDOW else offs_m
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -115,15 +127,20 @@ def _fwd_kernel(
     for kb in range(0, tl.cdiv(tl.minimum(q0 + BLOCK_M, T), BLOCK_N)):
         if tl.load(KMAX + kb) > q0:
             k0 = kb * BLOCK_N
-            if _is_full(q0, k0, tl.load(KMIN + kb), BLOCK_M, BLOCK_N):
+            if HAS_WINDOW:
                 acc, m_i, l_i = _fwd_tile(
-                    acc, m_i, l_i, q, K, V, SEND, offs_m, k0, T, qk_scale, D, BLOCK_N, BLOCK_D, PRECISION,
-                    False,
+                    acc, m_i, l_i, q, K, V, SEND, POS, q_pos, WINDOW, offs_m, k0, T, qk_scale,
+                    D, BLOCK_N, BLOCK_D, PRECISION, True, True,
+                )  # fmt: skip
+            elif _is_full(q0, k0, tl.load(KMIN + kb), BLOCK_M, BLOCK_N):
+                acc, m_i, l_i = _fwd_tile(
+                    acc, m_i, l_i, q, K, V, SEND, POS, q_pos, WINDOW, offs_m, k0, T, qk_scale,
+                    D, BLOCK_N, BLOCK_D, PRECISION, False, False,
                 )  # fmt: skip
             else:
                 acc, m_i, l_i = _fwd_tile(
-                    acc, m_i, l_i, q, K, V, SEND, offs_m, k0, T, qk_scale, D, BLOCK_N, BLOCK_D, PRECISION,
-                    True,
+                    acc, m_i, l_i, q, K, V, SEND, POS, q_pos, WINDOW, offs_m, k0, T, qk_scale,
+                    D, BLOCK_N, BLOCK_D, PRECISION, True, False,
                 )  # fmt: skip
 
     nonempty = l_i > 0
@@ -145,9 +162,9 @@ def _bwd_delta_kernel(O, DO, DELTA, T, D: tl.constexpr, BLOCK_M: tl.constexpr, B
 
 @_jit
 def _bwd_dkdv_tile(
-    dk, dv, k, v, k_end, Q, DO, LSE, DELTA, offs_n, q0, T, qk_scale,
+    dk, dv, k, v, k_end, k_pos, POS, WINDOW, Q, DO, LSE, DELTA, offs_n, q0, T, qk_scale,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-    MASKED: tl.constexpr,
+    MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):  # fmt: skip
     """Accumulate queries ``[q0, q0+BLOCK_M)`` into dk, dv [BLOCK_N, BLOCK_D] (transposed tiles)."""
     offs_m = q0 + tl.arange(0, BLOCK_M)
@@ -157,7 +174,11 @@ def _bwd_dkdv_tile(
     delta = tl.load(DELTA + offs_m, mask=offs_m < T, other=0.0)
     s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
     if MASKED:
-        s_t = tl.where(_visible(offs_m[None, :], offs_n[:, None], k_end[:, None]), s_t, float("-inf"))
+        vis = _visible(offs_m[None, :], offs_n[:, None], k_end[:, None])
+        if HAS_WINDOW:
+            q_pos = tl.load(POS + offs_m, mask=offs_m < T, other=0)
+            vis = vis & _near(q_pos[None, :], k_pos[:, None], WINDOW)
+        s_t = tl.where(vis, s_t, float("-inf"))
     p_t = tl.exp2(s_t - lse[None, :])
     dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
     dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
@@ -168,9 +189,9 @@ def _bwd_dkdv_tile(
 
 @_jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, SEND, KMIN, KMAX, DK, DV, T, qk_scale, sm_scale,
+    Q, K, V, DO, LSE, DELTA, SEND, POS, WINDOW, KMIN, KMAX, DK, DV, T, qk_scale, sm_scale,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):  # fmt: skip
     """Grid (cdiv(T, BLOCK_N), Hkv). One program owns a key block of one KV head and sums over the
     GROUP query heads sharing it, so dk, dv need no atomics."""
@@ -181,6 +202,7 @@ def _bwd_dkdv_kernel(
     k = _load_rows(K + h_kv * T * D, offs_n, T, D, BLOCK_D)
     v = _load_rows(V + h_kv * T * D, offs_n, T, D, BLOCK_D)
     k_end = tl.load(SEND + offs_n, mask=offs_n < T, other=0)
+    k_pos = tl.load(POS + offs_n, mask=offs_n < T, other=0) if HAS_WINDOW else offs_n
     k_min = tl.load(KMIN + kb)
     k_max = tl.load(KMAX + kb)
 
@@ -190,15 +212,20 @@ def _bwd_dkdv_kernel(
         h = h_kv * GROUP + g
         Qh, DOh, LSEh, DELTAh = Q + h * T * D, DO + h * T * D, LSE + h * T, DELTA + h * T
         for q0 in range((k0 // BLOCK_M) * BLOCK_M, k_max, BLOCK_M):
-            if _is_full(q0, k0, k_min, BLOCK_M, BLOCK_N):
+            if HAS_WINDOW:
                 dk, dv = _bwd_dkdv_tile(
-                    dk, dv, k, v, k_end, Qh, DOh, LSEh, DELTAh, offs_n, q0, T, qk_scale,
-                    D, BLOCK_M, BLOCK_D, PRECISION, False,
+                    dk, dv, k, v, k_end, k_pos, POS, WINDOW, Qh, DOh, LSEh, DELTAh, offs_n, q0, T, qk_scale,
+                    D, BLOCK_M, BLOCK_D, PRECISION, True, True,
+                )  # fmt: skip
+            elif _is_full(q0, k0, k_min, BLOCK_M, BLOCK_N):
+                dk, dv = _bwd_dkdv_tile(
+                    dk, dv, k, v, k_end, k_pos, POS, WINDOW, Qh, DOh, LSEh, DELTAh, offs_n, q0, T, qk_scale,
+                    D, BLOCK_M, BLOCK_D, PRECISION, False, False,
                 )  # fmt: skip
             else:
                 dk, dv = _bwd_dkdv_tile(
-                    dk, dv, k, v, k_end, Qh, DOh, LSEh, DELTAh, offs_n, q0, T, qk_scale,
-                    D, BLOCK_M, BLOCK_D, PRECISION, True,
+                    dk, dv, k, v, k_end, k_pos, POS, WINDOW, Qh, DOh, LSEh, DELTAh, offs_n, q0, T, qk_scale,
+                    D, BLOCK_M, BLOCK_D, PRECISION, True, False,
                 )  # fmt: skip
     _store_rows(DK + h_kv * T * D, offs_n, dk * sm_scale, T, D, BLOCK_D)
     _store_rows(DV + h_kv * T * D, offs_n, dv, T, D, BLOCK_D)
@@ -206,9 +233,9 @@ def _bwd_dkdv_kernel(
 
 @_jit
 def _bwd_dq_tile(
-    dq, q, do, lse, delta, K, V, SEND, offs_m, k0, T, qk_scale,
+    dq, q, do, lse, delta, K, V, SEND, POS, q_pos, WINDOW, offs_m, k0, T, qk_scale,
     D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-    MASKED: tl.constexpr,
+    MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):  # fmt: skip
     """Accumulate keys ``[k0, k0+BLOCK_N)`` into dq [BLOCK_M, BLOCK_D]."""
     offs_n = k0 + tl.arange(0, BLOCK_N)
@@ -217,7 +244,11 @@ def _bwd_dq_tile(
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     if MASKED:
         k_end = tl.load(SEND + offs_n, mask=offs_n < T, other=0)
-        s = tl.where(_visible(offs_m[:, None], offs_n[None, :], k_end[None, :]), s, float("-inf"))
+        vis = _visible(offs_m[:, None], offs_n[None, :], k_end[None, :])
+        if HAS_WINDOW:
+            k_pos = tl.load(POS + offs_n, mask=offs_n < T, other=0)
+            vis = vis & _near(q_pos[:, None], k_pos[None, :], WINDOW)
+        s = tl.where(vis, s, float("-inf"))
     p = tl.exp2(s - lse[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     ds = p * (dp - delta[:, None])
@@ -227,9 +258,9 @@ def _bwd_dq_tile(
 
 @_jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, SEND, KMIN, KMAX, DQ, T, qk_scale, sm_scale,
+    Q, K, V, DO, LSE, DELTA, SEND, POS, WINDOW, KMIN, KMAX, DQ, T, qk_scale, sm_scale,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):  # fmt: skip
     """Grid (cdiv(T, BLOCK_M), Hq). Same key-block walk as the forward."""
     q0 = tl.program_id(0) * BLOCK_M
@@ -241,20 +272,26 @@ def _bwd_dq_kernel(
     do = _load_rows(DO + h * T * D, offs_m, T, D, BLOCK_D)
     lse = tl.load(LSE + h * T + offs_m, mask=offs_m < T, other=0.0)
     delta = tl.load(DELTA + h * T + offs_m, mask=offs_m < T, other=0.0)
+    q_pos = tl.load(POS + offs_m, mask=offs_m < T, other=0) if HAS_WINDOW else offs_m
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for kb in range(0, tl.cdiv(tl.minimum(q0 + BLOCK_M, T), BLOCK_N)):
         if tl.load(KMAX + kb) > q0:
             k0 = kb * BLOCK_N
-            if _is_full(q0, k0, tl.load(KMIN + kb), BLOCK_M, BLOCK_N):
+            if HAS_WINDOW:
                 dq = _bwd_dq_tile(
-                    dq, q, do, lse, delta, K, V, SEND, offs_m, k0, T, qk_scale, D, BLOCK_N, BLOCK_D,
-                    PRECISION, False,
+                    dq, q, do, lse, delta, K, V, SEND, POS, q_pos, WINDOW, offs_m, k0, T, qk_scale,
+                    D, BLOCK_N, BLOCK_D, PRECISION, True, True,
+                )  # fmt: skip
+            elif _is_full(q0, k0, tl.load(KMIN + kb), BLOCK_M, BLOCK_N):
+                dq = _bwd_dq_tile(
+                    dq, q, do, lse, delta, K, V, SEND, POS, q_pos, WINDOW, offs_m, k0, T, qk_scale,
+                    D, BLOCK_N, BLOCK_D, PRECISION, False, False,
                 )  # fmt: skip
             else:
                 dq = _bwd_dq_tile(
-                    dq, q, do, lse, delta, K, V, SEND, offs_m, k0, T, qk_scale, D, BLOCK_N, BLOCK_D,
-                    PRECISION, True,
+                    dq, q, do, lse, delta, K, V, SEND, POS, q_pos, WINDOW, offs_m, k0, T, qk_scale,
+                    D, BLOCK_N, BLOCK_D, PRECISION, True, False,
                 )  # fmt: skip
     _store_rows(DQ + h * T * D, offs_m, dq * sm_scale, T, D, BLOCK_D)
 
@@ -293,9 +330,10 @@ def _config(q: torch.Tensor) -> tuple[int, int, int]:
     return _CUDA_CONFIGS[q.dtype == torch.float32, q.shape[-1] > 64]
 
 
-def _launch_args(q: torch.Tensor, k: torch.Tensor, block_m: int, block_n: int) -> dict:
+def _launch_args(q: torch.Tensor, k: torch.Tensor, block_m: int, block_n: int, window=None) -> dict:
     D = q.shape[-1]
     return dict(
+        HAS_WINDOW=window is not None,
         GROUP=q.shape[0] // k.shape[0],
         D=D,
         BLOCK_M=block_m,
@@ -308,26 +346,29 @@ def _launch_args(q: torch.Tensor, k: torch.Tensor, block_m: int, block_n: int) -
 
 class _TreeAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask: TreeMask, scale: float, block_m: int, block_n: int):
+    def forward(ctx, q, k, v, mask: TreeMask, scale: float, block_m: int, block_n: int, window):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         end = mask.subtree_end.contiguous()
+        pos = end if window is None else mask.window_positions(window).contiguous()  # unread if no window
+        w = 0 if window is None else int(window)
         k_min, k_max = _block_bounds(mask, block_n)
         Hq, T, _ = q.shape
         o = torch.empty_like(q)
         lse = torch.empty(Hq, T, device=q.device, dtype=torch.float32)
-        args = _launch_args(q, k, block_m, block_n)
+        args = _launch_args(q, k, block_m, block_n, window)
         grid = (triton.cdiv(T, block_m), Hq)
-        _fwd_kernel[grid](q, k, v, end, k_min, k_max, o, lse, T, scale * _LOG2E, **args)
-        ctx.save_for_backward(q, k, v, o, lse, end, k_min, k_max)
-        ctx.scale, ctx.block_m, ctx.block_n = scale, block_m, block_n
+        _fwd_kernel[grid](q, k, v, end, pos, w, k_min, k_max, o, lse, T, scale * _LOG2E, **args)
+        ctx.save_for_backward(q, k, v, o, lse, end, pos, k_min, k_max)
+        ctx.scale, ctx.block_m, ctx.block_n, ctx.window = scale, block_m, block_n, window
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse, end, k_min, k_max = ctx.saved_tensors
+        q, k, v, o, lse, end, pos, k_min, k_max = ctx.saved_tensors
         do = do.contiguous()
         (Hq, T, _), Hkv = q.shape, k.shape[0]
-        args = _launch_args(q, k, ctx.block_m, ctx.block_n)
+        args = _launch_args(q, k, ctx.block_m, ctx.block_n, ctx.window)
+        w = 0 if ctx.window is None else int(ctx.window)
         qk_scale = ctx.scale * _LOG2E
 
         delta = torch.empty_like(lse)
@@ -337,13 +378,13 @@ class _TreeAttention(torch.autograd.Function):
         )
         dk, dv = torch.empty_like(k), torch.empty_like(v)
         _bwd_dkdv_kernel[(triton.cdiv(T, ctx.block_n), Hkv)](
-            q, k, v, do, lse, delta, end, k_min, k_max, dk, dv, T, qk_scale, ctx.scale, **args
+            q, k, v, do, lse, delta, end, pos, w, k_min, k_max, dk, dv, T, qk_scale, ctx.scale, **args
         )
         dq = torch.empty_like(q)
         _bwd_dq_kernel[(m_blocks, Hq)](
-            q, k, v, do, lse, delta, end, k_min, k_max, dq, T, qk_scale, ctx.scale, **args
+            q, k, v, do, lse, delta, end, pos, w, k_min, k_max, dq, T, qk_scale, ctx.scale, **args
         )
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def triton_tree_attention(
@@ -355,13 +396,22 @@ def triton_tree_attention(
     *,
     block_m: int | None = None,
     block_n: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Tree attention through the fused Triton kernels, differentiable in ``q``, ``k``, ``v``.
 
     Shapes: ``q [Hq, T, D]``, ``k, v [Hkv, T, D]`` with ``Hq % Hkv == 0`` (GQA); returns ``[Hq, T, D]``.
     fp32 / fp16 / bf16 inputs, fp32 accumulation. ``block_m`` / ``block_n`` (powers of two >= 16) are
     the query / key tile sizes (defaults: ``_CUDA_CONFIGS`` on CUDA, 32 under the interpreter).
+    ``window``: sliding window along each path (``pos[q] - pos[k] < window``; every visited tile is
+    then masked). ``softcap`` is not supported.
     """
+    if softcap is not None:
+        raise ValueError(
+            f"attention logit softcapping ({softcap}) is not supported by the triton backend; "
+            "use attention backend 'flex' (CUDA) or 'dense'"
+        )
     assert q.dim() == 3 and k.shape == v.shape and q.shape[1:] == k.shape[1:], (q.shape, k.shape, v.shape)
     assert q.shape[0] % k.shape[0] == 0, "GQA needs Hq % Hkv == 0"
     assert q.dtype == k.dtype == v.dtype and mask.subtree_end.numel() == q.shape[1]
@@ -371,4 +421,4 @@ def triton_tree_attention(
     block_m, block_n = block_m or default_m, block_n or default_n
     for b in (block_m, block_n):
         assert b >= 16 and b & (b - 1) == 0, f"block sizes must be powers of two >= 16, got {b}"
-    return _TreeAttention.apply(q, k, v, mask, scale, block_m, block_n)
+    return _TreeAttention.apply(q, k, v, mask, scale, block_m, block_n, window)

@@ -6,9 +6,14 @@ Tree attention is registered under the name ``treetrain`` in transformers' publi
 - ``attention_mask = subtree_end.view(1, 1, 1, T)``: a 4D tensor, which transformers passes through
   untouched, so it never builds a mask of its own nor guesses packed-sequence boundaries from the
   position ids (tree positions jump back at branch points);
-- ``tree_mask`` (a ``TreeMask``: ``subtree_end``, the backend, a per-forward cache) and
-  ``packed_tree`` as keyword arguments, which transformers forwards to every attention and
-  recurrent layer.
+- ``tree_mask`` (a ``TreeMask``: ``subtree_end``, the tokens' path positions, the backend, a
+  per-forward cache) and ``packed_tree`` as keyword arguments, which transformers forwards to every
+  attention and recurrent layer.
+
+Sliding-window layers pass ``sliding_window`` to the attention function (Mistral, Qwen2, Gemma 2/3:
+``None`` on global layers); it reaches the backend as ``window``, measured along each path.
+Gemma 2's ``softcap`` reaches it as ``softcap``; its ``scaling`` (``query_pre_attn_scalar``) as
+every model's does.
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ _registered = False
 def _tree_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """``AttentionInterface`` function: ``query [1, Hq, T, D]`` -> ``([1, T, Hq, D], None)``."""
     mask: TreeMask | None = kwargs.get("tree_mask")
+    softcap = kwargs.get("softcap")
+    if mask is None and softcap is not None:  # SDPA has no softcap: scores in full, as HF's eager
+        return _softcap_attention(query, key, value, attention_mask, scaling, softcap), None
     if mask is None:  # an ordinary (non-tree) call of a prepared model: plain SDPA
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -42,8 +50,44 @@ def _tree_attention(module, query, key, value, attention_mask, scaling=None, dro
     if torch.is_autocast_enabled(dev):  # as SDPA under autocast: q, k, v in the autocast dtype
         dtype = torch.get_autocast_dtype(dev)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
-    out = get_backend(mask.backend)(query[0], key[0], value[0], mask, scaling)
+    extra = {}
+    window = _effective_window(mask, kwargs.get("sliding_window"))
+    if window is not None:
+        extra["window"] = window
+    if softcap is not None:
+        extra["softcap"] = softcap
+    out = get_backend(mask.backend)(query[0], key[0], value[0], mask, scaling, **extra)
     return out.transpose(0, 1).unsqueeze(0), None
+
+
+def _effective_window(mask: TreeMask, window: int | None) -> int | None:
+    """``window``, or None when no path is long enough for it to hide anything (a no-op mask)."""
+    if window is None:
+        return None
+    pos = mask.window_positions(window)
+    longest = mask.cached("max_position", lambda: int(pos.max()) + 1 if pos.numel() else 0)
+    return window if window < longest else None
+
+
+def _softcap_attention(query, key, value, attention_mask, scaling, softcap):
+    """Gemma 2 style attention for ordinary calls: ``[B, Hq, Tq, D]`` -> ``[B, Tq, Hq, D]``.
+
+    ``attention_mask``: boolean (True = attend) or additive ``[B, 1, Tq, Tk]``, or None (causal).
+    """
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    rep = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+    scores = torch.tanh((query @ key.transpose(-1, -2)) * scaling / softcap) * softcap
+    if attention_mask is None:
+        tq, tk = scores.shape[-2:]
+        attention_mask = torch.ones(tq, tk, dtype=torch.bool, device=scores.device).tril(tk - tq)
+    if attention_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attention_mask, float("-inf"))
+    else:
+        scores = scores + attention_mask[..., : key.shape[-2]]
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return (probs @ value).transpose(1, 2).contiguous()
 
 
 def _sdpa_mask(*args, **kwargs):
@@ -66,30 +110,34 @@ def register() -> None:
     _registered = True
 
 
-def _check_supported(config) -> None:
-    text = getattr(config, "text_config", None) or config
-    if getattr(text, "use_sliding_window", False) and getattr(text, "sliding_window", None):
-        raise ValueError(
-            "sliding-window attention is not supported with tree attention yet: "
-            "set config.use_sliding_window = False"
-        )
-    if getattr(text, "final_logit_softcapping", None):
-        raise ValueError("final_logit_softcapping is not supported by treetrain's log-prob head")
-
-
 def prepare_model(model: nn.Module) -> nn.Module:
     """Switch a model's attention to ``treetrain`` and route its recurrent layers along the tree.
 
     Called without a tree, the model still works as an ordinary model (plain SDPA). Returns it.
     """
     register()
-    _check_supported(model.config)
     if model.config._attn_implementation != ATTN_NAME:
         model.set_attn_implementation(ATTN_NAME)
     from .recurrent import patch_recurrent_layers
 
     patch_recurrent_layers(model)
     return model
+
+
+def auto_backend(model: nn.Module, device: torch.device) -> str:
+    """The device's default backend, or one that supports the model's attention softcap (Gemma 2):
+    ``dense`` on CPU, ``flex`` on CUDA, where the default (blocksparse, triton) has no softcap."""
+    name = default_backend(device)
+    softcap = getattr(model.config.get_text_config(), "attn_logit_softcapping", None)
+    if softcap and name in ("blocksparse", "triton"):
+        return "flex" if torch.device(device).type == "cuda" else "dense"
+    return name
+
+
+def decoder_of(model: nn.Module) -> nn.Module:
+    """The decoder of a ``...ForCausalLM``, also inside a ``peft.PeftModel`` (LoRA)."""
+    get_base = getattr(model, "get_base_model", None)  # PeftModel: base_model is PEFT's LoraModel
+    return (get_base() if callable(get_base) else model).base_model
 
 
 def tree_forward(model: nn.Module, packed: PackedTree, backend: str | None = None) -> torch.Tensor:
@@ -104,8 +152,10 @@ def tree_forward(model: nn.Module, packed: PackedTree, backend: str | None = Non
     device = model.get_input_embeddings().weight.device
     packed = packed.to(device)
     T = packed.num_tokens
-    mask = TreeMask(packed.subtree_end, backend=backend or default_backend(device))
-    decoder = getattr(model, "treetrain_decoder", None) or model.base_model
+    mask = TreeMask(
+        packed.subtree_end, backend=backend or auto_backend(model, device), position_ids=packed.position_ids
+    )
+    decoder = getattr(model, "treetrain_decoder", None) or decoder_of(model)
     out = decoder(
         input_ids=packed.input_ids[None],
         position_ids=packed.position_ids[None],
