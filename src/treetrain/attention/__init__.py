@@ -29,6 +29,7 @@ BACKENDS: dict[str, tuple[str, str]] = {
     "blocksparse": ("treetrain.attention.blocksparse", "blocksparse_attention"),
     "flex": ("treetrain.attention.flex", "flex_tree_attention"),
     "triton": ("treetrain.attention.triton_kernel", "triton_tree_attention"),
+    "cp": ("treetrain.parallel.cp", "cp_attention"),  # context parallel (inside parallel.cp only)
 }
 
 
