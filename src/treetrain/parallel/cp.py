@@ -61,7 +61,7 @@ def split_balanced(position_ids: torch.Tensor, world: int, per_token: float = 0.
     [0, 4, 8]
     """
     T = position_ids.numel()
-    if T < world:
+    if world > T:
         raise ValueError(f"context parallelism: a tree of {T} tokens cannot be split over {world} ranks")
     cost = position_ids.to(torch.float64) + 1.0 + per_token
     cum = torch.cumsum(cost, 0)
@@ -164,7 +164,8 @@ def cp_attention(
     if rep > 1:
         keys = keys.repeat_interleave(rep, dim=0)
         values = values.repeat_interleave(rep, dim=0)
-    return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=allowed, scale=scale)[0]
+    out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=allowed, scale=scale)
+    return out[0]
 
 
 def _check_dense(model: nn.Module) -> None:
