@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import itertools
 import json
 import math
@@ -472,6 +473,7 @@ def train_step(
     autocast_dtype: torch.dtype | None = None,
     ref_model: nn.Module | None = None,
     backend: str | None = None,
+    cp=None,
 ) -> dict[str, float]:
     """Forward and backward over every micro-batch, then clip and step.
 
@@ -486,8 +488,10 @@ def train_step(
     device = next(model.parameters()).device
     normalizer = loss_normalizer(batch.trees, objective)
     sums: dict[str, torch.Tensor] = {}
+    cp_size = cp.cp_size if cp is not None else 1  # parallel.cp.CPLayout: ranks sharing each tree
     for packed in batch.micro:
-        with autocast_context(device, autocast_dtype):
+        cp_scope = cp.scope() if cp is not None else contextlib.nullcontext()
+        with autocast_context(device, autocast_dtype), cp_scope:
             loss, metrics = loss_fn(
                 model, packed.to(device), objective, normalizer, ref_model=ref_model, backend=backend
             )
@@ -499,6 +503,8 @@ def train_step(
             idle = distributed.dummy_loss(model, backend)
         idle.backward()
     sums = distributed.all_reduce_sum_dict(sums)
+    if cp_size > 1:  # every rank of a context-parallel group computed the same full metrics
+        sums = {k: v / cp_size for k, v in sums.items()}
     params = [p for p in model.parameters() if p.grad is not None]
     max_norm = grad_clip if grad_clip else float("inf")
     grad_norm = distributed.clip_grad_norm_(params, max_norm)
@@ -653,6 +659,7 @@ class Run:
     start_step: int = 0
     trees_done: int = 0
     total_trees: int | None = None  # the run's last tree (``--epochs``); None: ``steps`` decide
+    cp: Any = None  # parallel.cp.CPLayout (dp x cp mesh); set by setup
 
 
 @dataclass
@@ -691,6 +698,9 @@ def setup(cfg: TrainConfig) -> Run:
     scheduler = build_scheduler(optimizer, cfg, steps)
     run = Run(cfg, device, autocast_dtype, model, ref_model, objective, optimizer, scheduler, steps, out)
     run.total_trees = total_trees
+    from .parallel.cp import init_cp
+
+    run.cp = init_cp(cfg.cp)
     latest = checkpoint.latest_checkpoint(out) if cfg.resume else None
     if latest is not None:
         run.start_step, data_state = checkpoint.load_checkpoint(latest, model, optimizer, scheduler)
@@ -708,14 +718,17 @@ def run_loop(run: Run, metrics_path: Path) -> list[dict[str, Any]]:
     cfg, device = run.cfg, run.device
     info = distributed.init_distributed()
     vocab_size = run.model.config.get_text_config().vocab_size
+    from .parallel.cp import init_cp
+
+    cp = run.cp or init_cp(1)
     batches = prefetched(
         make_batches(
-            cfg,
+            dataclasses.replace(cfg, capacity=cfg.capacity * cp.cp_size),  # --capacity is per CP rank
             vocab_size,
             run.steps - run.start_step,
             run.trees_done,
-            rank=info.rank,
-            world_size=info.world_size,
+            rank=cp.dp_rank,
+            world_size=cp.dp_size,
             model_config=run.model.config,
             total_trees=run.total_trees,
         ),
@@ -747,6 +760,7 @@ def run_loop(run: Run, metrics_path: Path) -> list[dict[str, Any]]:
                     autocast_dtype=run.autocast_dtype,
                     ref_model=run.ref_model,
                     backend=cfg.attention,
+                    cp=cp,
                 )
             except NonFiniteError as e:
                 last = checkpoint.latest_checkpoint(run.out)

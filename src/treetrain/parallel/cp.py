@@ -258,3 +258,40 @@ def context_parallel(group: dist.ProcessGroup | None = None) -> Iterator[None]:
         yield
     finally:
         _active.pop()
+
+
+# ---- dp x cp layout for training -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CPLayout:
+    """Where this rank sits in the ``dp x cp`` mesh: ``dp_size`` groups of ``cp_size`` consecutive
+    ranks; the ranks of one ``group`` share every tree of their data-parallel shard."""
+
+    dp_rank: int
+    dp_size: int
+    cp_size: int
+    group: dist.ProcessGroup | None
+
+    def scope(self):
+        """:func:`context_parallel` over this rank's group (a no-op context with ``cp_size == 1``)."""
+        return context_parallel(self.group) if self.cp_size > 1 else contextlib.nullcontext()
+
+
+def init_cp(cp: int) -> CPLayout:
+    """Build the ``dp x cp`` device mesh (``torch.distributed.device_mesh``) of the running job."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if cp == 1:
+        return CPLayout(rank, world, 1, None)
+    if world % cp:
+        raise ValueError(
+            f"--cp {cp}: needs torchrun with a world size divisible by {cp} (world size {world}); "
+            f"e.g. torchrun --nproc_per_node {cp} -m treetrain.cli train --cp {cp}"
+        )
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ..distributed import init_distributed
+
+    mesh = init_device_mesh(init_distributed().device.type, (world // cp, cp), mesh_dim_names=("dp", "cp"))
+    return CPLayout(mesh.get_local_rank("dp"), world // cp, cp, mesh.get_group("cp"))
