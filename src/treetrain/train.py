@@ -220,6 +220,7 @@ class StepBatch:
     packing: str  # how ``micro`` was made: tree, or sequence (one-path trees, the baseline)
     passes: int = 0  # forward/backward passes every rank runs (the busiest rank's); 0: len(micro)
     all_computed_tokens: int | None = None  # tokens computed on all ranks; None: len of this micro
+    imbalance: float = 1.0  # FLOPs of the busiest data-parallel rank / the mean (parallel.balance)
     path_tokens: int = field(init=False)  # what the per-path baseline computes
     tree_tokens: int = field(init=False)  # distinct tokens of the whole trees (perfect reuse)
     computed_tokens: int = field(init=False)  # what the micro-batches actually run
@@ -371,24 +372,26 @@ def rank_microbatches(
     packing) go to ranks by their training FLOPs (``distributed.tree_cost``, LPT), then each rank
     packs its own pieces. Every rank computes the same plan from the same trees, with no
     communication. Returns (this rank's micro-batches, the most micro-batches any rank has, the
-    tokens all ranks compute).
+    tokens all ranks compute, the FLOP imbalance max/mean over ranks).
 
     FSDP's collectives run once per forward, so every rank must run the same number of forwards:
     ``sequence`` packing runs one forward per path (:func:`sequence_loss`), hence one path per
     micro-batch here, and idle ranks pad with one-forward dummy passes.
     """
+    from .parallel.balance import balanced_plan
     from .partition import pack_microbatches, partition
 
     units = [seq for tree in trees for seq in sequence_parts(tree)] if packing == "sequence" else trees
     pieces = [part for unit in units for part in partition(unit, capacity)]
-    costs = [distributed.tree_cost(piece, model_config) for piece in pieces]
-    plan = distributed.assign_to_ranks(costs, world_size)
+    # LPT by FLOPs; a piece costlier than a fair share is split in parts of whole paths (parallel.balance)
+    cost = lambda t: distributed.tree_cost(t, model_config)  # noqa: E731
+    pieces, plan, imbalance = balanced_plan(pieces, world_size, cost)
     if packing == "sequence":
         per_rank = [[[pieces[i]] for i in idx] for idx in plan]
     else:
         per_rank = [pack_microbatches([pieces[i] for i in idx], capacity) for idx in plan]
     computed = sum(t.num_tokens for mbs in per_rank for mb in mbs for t in mb)
-    return per_rank[rank], max(len(mbs) for mbs in per_rank), computed
+    return per_rank[rank], max(len(mbs) for mbs in per_rank), computed, imbalance
 
 
 def make_batches(
@@ -418,7 +421,7 @@ def make_batches(
             micro = [pack(mb) for mb in make_microbatches(trees, cfg.packing, cfg.capacity)]
             yield StepBatch(trees=trees, micro=micro, trees_consumed=consumed, packing=cfg.packing)
             continue
-        mine, passes, computed = rank_microbatches(
+        mine, passes, computed, imbalance = rank_microbatches(
             trees, cfg.packing, cfg.capacity, rank, world_size, model_config
         )
         yield StepBatch(
@@ -428,6 +431,7 @@ def make_batches(
             packing=cfg.packing,
             passes=passes,
             all_computed_tokens=computed,
+            imbalance=imbalance,
         )
 
 
@@ -551,6 +555,7 @@ def step_record(
         "step_time_s": seconds,
         "micro_batches": len(batch.micro),
         "trees": len(batch.trees),
+        "imbalance": batch.imbalance,
     }
     return record | {k: v for k, v in metrics.items() if k not in record}
 
