@@ -1,8 +1,10 @@
 """Context parallelism (``treetrain.parallel.cp``): 2 and 4 gloo processes vs one process, float64.
 
 Every rank runs its chunk; log-probs and entropies of every tree token, the SFT loss of
-``compute_loss`` and every parameter gradient (summed over ranks) must equal the 1-process run.
-Float64: only the summation order differs (gradient sums over ranks), hence 1e-10 relative.
+``compute_loss`` and every parameter gradient (summed over ranks) must equal the 1-process run,
+for a dense model (Qwen3) and a Gated DeltaNet hybrid (Qwen3.5: recurrent state and conv window
+cross rank boundaries). Float64 everywhere (``float64_everywhere``: HF's internal float32 casts
+off): only the summation order differs (gradient sums over ranks), hence 1e-10 relative.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.dist_worker import make_trees
+from tests.hybrid_models import float64_everywhere, tiny_hybrid_model
 from tests.reference import tiny_model
 from treetrain import pack
 from treetrain.logprobs import tree_logprobs
@@ -57,25 +60,30 @@ def _loss(logp, ent, w1, w2):
     return (logp * w1).sum() + (ent * w2).sum()
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
+def _model(arch: str):
+    return tiny_model(arch) if arch == "qwen3" else tiny_hybrid_model(arch)
+
+
+def _worker(rank: int, world: int, port: int, out: str, arch: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         from treetrain.losses import Objective, compute_loss, loss_normalizer
 
-        model = tiny_model("qwen3")
+        model = _model(arch)
         trees = make_trees(3, seed=1)
         packed = pack(trees)
         g = torch.Generator().manual_seed(0)
         w1 = torch.randn(packed.num_tokens, generator=g, dtype=torch.float64)
         w2 = torch.randn(packed.num_tokens, generator=g, dtype=torch.float64)
-        logp, ent = cp_tree_logprobs(model, packed)
-        _loss(logp, ent, w1, w2).backward()
-        obj = Objective(name="sft")
-        with context_parallel():
-            sft, _ = compute_loss(model, packed, obj, loss_normalizer(trees, obj))
-        sft.backward()
+        with float64_everywhere():
+            logp, ent = cp_tree_logprobs(model, packed)
+            _loss(logp, ent, w1, w2).backward()
+            obj = Objective(name="sft")
+            with context_parallel():
+                sft, _ = compute_loss(model, packed, obj, loss_normalizer(trees, obj))
+            sft.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         for t in grads.values():
             dist.all_reduce(t)
@@ -85,20 +93,21 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _one_process():
+def _one_process(arch: str):
     from treetrain.losses import Objective, compute_loss, loss_normalizer
 
-    model = tiny_model("qwen3")
+    model = _model(arch)
     trees = make_trees(3, seed=1)
     packed = pack(trees)
     g = torch.Generator().manual_seed(0)
     w1 = torch.randn(packed.num_tokens, generator=g, dtype=torch.float64)
     w2 = torch.randn(packed.num_tokens, generator=g, dtype=torch.float64)
-    logp, ent = tree_logprobs(model, packed, backend="dense")
-    _loss(logp, ent, w1, w2).backward()
-    obj = Objective(name="sft")
-    sft, _ = compute_loss(model, packed, obj, loss_normalizer(trees, obj), backend="dense")
-    sft.backward()
+    with float64_everywhere():
+        logp, ent = tree_logprobs(model, packed, backend="dense")
+        _loss(logp, ent, w1, w2).backward()
+        obj = Objective(name="sft")
+        sft, _ = compute_loss(model, packed, obj, loss_normalizer(trees, obj), backend="dense")
+        sft.backward()
     return logp.detach(), ent.detach(), sft.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
@@ -106,12 +115,20 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(((a - b).abs() <= RTOL * b.abs().max().clamp_min(1e-30)).all())
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_cp_equals_one_process(tmp_path, world):
+@pytest.mark.parametrize(
+    "world, arch",
+    [
+        (2, "qwen3"),
+        pytest.param(4, "qwen3", marks=pytest.mark.slow),
+        pytest.param(2, "qwen3_5", marks=pytest.mark.slow),
+        pytest.param(4, "qwen3_5", marks=pytest.mark.slow),
+    ],
+)
+def test_cp_equals_one_process(tmp_path, world, arch):
     out = str(tmp_path / "cp.pt")
-    mp.spawn(_worker, args=(world, _free_port(), out), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, _free_port(), out, arch), nprocs=world, join=True)
     got = torch.load(out)
-    logp, ent, sft, grads = _one_process()
+    logp, ent, sft, grads = _one_process(arch)
     assert _close(got["logp"], logp) and _close(got["ent"], ent)
     assert torch.allclose(got["sft"], sft, rtol=RTOL, atol=0)
     assert grads.keys() == got["grads"].keys()

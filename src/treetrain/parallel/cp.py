@@ -44,6 +44,7 @@ __all__ = [
     "active_group",
     "context_parallel",
     "cp_attention",
+    "cp_recurrent_forward",
     "cp_tree_forward",
     "cp_tree_logprobs",
     "split_balanced",
@@ -168,15 +169,23 @@ def cp_attention(
     return out[0]
 
 
-def _check_dense(model: nn.Module) -> None:
-    from ..models.recurrent import _layout
+def cp_recurrent_forward(
+    module: nn.Module, hidden_states: torch.Tensor, packed: PackedTree, mask: TreeMask
+) -> torch.Tensor:
+    """A Gated DeltaNet layer under CP: ``[1, n, hidden]`` (this rank's chunk) -> ``[1, n, hidden]``.
 
-    if any(_layout(m) is not None for m in model.modules()):
-        raise ValueError(
-            "context parallelism supports attention-only models for now: this model has recurrent "
-            "(Gated DeltaNet) layers, whose state would have to cross rank boundaries; run it "
-            "without --cp (e.g. depth-first or partitioned)"
-        )
+    The layer's inputs are gathered with autograd and the tree-routed layer
+    (``models.recurrent.tree_gdn_forward``) runs over the whole tree on every rank; each rank keeps
+    its chunk. So every node starts from its parent's recurrent state and conv window wherever the
+    parent lives, exactly; the cost is that recurrent layers are replicated, not split (their
+    inputs' gradients are summed over ranks by the gather's backward, their parameters' gradients
+    come from each rank's own chunk, so the group's sum is exact).
+    """
+    from ..models.recurrent import tree_gdn_forward
+
+    chunk: CPChunk = mask.cache["cp"]
+    full = _GatherChunks.apply(hidden_states, chunk)  # [1, T, hidden]
+    return tree_gdn_forward(module, full, packed, mask)[:, chunk.start : chunk.end]
 
 
 def make_chunk(packed: PackedTree, group: dist.ProcessGroup | None, per_token: float = 0.0) -> CPChunk:
@@ -190,7 +199,6 @@ def cp_tree_forward(model: nn.Module, packed: PackedTree, chunk: CPChunk) -> tor
     from ..models import prepare_model
 
     prepare_model(model)
-    _check_dense(model)
     device = model.get_input_embeddings().weight.device
     packed = packed.to(device)
     s, e = chunk.start, chunk.end
@@ -201,6 +209,7 @@ def cp_tree_forward(model: nn.Module, packed: PackedTree, chunk: CPChunk) -> tor
         position_ids=packed.position_ids[None, s:e],
         attention_mask=packed.subtree_end[s:e].view(1, 1, 1, e - s),
         tree_mask=mask,
+        packed_tree=packed,  # read by recurrent layers only (cp_recurrent_forward)
         use_cache=False,
     )
     return out.last_hidden_state[0]
