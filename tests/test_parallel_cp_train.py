@@ -3,7 +3,7 @@
 With ``--cp N`` every rank holds ``--capacity`` tokens of a tree, so the one-process run that
 computes the same micro-batches uses ``N x`` that capacity. Same trees, same micro-batches, same
 normalizer; only the order of the gradient sums differs: float64 losses and grad norms agree to
-1e-12 relative, and the weights after a few AdamW steps to 1e-9.
+1e-12 relative, and the weights after a few AdamW steps to 1e-9 (dp x cp: see _compare).
 """
 
 from __future__ import annotations
@@ -68,34 +68,43 @@ def _run(nproc: int, args: list[str]) -> None:
     assert res.returncode == 0, res.stderr[-3000:]
 
 
-def _compare(one: Path, many: Path) -> list[dict]:
+def _compare(one: Path, many: Path, same_micro: bool = True) -> list[dict]:
     from safetensors.torch import load_file
 
     a = [json.loads(x) for x in (one / "metrics.jsonl").read_text().splitlines()]
     b = [json.loads(x) for x in (many / "metrics.jsonl").read_text().splitlines()]
     assert len(a) == len(b) == 3
-    for x, y in zip(a, b):
-        assert y["loss"] == pytest.approx(x["loss"], rel=1e-12, abs=0)
-        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-12, abs=0)
-        assert (y["tree_tokens"], y["micro_batches"]) == (x["tree_tokens"], x["micro_batches"])
+    # dp > 1 groups the trees into other micro-batches than one process: step 1 agrees to 1e-12, then
+    # AdamW's m / sqrt(v) scales the ~1e-16 differences of near-zero gradients up (measured: grad
+    # norm 5e-9 relative at step 3, weights 6e-9); a dropped or doubled tree moves them by percents
+    for i, (x, y) in enumerate(zip(a, b)):
+        tol = 1e-12 if same_micro or i == 0 else 1e-7
+        assert y["loss"] == pytest.approx(x["loss"], rel=tol, abs=0)
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=tol, abs=0)
+        assert y["tree_tokens"] == x["tree_tokens"]
+        assert not same_micro or y["micro_batches"] == x["micro_batches"]
     w1, w2 = load_file(one / "final" / "model.safetensors"), load_file(many / "final" / "model.safetensors")
-    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-9
+    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < (1e-9 if same_micro else 1e-7)
     return a
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "cp, capacity, prefix_len, suffix_len",
-    [(2, 40, (4, 30), 30), (4, 40, (114, 120), 10)],  # cp 4: trees of 130..160 tokens, capacity 4 x 40
-    ids=["cp2", "cp4-tree-4x-capacity"],
+    "nproc, cp, capacity, prefix_len, suffix_len",
+    [
+        (2, 2, 40, (4, 30), 30),
+        (4, 4, 40, (114, 120), 10),  # cp 4: trees of 130..160 tokens, capacity 4 x 40
+        (4, 2, 40, (4, 30), 30),  # 2-D: dp 2 x cp 2 (each dp rank its own micro-batches)
+    ],
+    ids=["cp2", "cp4-tree-4x-capacity", "dp2xcp2"],
 )
-def test_train_cp_matches_one_process(tmp_path, cp, capacity, prefix_len, suffix_len):
+def test_train_cp_matches_one_process(tmp_path, nproc, cp, capacity, prefix_len, suffix_len):
     from treetrain.cli import main
 
     d = _data(tmp_path, 6, prefix_len, suffix_len)
-    _run(cp, _args(d, tmp_path / "cp", capacity, "--cp", str(cp)))
+    _run(nproc, _args(d, tmp_path / "cp", capacity, "--cp", str(cp)))
     assert main(_args(d, tmp_path / "one", capacity * cp)) == 0
-    records = _compare(tmp_path / "one", tmp_path / "cp")
+    records = _compare(tmp_path / "one", tmp_path / "cp", same_micro=nproc == cp)
     if cp == 4:  # every step's trees exceed 3x the per-rank capacity, and none was partitioned
         assert all(r["tree_tokens"] > 2 * 3 * capacity for r in records)
         assert all(r["computed_tokens"] == r["tree_tokens"] for r in records)
