@@ -156,6 +156,11 @@ def cp_attention(
 
     ``mask.subtree_end`` is the WHOLE tree's ``[T]``; ``mask.cache["cp"]`` is the :class:`CPChunk`.
     """
+    if "cp" not in mask.cache:
+        raise ValueError(
+            "attention backend 'cp' runs inside context parallelism only (treetrain train --cp N, or "
+            "treetrain.parallel.cp.context_parallel); pick another --attention"
+        )
     chunk: CPChunk = mask.cache["cp"]
     end = chunk.end
     keys = _GatherChunks.apply(k, chunk)[:, :end]
