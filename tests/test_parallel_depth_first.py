@@ -37,8 +37,7 @@ def _close(a, b) -> bool:
     return bool(((a - b).abs() <= RTOL * b.abs().max().clamp_min(1e-30)).all())
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("arch, seed", [("qwen3", 0), ("llama", 1)])
 def test_depth_first_equals_packed(arch, seed):
     model = tiny_model(arch, seed=seed)
     trees = make_trees(3, seed=seed)  # a forest: several roots, nested branch points
