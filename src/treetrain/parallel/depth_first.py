@@ -1,8 +1,10 @@
 """Bounded-memory depth-first execution of a tree on one device (AReaL-DTA's idea, exact gradients).
 
 The tree is walked node by node in DFS order. Each node runs the unmodified decoder on its own
-tokens with the keys/values of its root-to-node stack as ``past_key_values``; its own K/V are
-then detached into leaf tensors that its children read. When a node's subtree is done, the
+tokens; its attention (backend ``depth_first``) reads the keys/values of its root-to-node stack;
+its own K/V are then detached into leaf tensors that its children read. The attention saves only
+references to the stack's leaves and recomputes their concatenation in backward, so a node holds
+its own activations, never a copy of its ancestors' K/V. When a node's subtree is done, the
 gradients its children accumulated into those leaves are back-propagated through the node's
 compute together with its own loss, which also accumulates into its ancestors' leaves. So:
 
@@ -23,14 +25,17 @@ the targets each node predicts (a weighted SFT / policy-gradient loss). Attentio
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from ..attention import TreeMask
 from ..packing import PackedTree, pack
 from ..tree import TrajectoryTree
 
-__all__ = ["depth_first_backward", "node_children", "weighted_token_loss"]
+__all__ = ["depth_first_backward", "node_children", "stack_attention", "weighted_token_loss"]
 
 TokenLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -66,17 +71,68 @@ def _check(model: nn.Module) -> None:
         )
 
 
-def _cache(model: nn.Module, stack: list[list[tuple[torch.Tensor, torch.Tensor]]]):
-    """A ``DynamicCache`` holding the stack's K/V (per layer, ancestors concatenated in order)."""
-    from transformers import DynamicCache
+@dataclass
+class _Stack:
+    """What the ``depth_first`` backend reads and writes during one node's forward.
 
-    if not stack:
-        return DynamicCache(config=model.config), 0
-    layers = [
-        (torch.cat([s[i][0] for s in stack], dim=2), torch.cat([s[i][1] for s in stack], dim=2))
-        for i in range(len(stack[0]))
-    ]
-    return DynamicCache(ddp_cache_data=layers, config=model.config), layers[0][0].shape[2]
+    past: per ancestor (root first), per attention layer, its ``(k, v)`` leaves ``[Hkv, n_a, D]``.
+    own: filled by the forward, per attention layer, this node's ``(k, v)`` (in the graph).
+    """
+
+    past: list[list[tuple[torch.Tensor, torch.Tensor]]]
+    own: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+
+def _attend(q, k, v, past: tuple[torch.Tensor, ...], scale: float) -> torch.Tensor:
+    """``q [Hq, n, D]`` against ``past`` keys (``past[:m]``), values (``past[m:]``) and its own causal
+    ``k, v [Hkv, n, D]``."""
+    m = len(past) // 2
+    keys = torch.cat([*past[:m], k], dim=1)
+    values = torch.cat([*past[m:], v], dim=1)
+    n, P = q.shape[1], keys.shape[1] - k.shape[1]
+    idx = torch.arange(n, device=q.device)
+    allowed = torch.ones(n, P + n, dtype=torch.bool, device=q.device)
+    allowed[:, P:] = idx[None, :] <= idx[:, None]
+    rep = q.shape[0] // k.shape[0]
+    if rep > 1:
+        keys, values = keys.repeat_interleave(rep, dim=0), values.repeat_interleave(rep, dim=0)
+    out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=allowed, scale=scale)
+    return out[0]
+
+
+class _StackAttention(torch.autograd.Function):
+    """:func:`_attend` saving only its inputs (the stack's leaves are references, not copies) and
+    recomputing the concatenation and attention in backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale: float, *past):
+        ctx.save_for_backward(q, k, v, *past)
+        ctx.scale = scale
+        return _attend(q, k, v, past, scale)
+
+    @staticmethod
+    def backward(ctx, g):
+        inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
+        with torch.enable_grad():
+            out = _attend(inputs[0], inputs[1], inputs[2], tuple(inputs[3:]), ctx.scale)
+            need = [t for t in inputs if t.requires_grad]
+            got = iter(torch.autograd.grad(out, need, g))
+        grads = [next(got) if t.requires_grad else None for t in inputs]
+        return grads[0], grads[1], grads[2], None, *grads[3:]
+
+
+def stack_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: TreeMask, scale: float
+) -> torch.Tensor:
+    """The ``depth_first`` backend: one node's queries ``[Hq, n, D]`` against its stack's K/V and its
+    own ``k, v [Hkv, n, D]`` (causal); records ``(k, v)`` for the node's children."""
+    if "stack" not in mask.cache:
+        raise ValueError("attention backend 'depth_first' runs inside parallel.depth_first only")
+    stack: _Stack = mask.cache["stack"]
+    layer = len(stack.own)
+    stack.own.append((k, v))
+    past = [a[layer][0] for a in stack.past] + [a[layer][1] for a in stack.past]
+    return _StackAttention.apply(q, k, v, scale, *past)
 
 
 def depth_first_backward(
@@ -109,15 +165,16 @@ def depth_first_backward(
     def run(node: int, stack: list) -> None:
         nonlocal total
         s, e = starts[node], ends[node]
-        cache, past = _cache(model, stack)
+        ctx = _Stack(past=stack)
         out = decoder(
             input_ids=packed.input_ids[None, s:e],
             position_ids=packed.position_ids[None, s:e],
-            past_key_values=cache,
-            use_cache=True,
+            attention_mask=packed.subtree_end[s:e].view(1, 1, 1, e - s),  # unused: passed through
+            tree_mask=TreeMask(packed.subtree_end[s:e], backend="depth_first", cache={"stack": ctx}),
+            use_cache=False,
         )
         hidden = out.last_hidden_state[0]  # [n, H]
-        own = [(layer.keys[:, :, past:], layer.values[:, :, past:]) for layer in cache.layers]
+        own = ctx.own
         # rows of this node predict its next tokens and its children's first tokens
         targets = [*range(s + 1, e), *(starts[c] for c in kids[node])]
         targets = torch.tensor(targets, dtype=torch.long, device=device)
@@ -128,7 +185,7 @@ def depth_first_backward(
             all_logp[targets.cpu()] = logp.detach().to(all_logp.dtype).cpu()
             loss = token_loss(logp, targets)
         leaves = [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in own]
-        del out, cache
+        del out, ctx
         for child in kids[node]:
             run(child, [*stack, leaves])
         outputs, grads = [loss], [torch.ones_like(loss)]
