@@ -67,6 +67,7 @@ class TrainConfig:
     # batching
     packing: str = "tree"  # tree: shared prefixes once; sequence: every path its own sequence
     capacity: int = 8192  # tokens per micro-batch (distinct tokens in tree mode)
+    cp: int = 1  # context-parallel ranks per tree (torchrun; world = dp x cp); capacity is per rank
     batch_trees: int = 1  # trees per optimizer step (a tree is never split across steps)
     steps: int | None = None  # optimizer steps; None: from epochs, else DEFAULT_STEPS
     epochs: float | None = None  # passes over the data (fractional allowed)
@@ -246,6 +247,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         setattr(c, name, _coerce(name, getattr(c, name), int))
     c.max_line_bytes = _coerce("max_line_bytes", c.max_line_bytes, int)
     _positive("max_line_bytes", c.max_line_bytes)
+    c.cp = _coerce("cp", c.cp, int)
+    _positive("cp", c.cp)
+    if c.cp > 1 and c.packing != "tree":
+        raise ValueError(f"--cp {c.cp}: context parallelism splits packed trees; use --packing tree")
     for name in ("lr", "eps", "weight_decay", "min_lr_ratio"):
         setattr(c, name, _coerce(name, getattr(c, name), float))
 
@@ -385,6 +390,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         f"sequence (default {d.packing})",
     )
     g.add_argument("--capacity", type=int, help=f"tokens per micro-batch (default {d.capacity})")
+    g.add_argument(
+        "--cp",
+        type=int,
+        help="context parallelism: ranks that share one packed tree (torchrun; world size = dp x cp, "
+        f"--capacity is per rank; default {d.cp})",
+    )
     g.add_argument("--batch-trees", type=int, help=f"trees per optimizer step (default {d.batch_trees})")
     g.add_argument("--steps", type=int, help=f"optimizer steps (default {DEFAULT_STEPS} unless --epochs)")
     g.add_argument("--epochs", type=float, help="passes over the data instead of --steps (default: unset)")

@@ -143,6 +143,11 @@ def tree_logprobs(
     are not computed (zeros are returned). ``needed [T]`` (bool) limits the LM head to those
     targets (e.g. tokens some path trains on); the others are 0 and carry no gradient.
     """
+    from .parallel.cp import active_group, cp_tree_logprobs
+
+    cp_on, group = active_group()
+    if cp_on:  # inside parallel.cp.context_parallel: this rank's chunk only
+        return cp_tree_logprobs(model, packed, group, chunk, entropy, needed)
     hidden = tree_forward(model, packed, backend)
     packed = packed.to(hidden.device)
     has_prev = packed.prev >= 0

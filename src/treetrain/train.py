@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import itertools
 import json
@@ -248,6 +249,7 @@ class StepBatch:
     packing: str  # how ``micro`` was made: tree, or sequence (one-path trees, the baseline)
     passes: int = 0  # forward/backward passes every rank runs (the busiest rank's); 0: len(micro)
     all_computed_tokens: int | None = None  # tokens computed on all ranks; None: len of this micro
+    imbalance: float = 1.0  # FLOPs of the busiest data-parallel rank / the mean (parallel.balance)
     path_tokens: int = field(init=False)  # what the per-path baseline computes
     tree_tokens: int = field(init=False)  # distinct tokens of the whole trees (perfect reuse)
     computed_tokens: int = field(init=False)  # what the micro-batches actually run
@@ -414,24 +416,26 @@ def rank_microbatches(
     packing) go to ranks by their training FLOPs (``distributed.tree_cost``, LPT), then each rank
     packs its own pieces. Every rank computes the same plan from the same trees, with no
     communication. Returns (this rank's micro-batches, the most micro-batches any rank has, the
-    tokens all ranks compute).
+    tokens all ranks compute, the FLOP imbalance max/mean over ranks).
 
     FSDP's collectives run once per forward, so every rank must run the same number of forwards:
     ``sequence`` packing runs one forward per path (:func:`sequence_loss`), hence one path per
     micro-batch here, and idle ranks pad with one-forward dummy passes.
     """
+    from .parallel.balance import balanced_plan
     from .partition import pack_microbatches, partition
 
     units = [seq for tree in trees for seq in sequence_parts(tree)] if packing == "sequence" else trees
     pieces = [part for unit in units for part in partition(unit, capacity)]
-    costs = [distributed.tree_cost(piece, model_config) for piece in pieces]
-    plan = distributed.assign_to_ranks(costs, world_size)
+    # LPT by FLOPs; a piece costlier than a fair share is split in parts of whole paths (parallel.balance)
+    cost = lambda t: distributed.tree_cost(t, model_config)  # noqa: E731
+    pieces, plan, imbalance = balanced_plan(pieces, world_size, cost)
     if packing == "sequence":
         per_rank = [[[pieces[i]] for i in idx] for idx in plan]
     else:
         per_rank = [pack_microbatches([pieces[i] for i in idx], capacity) for idx in plan]
     computed = sum(t.num_tokens for mbs in per_rank for mb in mbs for t in mb)
-    return per_rank[rank], max(len(mbs) for mbs in per_rank), computed
+    return per_rank[rank], max(len(mbs) for mbs in per_rank), computed, imbalance
 
 
 def make_batches(
@@ -461,7 +465,7 @@ def make_batches(
             micro = [pack(mb) for mb in make_microbatches(trees, cfg.packing, cfg.capacity)]
             yield StepBatch(trees=trees, micro=micro, trees_consumed=consumed, packing=cfg.packing)
             continue
-        mine, passes, computed = rank_microbatches(
+        mine, passes, computed, imbalance = rank_microbatches(
             trees, cfg.packing, cfg.capacity, rank, world_size, model_config
         )
         yield StepBatch(
@@ -471,6 +475,7 @@ def make_batches(
             packing=cfg.packing,
             passes=passes,
             all_computed_tokens=computed,
+            imbalance=imbalance,
         )
 
 
@@ -516,6 +521,7 @@ def train_step(
     autocast_dtype: torch.dtype | None = None,
     ref_model: nn.Module | None = None,
     backend: str | None = None,
+    cp=None,
 ) -> dict[str, float]:
     """Forward and backward over every micro-batch, then clip and step.
 
@@ -530,8 +536,10 @@ def train_step(
     device = next(model.parameters()).device
     normalizer = loss_normalizer(batch.trees, objective)
     sums: dict[str, torch.Tensor] = {}
+    cp_size = cp.cp_size if cp is not None else 1  # parallel.cp.CPLayout: ranks sharing each tree
     for packed in batch.micro:
-        with autocast_context(device, autocast_dtype):
+        cp_scope = cp.scope() if cp is not None else contextlib.nullcontext()
+        with autocast_context(device, autocast_dtype), cp_scope:
             loss, metrics = loss_fn(
                 model, packed.to(device), objective, normalizer, ref_model=ref_model, backend=backend
             )
@@ -543,6 +551,8 @@ def train_step(
             idle = distributed.dummy_loss(model, backend)
         idle.backward()
     sums = distributed.all_reduce_sum_dict(sums)
+    if cp_size > 1:  # every rank of a context-parallel group computed the same full metrics
+        sums = {k: v / cp_size for k, v in sums.items()}
     params = [p for p in model.parameters() if p.grad is not None]
     max_norm = grad_clip if grad_clip else float("inf")
     grad_norm = distributed.clip_grad_norm_(params, max_norm)
@@ -589,6 +599,7 @@ def step_record(
         "step_time_s": seconds,
         "micro_batches": len(batch.micro),
         "trees": len(batch.trees),
+        "imbalance": batch.imbalance,
     }
     return record | {k: v for k, v in metrics.items() if k not in record}
 
@@ -697,6 +708,7 @@ class Run:
     start_step: int = 0
     trees_done: int = 0
     total_trees: int | None = None  # the run's last tree (``--epochs``); None: ``steps`` decide
+    cp: Any = None  # parallel.cp.CPLayout (dp x cp mesh); set by setup
 
 
 @dataclass
@@ -744,6 +756,9 @@ def setup(cfg: TrainConfig) -> Run:
     scheduler = build_scheduler(optimizer, cfg, steps)
     run = Run(cfg, device, autocast_dtype, model, ref_model, objective, optimizer, scheduler, steps, out)
     run.total_trees = total_trees
+    from .parallel.cp import init_cp
+
+    run.cp = init_cp(cfg.cp)
     latest = checkpoint.latest_checkpoint(out) if cfg.resume else None
     if latest is not None:
         run.start_step, data_state = checkpoint.load_checkpoint(latest, model, optimizer, scheduler)
@@ -761,14 +776,17 @@ def run_loop(run: Run, metrics_path: Path) -> list[dict[str, Any]]:
     cfg, device = run.cfg, run.device
     info = distributed.init_distributed()
     vocab_size = run.model.config.get_text_config().vocab_size
+    from .parallel.cp import init_cp
+
+    cp = run.cp or init_cp(1)
     batches = prefetched(
         make_batches(
-            cfg,
+            dataclasses.replace(cfg, capacity=cfg.capacity * cp.cp_size),  # --capacity is per CP rank
             vocab_size,
             run.steps - run.start_step,
             run.trees_done,
-            rank=info.rank,
-            world_size=info.world_size,
+            rank=cp.dp_rank,
+            world_size=cp.dp_size,
             model_config=run.model.config,
             total_trees=run.total_trees,
         ),
@@ -801,6 +819,7 @@ def run_loop(run: Run, metrics_path: Path) -> list[dict[str, Any]]:
                     autocast_dtype=run.autocast_dtype,
                     ref_model=run.ref_model,
                     backend=cfg.attention,
+                    cp=cp,
                 )
             except NonFiniteError as e:
                 last = checkpoint.latest_checkpoint(run.out)

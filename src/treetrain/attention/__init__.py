@@ -29,6 +29,8 @@ BACKENDS: dict[str, tuple[str, str]] = {
     "blocksparse": ("treetrain.attention.blocksparse", "blocksparse_attention"),
     "flex": ("treetrain.attention.flex", "flex_tree_attention"),
     "triton": ("treetrain.attention.triton_kernel", "triton_tree_attention"),
+    "cp": ("treetrain.parallel.cp", "cp_attention"),  # context parallel (inside parallel.cp only)
+    "depth_first": ("treetrain.parallel.depth_first", "stack_attention"),  # inside parallel.depth_first
 }
 
 

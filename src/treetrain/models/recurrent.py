@@ -132,7 +132,12 @@ def _tree_aware_forward(
         )
     if cache_params is not None:
         raise ValueError("a tree forward takes no cache (use_cache=False): states are routed per node")
-    return tree_gdn_forward(self, hidden_states, packed, kwargs.get("tree_mask"))
+    mask = kwargs.get("tree_mask")
+    if mask is not None and "cp" in mask.cache:  # context parallel: this rank holds a chunk of the tree
+        from ..parallel.cp import cp_recurrent_forward
+
+        return cp_recurrent_forward(self, hidden_states, packed, mask)
+    return tree_gdn_forward(self, hidden_states, packed, mask)
 
 
 def patch_recurrent_layers(model: nn.Module) -> int:
