@@ -233,7 +233,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _choice("dtype", c.dtype, DTYPES)
     _choice("reference", c.reference, ("model", "data"))
     if c.data_format is not None:
-        _choice("data_format", c.data_format, ("paths", "messages", "tree"))
+        _choice("data_format", c.data_format, ("paths", "messages", "tree", "preference"))
     _positive("capacity", c.capacity)
     _positive("batch_trees", c.batch_trees)
     _positive("lr", c.lr)

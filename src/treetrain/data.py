@@ -70,8 +70,8 @@ __all__ = [
     "validate_file",
 ]
 
-FORMATS = ("paths", "messages", "tree")
-_FORMAT_KEY = {"paths": "paths", "messages": "messages", "tree": "nodes"}
+FORMATS = ("paths", "messages", "tree", "preference")
+_FORMAT_KEY = {"paths": "paths", "messages": "messages", "tree": "nodes", "preference": "chosen_ids"}
 _META_KEYS = ("id", "meta")
 _KEYS = {
     "paths": ("paths", "loss_masks", "advantages", "weights", "old_logprobs", "ref_logprobs"),
@@ -619,12 +619,17 @@ def _parse_unguarded(
 ) -> tuple[TrajectoryTree, str, list]:
     if not isinstance(record, dict):
         raise _Invalid(f"expected a JSON object, got {_type_name(record)}")
+    from .preference_data import is_preference_record, parse_preference
+
     if fmt is None:
-        fmt = _detect_format(record)
+        fmt = "preference" if is_preference_record(record) else _detect_format(record)
     elif fmt not in FORMATS:
         raise ValueError(f"format: expected one of {FORMATS} or None, got {fmt!r}")
-    _check_keys(record, fmt)
-    if fmt == "paths":
+    if fmt != "preference":
+        _check_keys(record, fmt)
+    if fmt == "preference":  # DPO / reward pairs, see treetrain.preference_data
+        paths, fields, where = parse_preference(record, vocab_size, tokenizer)
+    elif fmt == "paths":
         paths, fields, where = _parse_paths(record, vocab_size)
     elif fmt == "tree":
         paths, fields, where = _parse_tree(record, vocab_size)
