@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import itertools
 import json
 import math
@@ -121,10 +122,19 @@ def default_model_config(vocab_size: int = 151936):
     )
 
 
-def build_model(model: str | None, seed: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def build_model(
+    model: str | None, seed: int, dtype: torch.dtype, device: torch.device, auto_class: str | None = None
+) -> nn.Module:
     """A causal LM from a local directory (weights, or only ``config.json``: random init from
-    ``seed``) or, with ``model=None``, the embedded tiny Qwen3 config (random init)."""
+    ``seed``) or, with ``model=None``, the embedded tiny Qwen3 config (random init).
+
+    ``auto_class``: another transformers auto class by name (``AutoModelForSequenceClassification``
+    for reward models, built with ``num_labels=1``)."""
     import transformers
+
+    auto = transformers.AutoModelForCausalLM
+    if auto_class is not None:
+        auto = getattr(transformers, auto_class)
 
     torch.manual_seed(seed)
     if model is None:
@@ -138,12 +148,14 @@ def build_model(model: str | None, seed: int, dtype: torch.dtype, device: torch.
             )
         weights = [*path.glob("*.safetensors"), *path.glob("*.bin")]
         if weights:
-            net = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            net = auto.from_pretrained(path, dtype=dtype, **({"num_labels": 1} if auto_class else {}))
             return net.to(device)
         config = transformers.AutoConfig.from_pretrained(path)
+    if auto_class is not None:
+        config.num_labels = 1
     # initialize in float32 whatever the dtype, so one seed gives one initial model (normal_ draws
     # differ between float32 and float64 kernels), then cast
-    net = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    net = auto.from_config(config, dtype=torch.float32)
     return net.to(device=device, dtype=dtype)
 
 
@@ -413,6 +425,14 @@ def make_batches(
         if not trees:  # the run's last tree was read (``--epochs``)
             return
         consumed += len(trees)
+        if cfg.objective in ("dpo", "reward"):  # whole pairs per micro-batch
+            from .objectives_preference import pair_microbatches
+
+            if world_size > 1:
+                raise ValueError(f"--objective {cfg.objective}: one process only (no torchrun) for now")
+            micro = [pack(mb) for mb in pair_microbatches(trees, cfg.packing, cfg.capacity)]
+            yield StepBatch(trees=trees, micro=micro, trees_consumed=consumed, packing=cfg.packing)
+            continue
         if world_size == 1:
             micro = [pack(mb) for mb in make_microbatches(trees, cfg.packing, cfg.capacity)]
             yield StepBatch(trees=trees, micro=micro, trees_consumed=consumed, packing=cfg.packing)
@@ -443,9 +463,13 @@ def prefetched(batches: Iterator[StepBatch], depth: int) -> Iterable[StepBatch]:
 
 
 def build_objective(cfg: TrainConfig):
-    """``treetrain.losses.Objective`` from ``--objective`` and the ``loss`` options."""
+    """``treetrain.losses.Objective`` from ``--objective`` and the ``loss`` options (dpo and reward:
+    ``treetrain.objectives_preference.PreferenceObjective``)."""
     from .losses import Objective
+    from .objectives_preference import PREFERENCE_OBJECTIVES, PreferenceObjective
 
+    if cfg.objective in PREFERENCE_OBJECTIVES:
+        Objective = PreferenceObjective  # noqa: N806
     try:
         return Objective(name=cfg.objective, **cfg.loss)
     except TypeError as e:
@@ -480,11 +504,16 @@ def train_step(
     objective metrics (``treetrain.losses.summarize_metrics`` of the summed micro-batch metrics)
     plus ``grad_norm`` (before clipping).
     """
+    from . import objectives_preference as pref
     from .losses import compute_loss, loss_normalizer, summarize_metrics
 
     loss_fn = sequence_loss if batch.packing == "sequence" else compute_loss
     device = next(model.parameters()).device
-    normalizer = loss_normalizer(batch.trees, objective)
+    if isinstance(objective, pref.PreferenceObjective):  # dpo, reward: per-path tensors, either packing
+        loss_fn = functools.partial(pref.compute_preference_loss, packing=batch.packing)
+        normalizer, summarize_metrics = pref.preference_normalizer(batch.trees), pref.summarize_preference
+    else:
+        normalizer = loss_normalizer(batch.trees, objective)
     sums: dict[str, torch.Tensor] = {}
     for packed in batch.micro:
         with autocast_context(device, autocast_dtype):
@@ -677,11 +706,18 @@ def setup(cfg: TrainConfig) -> Run:
     if info.is_main:
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
 
+    auto_class = "AutoModelForSequenceClassification" if cfg.objective == "reward" else None
     model = configure_model(
-        build_model(cfg.model, cfg.seed, param_dtype, device), cfg.activation_checkpointing
+        build_model(cfg.model, cfg.seed, param_dtype, device, auto_class), cfg.activation_checkpointing
     )
     objective = build_objective(cfg)
     ref_model = build_reference_model(model) if objective.kl_coef and cfg.reference == "model" else None
+    if getattr(objective, "needs_reference", False):  # dpo: --ref-model, or the initial weights
+        ref_model = build_reference_model(
+            configure_model(build_model(cfg.ref_model, cfg.seed, param_dtype, device), False)
+            if cfg.ref_model
+            else model
+        )
     # FSDP2 from outside the model (a no-op in one process), before the optimizer sees the parameters
     model = distributed.shard_model(
         model, mixed_precision=autocast_dtype is not None and device.type == "cuda"
