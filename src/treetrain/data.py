@@ -74,9 +74,9 @@ FORMATS = ("paths", "messages", "tree", "preference")
 _FORMAT_KEY = {"paths": "paths", "messages": "messages", "tree": "nodes", "preference": "chosen_ids"}
 _META_KEYS = ("id", "meta")
 _KEYS = {
-    "paths": ("paths", "loss_masks", "advantages", "weights", "old_logprobs", "ref_logprobs"),
+    "paths": ("paths", "loss_masks", "advantages", "weights", "old_logprobs", "ref_logprobs", "rewards"),
     "messages": ("messages", "tools", "advantages", "weights"),
-    "tree": ("nodes", "advantages", "weights", "old_logprobs", "ref_logprobs"),
+    "tree": ("nodes", "advantages", "weights", "old_logprobs", "ref_logprobs", "rewards"),
 }
 _LOGPROB_TOLERANCE = 1e-4  # log-probabilities above this are an error (rounding can give +1e-7)
 _MAX_STORED_ERRORS = 1000  # collected errors kept in memory; the count is always exact
@@ -287,6 +287,8 @@ def _path_fields(
             out[key] = [_loss_mask(v, (key, i), L) for i, (v, L) in enumerate(zip(value, lengths))]
         elif key in ("old_logprobs", "ref_logprobs"):
             out[key] = [_logprobs(v, (key, i), L - 1) for i, (v, L) in enumerate(zip(value, lengths))]
+        elif key == "rewards":  # PPO with a critic: one scalar reward per path (treetrain.objectives_value)
+            out[key] = np.array([_scalar(v, (key, i)) for i, v in enumerate(value)])
         elif key == "weights":
             w = np.array([_scalar(v, (key, i)) for i, v in enumerate(value)])
             if (w < 0).any():
