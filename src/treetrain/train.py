@@ -504,6 +504,7 @@ def train_step(
     objective metrics (``treetrain.losses.summarize_metrics`` of the summed micro-batch metrics)
     plus ``grad_norm`` (before clipping).
     """
+    from . import moe_aux
     from . import objectives_preference as pref
     from .losses import compute_loss, loss_normalizer, summarize_metrics
 
@@ -515,11 +516,16 @@ def train_step(
     else:
         normalizer = loss_normalizer(batch.trees, objective)
     sums: dict[str, torch.Tensor] = {}
+    aux_coef = moe_aux.aux_coef(model)  # MoE router load-balancing loss, see treetrain.moe_aux
     for packed in batch.micro:
-        with autocast_context(device, autocast_dtype):
+        with autocast_context(device, autocast_dtype), moe_aux.recording(model, aux_coef) as router:
             loss, metrics = loss_fn(
                 model, packed.to(device), objective, normalizer, ref_model=ref_model, backend=backend
             )
+        if aux_coef is not None:
+            share = sum(t.num_path_tokens for t in packed.trees) / batch.path_tokens
+            aux = share * moe_aux.micro_batch_aux_loss(model, packed, batch.packing, router)
+            loss, metrics["aux_loss"] = loss + aux_coef * aux, aux.detach()
         loss.backward()
         for k, v in metrics.items():
             sums[k] = sums[k] + v.double() if k in sums else v.double()
@@ -532,6 +538,8 @@ def train_step(
     max_norm = grad_clip if grad_clip else float("inf")
     grad_norm = distributed.clip_grad_norm_(params, max_norm)
     out = summarize_metrics(sums) | {"grad_norm": float(grad_norm)}
+    if "aux_loss" in sums:
+        out["aux_loss"] = float(sums["aux_loss"])
     if not (math.isfinite(out.get("loss", 0.0)) and math.isfinite(out["grad_norm"])):
         optimizer.zero_grad(set_to_none=True)  # the same values on every rank: all stop together
         raise NonFiniteError(f"non-finite loss ({out.get('loss')}) or gradient norm ({out['grad_norm']})")
