@@ -17,9 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from treetrain import TrajectoryTree, pack
-from treetrain.losses import Objective, PathMeta, objective
-from treetrain.objectives_value import clipped_value_loss, gae_per_path, path_values
-from treetrain.path_outputs import path_target_logprobs
+from treetrain.losses import Objective, PathMeta
+from treetrain.objectives_value import compute_ppo_critic_loss, gae_per_path, path_values
 
 from .reference import float64_casts, grad_err, reference_copy, tiny_config, tiny_model
 from .reference import reference_logprobs as baseline_logprobs
@@ -84,17 +83,22 @@ def reference_ppo(policy, critic, paths, masks, rewards, old_lps, cfg_vf=0.5):
 
 def tree_ppo(policy, critic, tree, packing, cfg_vf=0.5):
     packed = pack(tree)
-    meta = PathMeta.from_trees(packed)
-    values = path_values(critic, packed, packing)
-    adv, ret = gae_per_path(
-        values, torch.as_tensor(tree.fields["rewards"]), meta.mask, meta.num_targets, GAMMA, LAM
+    N = float(PathMeta.from_trees(packed).mask.sum())
+    cfg = Objective("ppo", clip_low=CLIP)
+    loss, _ = compute_ppo_critic_loss(
+        policy,
+        critic,
+        packed,
+        cfg,
+        N,
+        N,
+        packing=packing,
+        gamma=GAMMA,
+        lam=LAM,
+        vf_coef=cfg_vf,
+        value_clip=CLIP,
     )
-    N = float(meta.mask.sum())
-    v_loss, _ = clipped_value_loss(values, ret, meta.mask, N, clip=CLIP)
-    meta.advantages = adv
-    lp = path_target_logprobs(policy, packed, packing)
-    p_loss, _ = objective(lp, meta, Objective("ppo", clip_low=CLIP), N)
-    return p_loss + cfg_vf * v_loss
+    return loss
 
 
 def grads_of(model):
@@ -145,3 +149,11 @@ def test_branch_point_values_shared_advantages_per_path():
     assert adv[1] != adv[4]
     with pytest.raises(ValueError, match="score"):
         path_values(tiny_model("qwen3", vocab=12), packed)
+
+
+def test_ppo_critic_needs_rewards():
+    tree = TrajectoryTree.from_paths([[1, 2, 3], [1, 2, 4]], advantages=[1.0, -1.0])
+    with pytest.raises(ValueError, match="rewards"):
+        compute_ppo_critic_loss(
+            tiny_model("qwen3", vocab=12), tiny_critic(vocab=12), pack(tree), None, 1.0, 1.0
+        )

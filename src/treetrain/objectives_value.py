@@ -25,6 +25,7 @@ partition of the step into micro-batches adds up to the same loss and gradient.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -32,7 +33,7 @@ from .models import tree_forward
 from .packing import PackedTree
 from .path_outputs import _paths, _sequence_hidden
 
-__all__ = ["clipped_value_loss", "gae_per_path", "path_values", "value_head"]
+__all__ = ["clipped_value_loss", "compute_ppo_critic_loss", "gae_per_path", "path_values", "value_head"]
 
 
 def value_head(model: nn.Module) -> nn.Linear:
@@ -124,3 +125,43 @@ def clipped_value_loss(
         "num_tokens": mask.sum(),
     }
     return loss, metrics
+
+
+def compute_ppo_critic_loss(
+    policy: nn.Module,
+    critic: nn.Module,
+    packed: PackedTree,
+    cfg,
+    normalizer: float,
+    value_normalizer: float,
+    *,
+    packing: str = "tree",
+    gamma: float = 1.0,
+    lam: float = 0.95,
+    vf_coef: float = 0.5,
+    value_clip: float = 0.2,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One micro-batch of PPO with a critic: ``policy_loss + vf_coef * value_loss``.
+
+    ``cfg``: a ``treetrain.losses.Objective`` (``ppo``; the data carries ``old_logprobs`` and
+    per-path ``rewards``, no ``advantages``). ``normalizer``: ``loss_normalizer(step trees, cfg)``;
+    ``value_normalizer``: the step's trained targets. The critic's values (one head row per distinct
+    token on a tree), GAE along each path, then the policy objective on those advantages.
+    """
+    from .losses import PathMeta, objective
+    from .path_outputs import path_target_logprobs
+
+    if not all("rewards" in t.fields for t in packed.trees):
+        raise ValueError("PPO with a critic needs per-path `rewards` in every record (not advantages)")
+    meta = PathMeta.from_trees(packed)
+    rewards = torch.as_tensor(np.concatenate([t.fields["rewards"] for t in packed.trees]))
+    values = path_values(critic, packed, packing, backend=backend)
+    meta = meta.to(values.device, values.dtype)
+    adv, ret = gae_per_path(values, rewards.to(values), meta.mask, meta.num_targets, gamma, lam)
+    v_loss, v_metrics = clipped_value_loss(values, ret, meta.mask, value_normalizer, clip=value_clip)
+    meta.advantages = adv
+    lp = path_target_logprobs(policy, packed, packing, meta.mask > 0, backend=backend)
+    p_loss, metrics = objective(lp, meta.to(lp.device, lp.dtype), cfg, normalizer)
+    loss = p_loss + vf_coef * v_loss
+    return loss, metrics | v_metrics | {"loss": loss.detach()}
