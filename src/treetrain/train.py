@@ -468,12 +468,11 @@ def build_objective(cfg: TrainConfig):
     from .losses import Objective
     from .objectives_preference import PREFERENCE_OBJECTIVES, PreferenceObjective
 
-    if cfg.objective in PREFERENCE_OBJECTIVES:
-        Objective = PreferenceObjective  # noqa: N806
+    cls = PreferenceObjective if cfg.objective in PREFERENCE_OBJECTIVES else Objective
     try:
-        return Objective(name=cfg.objective, **cfg.loss)
+        return cls(name=cfg.objective, **cfg.loss)
     except TypeError as e:
-        raise ValueError(f"loss: {e}; see treetrain.losses.Objective for the objective's options") from None
+        raise ValueError(f"loss: {e}; see {cls.__module__}.{cls.__name__} for the options") from None
 
 
 class NonFiniteError(RuntimeError):
