@@ -203,7 +203,7 @@ def pair_lists(draw):
     return out
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
 @given(pairs=pair_lists(), name=st.sampled_from(list(CONFIGS)), capacity=st.sampled_from([8, 10**6]))
 def test_dpo_random_pairs(pairs, name, capacity):
     cfg = CONFIGS[name]

@@ -326,6 +326,7 @@ def compute_preference_loss(
     pairs = pair_layout(packed)
     if cfg.name == "reward":
         scores = reward_head(model)(path_last_hidden(model, packed, packing, backend=backend))[:, 0]
+        scores = scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores  # autocast
         return reward_loss(scores, pairs, cfg, normalizer)
     from .losses import PathMeta
 

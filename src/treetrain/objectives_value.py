@@ -61,8 +61,10 @@ def path_values(
         hidden = tree_forward(model, packed, backend)
         values = head(hidden)[:, 0]  # [T]: one per distinct token
         packed = packed.to(values.device)
-        return values.index_select(0, packed.prev[packed.target_index()])
-    return torch.cat([head(_sequence_hidden(model, ids)[:-1])[:, 0] for ids in _paths(packed)])
+        values = values.index_select(0, packed.prev[packed.target_index()])
+    else:
+        values = torch.cat([head(_sequence_hidden(model, ids)[:-1])[:, 0] for ids in _paths(packed)])
+    return values.float() if values.dtype in (torch.float16, torch.bfloat16) else values  # autocast
 
 
 def gae_per_path(
