@@ -298,6 +298,19 @@ def test_pair_tree_layout():
         pair_layout(TrajectoryTree.from_paths([[1, 2], [1, 3]]))
 
 
+def test_pairs_sharing_a_prompt_merge_into_one_tree():
+    """Two pairs on one prompt (tree packing): one tree, the prompt once, pairs in order."""
+    a, b = pair_tree([1, 2], [3], [4], margin=0.5), pair_tree([1, 2], [5], [6], margin=1.0)
+    (mb,) = pair_microbatches([a, b], "tree", 100)
+    (merged,) = mb
+    assert merged.num_tokens == 6 and merged.num_path_tokens == 12
+    assert [p.tolist() for p in merged.paths()] == [[1, 2, 3], [1, 2, 4], [1, 2, 5], [1, 2, 6]]
+    pairs = pair_layout(merged)
+    assert pairs.chosen.tolist() == [0, 2] and pairs.margin.tolist() == [0.5, 1.0]
+    # over capacity: each pair tree stays its own micro-batch
+    assert [len(m) for m in pair_microbatches([a, b], "tree", 4)] == [1, 1]
+
+
 @pytest.mark.parametrize(
     "record, field, reason",
     [

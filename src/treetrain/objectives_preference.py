@@ -50,6 +50,7 @@ __all__ = [
     "compute_preference_loss",
     "dpo_loss",
     "masked_path_sums",
+    "merge_pairs",
     "pair_layout",
     "pair_microbatches",
     "preference_normalizer",
@@ -175,9 +176,11 @@ def pair_microbatches(
 ) -> list[list[TrajectoryTree]]:
     """Micro-batches of whole pairs, at most ``capacity`` tokens each where a pair fits.
 
-    ``tree``: a pair tree whole, or (over ``capacity``) its two paths as two one-path trees;
-    ``sequence``: every path its own one-path tree. Pairs are never split across micro-batches, so
-    each micro-batch's loss is a sum over its pairs.
+    ``tree``: the pair trees of a micro-batch merged into ONE tree (:func:`merge_pairs`), so pairs
+    that share a prompt (several pairs per prompt, pairs from one multi-turn history) share its
+    tokens too; a pair over ``capacity`` runs as its two paths, one-path trees. ``sequence``: every
+    path its own one-path tree. Pairs are never split across micro-batches, so each micro-batch's
+    loss is a sum over its pairs.
     """
     units = []
     for t in trees:
@@ -196,7 +199,26 @@ def pair_microbatches(
             size = 0
         micro[-1].extend(unit)
         size += n
+    if packing == "tree":  # merging only removes tokens: the budget still holds
+        return [[merge_pairs(mb)] if all(t.num_paths % 2 == 0 for t in mb) else mb for mb in micro]
     return micro
+
+
+def merge_pairs(trees: Sequence[TrajectoryTree]) -> TrajectoryTree:
+    """Pair trees -> one tree of all their paths, in order (pair ``k``: path ids ``2k``, ``2k + 1``),
+    shared prefixes merged across pairs.
+
+    Example: pairs ``([1 2] + [3] | [4])`` and ``([1 2] + [5] | [6])``: 8 path tokens, 6 distinct
+    tokens in the merged tree (the prompt ``[1 2]`` once).
+    """
+    if len(trees) == 1:
+        return trees[0]
+    paths = [t.path(i) for t in trees for i in range(t.num_paths)]
+    fields = {
+        "loss_masks": [m for t in trees for m in t.fields["loss_masks"]],
+        "margins": np.concatenate([t.fields["margins"] for t in trees]),
+    }
+    return TrajectoryTree.from_paths(paths, **fields)
 
 
 # ---- the losses (per-path tensors in, loss and metric sums out) -------------------------------------
