@@ -146,13 +146,7 @@ def pair_layout(batch: PackedTree | TrajectoryTree | Sequence[TrajectoryTree]) -
     Example: a pair tree ``[prompt+chosen, prompt+rejected]`` gives ``chosen=[0]``, ``rejected=[1]``;
     two one-path trees cut from it (the baseline) give the same.
     """
-    trees = _trees(batch)
-    for t in trees:
-        if "margins" not in t.fields:
-            raise ValueError(
-                "dpo/reward objectives train on preference pairs: records with prompt_ids/chosen_ids/"
-                "rejected_ids (or prompt/chosen/rejected messages); this batch holds a tree of other data"
-            )
+    trees = _check_pairs(_trees(batch))
     ids = np.concatenate([t.path_ids for t in trees])
     margins = np.concatenate([t.fields["margins"] for t in trees])
     chosen = np.flatnonzero(ids % 2 == 0)
@@ -164,6 +158,16 @@ def pair_layout(batch: PackedTree | TrajectoryTree | Sequence[TrajectoryTree]) -
         torch.as_tensor(rejected),
         torch.as_tensor(margins[chosen], dtype=torch.float64),
     )
+
+
+def _check_pairs(trees: Sequence[TrajectoryTree]) -> Sequence[TrajectoryTree]:
+    for t in trees:
+        if "margins" not in t.fields:
+            raise ValueError(
+                "dpo/reward objectives train on preference pairs: records with prompt_ids/chosen_ids/"
+                "rejected_ids (or prompt/chosen/rejected messages); this batch holds a tree of other data"
+            )
+    return trees
 
 
 def preference_normalizer(trees: Sequence[TrajectoryTree]) -> float:
@@ -211,7 +215,7 @@ def merge_pairs(trees: Sequence[TrajectoryTree]) -> TrajectoryTree:
     Example: pairs ``([1 2] + [3] | [4])`` and ``([1 2] + [5] | [6])``: 8 path tokens, 6 distinct
     tokens in the merged tree (the prompt ``[1 2]`` once).
     """
-    if len(trees) == 1:
+    if len(_check_pairs(trees)) == 1:
         return trees[0]
     paths = [t.path(i) for t in trees for i in range(t.num_paths)]
     fields = {
