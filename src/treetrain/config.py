@@ -61,9 +61,10 @@ class TrainConfig:
     model: str | None = None  # HF model dir; a dir with only config.json: random init; None: tiny Qwen3
     attention: str | None = None  # tree attention backend (dense|blocksparse|flex|triton); None: by device
     # objective
-    objective: str = "sft"  # sft | reinforce | grpo | ppo | gspo
+    objective: str = "sft"  # sft | reinforce | grpo | ppo | gspo | dpo | reward
     loss: dict[str, Any] = field(default_factory=dict)  # extra treetrain.losses.Objective fields
     reference: str = "model"  # KL reference: model (frozen initial copy) | data (ref_logprobs field)
+    ref_model: str | None = None  # dpo: the frozen reference model's directory; None: the initial weights
     # batching
     packing: str = "tree"  # tree: shared prefixes once; sequence: every path its own sequence
     capacity: int = 8192  # tokens per micro-batch (distinct tokens in tree mode)
@@ -234,7 +235,7 @@ def _positive(name: str, value, allow_zero: bool = False) -> None:
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Check and normalize every option; returns a new config with types coerced."""
     c = dataclasses.replace(cfg, loss=dict(cfg.loss))
-    for name in ("data", "data_format", "tokenizer", "model", "attention"):
+    for name in ("data", "data_format", "tokenizer", "model", "attention", "ref_model"):
         if getattr(c, name) is not None:
             setattr(c, name, _coerce(name, getattr(c, name), str))
     for name in ("objective", "reference", "packing", "schedule", "output", "device", "dtype"):
@@ -259,7 +260,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _choice("dtype", c.dtype, DTYPES)
     _choice("reference", c.reference, ("model", "data"))
     if c.data_format is not None:
-        _choice("data_format", c.data_format, ("paths", "messages", "tree"))
+        _choice("data_format", c.data_format, ("paths", "messages", "tree", "preference"))
     _positive("capacity", c.capacity)
     _positive("batch_trees", c.batch_trees)
     _positive("lr", c.lr)
@@ -378,7 +379,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "triton on CUDA)",
     )
     g = p.add_argument_group("objective and batching")
-    g.add_argument("--objective", help=f"sft | reinforce | grpo | ppo | gspo (default {d.objective})")
+    g.add_argument(
+        "--objective", help=f"sft | reinforce | grpo | ppo | gspo | dpo | reward (default {d.objective})"
+    )
+    g.add_argument("--ref-model", help="dpo: reference model directory (default: the initial weights)")
     g.add_argument(
         "--reference",
         help="KL reference when loss.kl_coef > 0: model (a frozen copy of the initial model) or data "

@@ -71,13 +71,13 @@ __all__ = [
     "validate_file",
 ]
 
-FORMATS = ("paths", "messages", "tree")
-_FORMAT_KEY = {"paths": "paths", "messages": "messages", "tree": "nodes"}
+FORMATS = ("paths", "messages", "tree", "preference")
+_FORMAT_KEY = {"paths": "paths", "messages": "messages", "tree": "nodes", "preference": "chosen_ids"}
 _META_KEYS = ("id", "meta")
 _KEYS = {
-    "paths": ("paths", "loss_masks", "advantages", "weights", "old_logprobs", "ref_logprobs"),
+    "paths": ("paths", "loss_masks", "advantages", "weights", "old_logprobs", "ref_logprobs", "rewards"),
     "messages": ("messages", "tools", "advantages", "weights"),
-    "tree": ("nodes", "advantages", "weights", "old_logprobs", "ref_logprobs"),
+    "tree": ("nodes", "advantages", "weights", "old_logprobs", "ref_logprobs", "rewards"),
 }
 _LOGPROB_TOLERANCE = 1e-4  # log-probabilities above this are an error (rounding can give +1e-7)
 _MAX_STORED_ERRORS = 1000  # collected errors kept in memory; the count is always exact
@@ -294,6 +294,8 @@ def _path_fields(
             out[key] = [_loss_mask(v, (key, i), L) for i, (v, L) in enumerate(zip(value, lengths))]
         elif key in ("old_logprobs", "ref_logprobs"):
             out[key] = [_logprobs(v, (key, i), L - 1) for i, (v, L) in enumerate(zip(value, lengths))]
+        elif key == "rewards":  # PPO with a critic: one scalar reward per path (treetrain.objectives_value)
+            out[key] = np.array([_scalar(v, (key, i)) for i, v in enumerate(value)])
         elif key == "weights":
             w = np.array([_scalar(v, (key, i)) for i, v in enumerate(value)])
             if (w < 0).any():
@@ -626,12 +628,17 @@ def _parse_unguarded(
 ) -> tuple[TrajectoryTree, str, list]:
     if not isinstance(record, dict):
         raise _Invalid(f"expected a JSON object, got {_type_name(record)}")
+    from .preference_data import is_preference_record, parse_preference
+
     if fmt is None:
-        fmt = _detect_format(record)
+        fmt = "preference" if is_preference_record(record) else _detect_format(record)
     elif fmt not in FORMATS:
         raise ValueError(f"format: expected one of {FORMATS} or None, got {fmt!r}")
-    _check_keys(record, fmt)
-    if fmt == "paths":
+    if fmt != "preference":
+        _check_keys(record, fmt)
+    if fmt == "preference":  # DPO / reward pairs, see treetrain.preference_data
+        paths, fields, where = parse_preference(record, vocab_size, tokenizer)
+    elif fmt == "paths":
         paths, fields, where = _parse_paths(record, vocab_size)
     elif fmt == "tree":
         paths, fields, where = _parse_tree(record, vocab_size)

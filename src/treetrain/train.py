@@ -129,12 +129,25 @@ def default_model_config(vocab_size: int = 151936):
 
 
 def build_model(
-    model: str | None, seed: int, dtype: torch.dtype, device: torch.device, *, trust_remote_code: bool = False
+    model: str | None,
+    seed: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    auto_class: str | None = None,
+    *,
+    trust_remote_code: bool = False,
 ) -> nn.Module:
     """A causal LM from a local directory (weights, or only ``config.json``: random init from
     ``seed``) or, with ``model=None``, the embedded tiny Qwen3 config (random init). A directory
-    whose model needs its own Python code is refused unless ``trust_remote_code``."""
+    whose model needs its own Python code is refused unless ``trust_remote_code``.
+
+    ``auto_class``: another transformers auto class by name (``AutoModelForSequenceClassification``
+    for reward models, built with ``num_labels=1``)."""
     import transformers
+
+    auto = transformers.AutoModelForCausalLM
+    if auto_class is not None:
+        auto = getattr(transformers, auto_class)
 
     torch.manual_seed(seed)
     if model is None:
@@ -149,17 +162,20 @@ def build_model(
         weights = [*path.glob("*.safetensors"), *path.glob("*.bin")]
         if weights:
             with refuse_remote_code("--model", model):
-                net = transformers.AutoModelForCausalLM.from_pretrained(
-                    path, dtype=dtype, trust_remote_code=trust_remote_code
+                net = auto.from_pretrained(
+                    path,
+                    dtype=dtype,
+                    trust_remote_code=trust_remote_code,
+                    **({"num_labels": 1} if auto_class else {}),
                 )
             return net.to(device)
         with refuse_remote_code("--model", model):
             config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if auto_class is not None:
+        config.num_labels = 1
     # initialize in float32 whatever the dtype, so one seed gives one initial model (normal_ draws
     # differ between float32 and float64 kernels), then cast
-    net = transformers.AutoModelForCausalLM.from_config(
-        config, dtype=torch.float32, trust_remote_code=trust_remote_code
-    )
+    net = auto.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
     return net.to(device=device, dtype=dtype)
 
 
@@ -461,6 +477,14 @@ def make_batches(
         if not trees:  # the run's last tree was read (``--epochs``)
             return
         consumed += len(trees)
+        if cfg.objective in ("dpo", "reward"):  # whole pairs per micro-batch
+            from .objectives_preference import pair_microbatches
+
+            if world_size > 1:
+                raise ValueError(f"--objective {cfg.objective}: one process only (no torchrun) for now")
+            micro = [pack(mb) for mb in pair_microbatches(trees, cfg.packing, cfg.capacity)]
+            yield StepBatch(trees=trees, micro=micro, trees_consumed=consumed, packing=cfg.packing)
+            continue
         if world_size == 1:
             micro = [pack(mb) for mb in make_microbatches(trees, cfg.packing, cfg.capacity)]
             yield StepBatch(trees=trees, micro=micro, trees_consumed=consumed, packing=cfg.packing)
@@ -492,13 +516,16 @@ def prefetched(batches: Iterator[StepBatch], depth: int) -> Iterable[StepBatch]:
 
 
 def build_objective(cfg: TrainConfig):
-    """``treetrain.losses.Objective`` from ``--objective`` and the ``loss`` options."""
+    """``treetrain.losses.Objective`` from ``--objective`` and the ``loss`` options (dpo and reward:
+    ``treetrain.objectives_preference.PreferenceObjective``)."""
     from .losses import Objective
+    from .objectives_preference import PREFERENCE_OBJECTIVES, PreferenceObjective
 
+    cls = PreferenceObjective if cfg.objective in PREFERENCE_OBJECTIVES else Objective
     try:
-        return Objective(name=cfg.objective, **cfg.loss)
+        return cls(name=cfg.objective, **cfg.loss)
     except TypeError as e:
-        raise ValueError(f"loss: {e}; see treetrain.losses.Objective for the objective's options") from None
+        raise ValueError(f"loss: {e}; see {cls.__module__}.{cls.__name__} for the options") from None
 
 
 class NonFiniteError(RuntimeError):
@@ -530,19 +557,30 @@ def train_step(
     objective metrics (``treetrain.losses.summarize_metrics`` of the summed micro-batch metrics)
     plus ``grad_norm`` (before clipping).
     """
+    from . import moe_aux
+    from . import objectives_preference as pref
     from .losses import compute_loss, loss_normalizer, summarize_metrics
 
     loss_fn = sequence_loss if batch.packing == "sequence" else compute_loss
     device = next(model.parameters()).device
-    normalizer = loss_normalizer(batch.trees, objective)
+    if isinstance(objective, pref.PreferenceObjective):  # dpo, reward: per-path tensors, either packing
+        loss_fn = functools.partial(pref.compute_preference_loss, packing=batch.packing)
+        normalizer, summarize_metrics = pref.preference_normalizer(batch.trees), pref.summarize_preference
+    else:
+        normalizer = loss_normalizer(batch.trees, objective)
     sums: dict[str, torch.Tensor] = {}
     cp_size = cp.cp_size if cp is not None else 1  # parallel.cp.CPLayout: ranks sharing each tree
+    aux_coef = moe_aux.aux_coef(model)  # MoE router load-balancing loss, see treetrain.moe_aux
     for packed in batch.micro:
         cp_scope = cp.scope() if cp is not None else contextlib.nullcontext()
-        with autocast_context(device, autocast_dtype), cp_scope:
+        with autocast_context(device, autocast_dtype), cp_scope, moe_aux.recording(model, aux_coef) as router:
             loss, metrics = loss_fn(
                 model, packed.to(device), objective, normalizer, ref_model=ref_model, backend=backend
             )
+        if aux_coef is not None:
+            share = sum(t.num_path_tokens for t in packed.trees) / batch.path_tokens
+            aux = share * moe_aux.micro_batch_aux_loss(model, packed, batch.packing, router)
+            loss, metrics["aux_loss"] = loss + aux_coef * aux, aux.detach()
         loss.backward()
         for k, v in metrics.items():
             sums[k] = sums[k] + v.double() if k in sums else v.double()
@@ -557,6 +595,8 @@ def train_step(
     max_norm = grad_clip if grad_clip else float("inf")
     grad_norm = distributed.clip_grad_norm_(params, max_norm)
     out = summarize_metrics(sums) | {"grad_norm": float(grad_norm)}
+    if "aux_loss" in sums:
+        out["aux_loss"] = float(sums["aux_loss"])
     if not (math.isfinite(out.get("loss", 0.0)) and math.isfinite(out["grad_norm"])):
         optimizer.zero_grad(set_to_none=True)  # the same values on every rank: all stop together
         raise NonFiniteError(f"non-finite loss ({out.get('loss')}) or gradient norm ({out['grad_norm']})")
@@ -739,14 +779,23 @@ def setup(cfg: TrainConfig) -> Run:
     if info.is_main:
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
 
+    auto_class = "AutoModelForSequenceClassification" if cfg.objective == "reward" else None
     model = configure_model(
-        build_model(cfg.model, cfg.seed, param_dtype, device, trust_remote_code=cfg.trust_remote_code),
+        build_model(
+            cfg.model, cfg.seed, param_dtype, device, auto_class, trust_remote_code=cfg.trust_remote_code
+        ),
         cfg.activation_checkpointing,
     )
     lora = lora_config_of(cfg)
     model = apply_lora(model, lora) if lora is not None else model
     objective = build_objective(cfg)
     ref_model = build_reference_model(model) if objective.kl_coef and cfg.reference == "model" else None
+    if getattr(objective, "needs_reference", False):  # dpo: --ref-model, or the initial weights
+        ref_model = build_reference_model(
+            configure_model(build_model(cfg.ref_model, cfg.seed, param_dtype, device), False)
+            if cfg.ref_model
+            else model
+        )
     # FSDP2 from outside the model (a no-op in one process), before the optimizer sees the parameters
     model = distributed.shard_model(
         model, mixed_precision=autocast_dtype is not None and device.type == "cuda"

@@ -30,6 +30,7 @@ __all__ = ["TrajectoryTree"]
 
 PER_TOKEN_FIELDS = ("loss_masks", "advantages")  # one value per path token: len(path)
 PER_TARGET_FIELDS = ("old_logprobs", "ref_logprobs")  # one value per predicted token: len(path) - 1
+PER_PATH_SCALARS = ("weights", "margins", "rewards")  # one number per path (margins: preference pairs)
 
 
 def _as_path(path, i: int) -> np.ndarray:
@@ -133,10 +134,13 @@ class TrajectoryTree:
         old_logprobs: Sequence[Sequence[float]] | None = None,
         ref_logprobs: Sequence[Sequence[float]] | None = None,
         path_ids: Sequence[int] | None = None,
+        margins: Sequence[float] | None = None,
+        rewards: Sequence[float] | None = None,
     ) -> TrajectoryTree:
         """Merge token paths into a prefix tree. Duplicates and prefix paths are kept as paths.
 
-        ``paths[i]`` is a list (or 1-D array/tensor) of non-negative token ids.
+        ``paths[i]`` is a list (or 1-D array/tensor) of non-negative token ids. ``margins`` (a
+        preference pair's margin, on both of its paths) and ``rewards`` are one number per path.
         """
         if not isinstance(paths, Sequence) or isinstance(paths, (str, bytes)) or len(paths) == 0:
             raise ValueError("paths: expected a non-empty list of token-id lists")
@@ -148,6 +152,8 @@ class TrajectoryTree:
             advantages=advantages,
             old_logprobs=old_logprobs,
             ref_logprobs=ref_logprobs,
+            margins=margins,
+            rewards=rewards,
         )
         tree = _build(flat, offsets)
         tree.fields = fields
@@ -296,10 +302,10 @@ def _validate_fields(lengths: list[int], **given) -> dict:
             continue
         if len(value) != P:
             raise ValueError(f"{name}: expected one entry per path ({P}), got {len(value)}")
-        if name == "weights":
+        if name in PER_PATH_SCALARS:
             out[name] = np.asarray(value, dtype=np.float64)
-            if not np.isfinite(out[name]).all():
-                raise ValueError(f"weights: must be finite, got {value}")
+            if out[name].shape != (P,) or not np.isfinite(out[name]).all():
+                raise ValueError(f"{name}: must be one finite number per path, got {value}")
             continue
         if name == "advantages" and all(np.ndim(a) == 0 for a in value):
             out[name] = np.asarray(value, dtype=np.float64)
