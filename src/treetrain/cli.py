@@ -68,6 +68,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"treetrain {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
+        print(f"treetrain {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop (which stops after its step)
+        print(f"treetrain {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

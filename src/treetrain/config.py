@@ -89,6 +89,9 @@ class TrainConfig:
     resume: bool = False  # continue from the latest checkpoint in output/checkpoints
     plot: bool = False  # write output/training.png (loss and throughput)
     progress: bool = True  # tqdm progress bar
+    lazy_validate: bool = False  # check records as they are read, not the whole file before step 1
+    allow_data_change: bool = False  # --resume even if the data file changed since the checkpoint
+    verbose: bool = False  # library loggers (torch.distributed, ...) at their own levels
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -213,6 +216,9 @@ def _positive(name: str, value, allow_zero: bool = False) -> None:
         raise ValueError(f"--{name.replace('_', '-')}: must be {need} number, got {value!r}")
 
 
+_SAFETY_BOOLS = ("lazy_validate", "allow_data_change", "verbose")
+
+
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Check and normalize every option; returns a new config with types coerced."""
     c = dataclasses.replace(cfg, loss=dict(cfg.loss))
@@ -221,7 +227,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             setattr(c, name, _coerce(name, getattr(c, name), str))
     for name in ("objective", "reference", "packing", "schedule", "output", "device", "dtype"):
         setattr(c, name, _coerce(name, getattr(c, name), str))
-    for name in ("skip_oversized", "activation_checkpointing", "resume", "plot", "progress"):
+    for name in ("skip_oversized", "activation_checkpointing", "resume", "plot", "progress", *_SAFETY_BOOLS):
         setattr(c, name, _coerce(name, getattr(c, name), bool))
     for name in ("capacity", "batch_trees", "warmup_steps", "seed", "prefetch", "checkpoint_every"):
         setattr(c, name, _coerce(name, getattr(c, name), int))
@@ -352,6 +358,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     _bool_flag(g, "resume", "continue from the latest checkpoint under OUTPUT/checkpoints")
     _bool_flag(g, "plot", "write OUTPUT/training.png: loss and throughput per step")
     _bool_flag(g, "progress", "show the progress bar (default on)")
+    _bool_flag(g, "lazy-validate", "check each record when it is read, not the whole file before step 1")
+    _bool_flag(g, "allow-data-change", "--resume even if the data file changed since the checkpoint")
+    _bool_flag(g, "verbose", "let library loggers (torch.distributed, ...) print at their own levels")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
