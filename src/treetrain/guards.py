@@ -167,9 +167,21 @@ def check_resume(checkpoint: Path, data_state: dict[str, Any], data: Path, cfg, 
 # ---- checkpoint writing ---------------------------------------------------------------------------
 
 
+def _os_error(exc: BaseException) -> OSError | None:
+    """The ``OSError`` behind ``exc``: itself, or one a rank hit inside ``torch.distributed.checkpoint``."""
+    if isinstance(exc, OSError):
+        return exc
+    for inner, _trace in getattr(exc, "failures", {}).values():
+        if isinstance(inner, OSError):
+            return inner
+    return None
+
+
 def save_or_explain(out: Path, step: int, model, optimizer, scheduler, trees_consumed: int, cfg) -> Path:
     """``checkpoint.save_checkpoint`` with the data file's fingerprint and the options in the data
     state; an OS error (disk full, unwritable directory) becomes :class:`CheckpointWriteError`."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     from . import checkpoint
     from .train import data_path
 
@@ -180,7 +192,10 @@ def save_or_explain(out: Path, step: int, model, optimizer, scheduler, trees_con
     }
     try:
         return checkpoint.save_checkpoint(out, step, model, optimizer, scheduler, state)
-    except OSError as e:
+    except (OSError, CheckpointException) as exc:
+        e = _os_error(exc)
+        if e is None:
+            raise
         last = checkpoint.latest_checkpoint(out)
         kept = (
             f"the previous checkpoint {last} is intact and 'latest' still points to it"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from .flops import QWEN3_0_6B, CostModel, flop_bound, token_bound
 
@@ -31,6 +32,10 @@ def main(args: argparse.Namespace) -> int:
     from . import data
 
     path = args.file or data.sample_path("agent-dialogues")
+    if not Path(path).is_file():
+        raise ValueError(f"{path}: no such data file; pass a JSONL file of trees (or omit it for the sample)")
+    if args.model is not None and not (Path(args.model) / "config.json").is_file():
+        raise ValueError(f"--model {args.model}: not a model directory (no config.json)")
     trees = [tree for tree, _ in data.iter_trees(path, format=args.fmt, tokenizer=args.tokenizer)]
     if not trees:
         raise ValueError(f"{path}: no samples")

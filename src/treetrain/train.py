@@ -454,8 +454,17 @@ def prefetched(batches: Iterator[StepBatch], depth: int) -> Iterable[StepBatch]:
 
 def build_objective(cfg: TrainConfig):
     """``treetrain.losses.Objective`` from ``--objective`` and the ``loss`` options."""
+    import dataclasses
+
     from .losses import Objective
 
+    known = [f.name for f in dataclasses.fields(Objective) if f.name != "name"]
+    unknown = sorted(set(cfg.loss) - set(known))
+    if unknown:
+        raise ValueError(
+            f"loss: unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
+            f"valid loss options: {', '.join(known)} (e.g. --set loss.clip_low=0.2)"
+        )
     try:
         return Objective(name=cfg.objective, **cfg.loss)
     except TypeError as e:
@@ -801,11 +810,17 @@ def save_step(run: Run, step: int, trees_consumed: int) -> Path:
     return save_or_explain(run.out, step, run.model, run.optimizer, run.scheduler, trees_consumed, run.cfg)
 
 
-def train(cfg: TrainConfig, *, quiet: bool = False) -> TrainResult:
+def train(cfg: TrainConfig | dict[str, Any], *, quiet: bool = False) -> TrainResult:
     """Run ``cfg`` end to end: setup, the loop, the final model (``save_pretrained``, safetensors,
     loadable with plain transformers), the plot and the summary table (unless ``quiet``)."""
     from .checkpoint import export_pretrained
 
+    if isinstance(cfg, dict):  # the YAML form: {"steps": 1, "lr": 1e-4, "loss": {...}}
+        from .config import merge
+
+        cfg = merge(TrainConfig(), cfg, "train(config)")
+    elif not isinstance(cfg, TrainConfig):
+        raise ValueError(f"train: expected a TrainConfig or a dict of options, got {type(cfg).__name__}")
     cfg = validate(cfg)
     run = setup(cfg)
     metrics_path = run.out / "metrics.jsonl"
@@ -840,6 +855,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def main(args: argparse.Namespace) -> int:
     """``treetrain train``: defaults < ``--config`` < flags < ``--set``, then :func:`train`."""
+    from .checkpoint import CheckpointError
     from .guards import CheckpointWriteError
     from .signals import Preempted
 
@@ -850,7 +866,7 @@ def main(args: argparse.Namespace) -> int:
 
             quiet_library_loggers()
         train(cfg)
-    except (NonFiniteError, CheckpointWriteError, Preempted) as e:
+    except (NonFiniteError, CheckpointWriteError, CheckpointError, Preempted) as e:
         if distributed.init_distributed().is_main:
             print(f"treetrain train: stopped: {e}", file=sys.stderr)
         return e.exit_code if isinstance(e, Preempted) else 1
