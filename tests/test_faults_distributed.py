@@ -49,9 +49,9 @@ def test_sigterm_to_torchrun_stops_both_ranks_then_resume_matches(workdir, refer
     os.kill(proc.pid, signal.SIGTERM)  # torchrun forwards it to both ranks
     rc, err = finish(proc, timeout=60)
     assert rc != 0
-    assert "stopped by SIGTERM after step" in err and "Traceback (most recent call last)" not in err.split(
-        "torch.distributed.elastic"
-    )[0], err[-3000:]
+    assert "stopped by SIGTERM after step" in err, err[-3000:]
+    # the ranks stop cleanly; the only traceback is torchrun's own SignalException
+    assert 'treetrain/' not in "".join(ln for ln in err.splitlines() if ln.lstrip().startswith("File ")), err
     done = len(metrics(out))
     ck = latest_checkpoint(out)
     assert ck.name == f"step_{done}", (ck, done, err[-3000:])

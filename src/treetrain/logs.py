@@ -15,5 +15,5 @@ def quiet_library_loggers(level: int = logging.WARNING) -> None:
     import torch.distributed.checkpoint.logger  # noqa: F401 - creates the DCP logger
 
     for name in list(logging.root.manager.loggerDict):
-        if name.startswith("c10d-") or name.startswith("torch.distributed"):
+        if name.startswith("c10d-"):
             logging.getLogger(name).setLevel(level)
