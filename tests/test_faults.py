@@ -365,3 +365,45 @@ def test_bad_data_twenty_times_never_aborts(workdir, bad_files, tmp_path, capsys
             extra = ("--lazy-validate",) if i % 2 else ()
             rc, err = finish(launch(train_args(workdir, tmp_path / f"proc{i}", *extra, data=path)))
             assert_clean_error(rc, err, LAZY[case] if extra else needles[-1])
+
+
+# ---- the Python API and the CLI say the same, in their own words ------------------------------------
+
+
+def test_api_errors_are_value_errors(workdir):
+    import torch
+
+    from treetrain import path_logprobs
+    from treetrain.train import train
+
+    from .reference import tiny_model
+
+    model = tiny_model("qwen3", dtype=torch.float32)
+    vocab = model.get_input_embeddings().num_embeddings
+    with pytest.raises(
+        ValueError, match=rf"token id {vocab} is outside the model's vocabulary \(vocab_size={vocab}\)"
+    ):
+        path_logprobs(model, [[1, 2, vocab]])
+    with pytest.raises(
+        ValueError, match="train\\(config\\): unknown option 'stepz' \\(did you mean 'steps'\\?\\)"
+    ):
+        train({"stepz": 1})
+    with pytest.raises(ValueError, match="expected a TrainConfig or a dict"):
+        train(["steps", 1])
+
+
+def test_cli_errors_name_flags(workdir, tmp_path, capsys):
+    from treetrain.cli import main
+
+    long_path = tmp_path / "long.jsonl"
+    long_path.write_text(json.dumps({"paths": [list(range(90))]}) + "\n")
+    assert main(train_args(workdir, tmp_path / "run", "--capacity", "16", data=long_path)) == 2
+    err = capsys.readouterr().err
+    assert "--skip-oversized" in err and "--capacity 16" in err and "skip_oversized" not in err, err
+    assert main(["train", "--set", "loss.clip_lo=0.2", "--output", str(tmp_path / "r2")]) == 2
+    err = capsys.readouterr().err
+    assert "unknown option clip_lo; valid loss options: agg_mode," in err and "clip_low" in err, err
+    assert main(["stats", str(tmp_path / "nosuchfile.jsonl")]) == 2
+    assert "nosuchfile.jsonl: no such data file" in capsys.readouterr().err
+    assert main(["stats", "--model", "/nonexistent"]) == 2
+    assert "--model /nonexistent: not a model directory" in capsys.readouterr().err
