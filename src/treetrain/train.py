@@ -870,7 +870,16 @@ def main(args: argparse.Namespace) -> int:
         if distributed.init_distributed().is_main:
             print(f"treetrain train: stopped: {e}", file=sys.stderr)
         return e.exit_code if isinstance(e, Preempted) else 1
-    except torch.distributed.DistError as e:  # a peer died or timed out (torchrun stops the rest)
+    except RuntimeError as e:  # a peer died or timed out (torchrun stops the rest)
+        peer_gone = isinstance(e, torch.distributed.DistError) or any(
+            s in str(e) for s in ("gloo", "Connection reset", "Connection closed", "NCCL", "Broken pipe")
+        )
+        if not (peer_gone and distributed.init_distributed().distributed):
+            raise
+        import signal
+
+        with contextlib.suppress(ValueError):  # torchrun's SIGTERM to the survivors: say why first
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         rank = distributed.init_distributed().rank
         print(f"treetrain train: rank {rank}: stopped: a collective failed, another rank is gone or "
               f"stuck ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})", file=sys.stderr)
