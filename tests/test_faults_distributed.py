@@ -51,7 +51,7 @@ def test_sigterm_to_torchrun_stops_both_ranks_then_resume_matches(workdir, refer
     assert rc != 0
     assert "stopped by SIGTERM after step" in err, err[-3000:]
     # the ranks stop cleanly; the only traceback is torchrun's own SignalException
-    assert 'treetrain/' not in "".join(ln for ln in err.splitlines() if ln.lstrip().startswith("File ")), err
+    assert "treetrain/" not in "".join(ln for ln in err.splitlines() if ln.lstrip().startswith("File ")), err
     done = len(metrics(out))
     ck = latest_checkpoint(out)
     assert ck.name == f"step_{done}", (ck, done, err[-3000:])

@@ -881,8 +881,11 @@ def main(args: argparse.Namespace) -> int:
         with contextlib.suppress(ValueError):  # torchrun's SIGTERM to the survivors: say why first
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         rank = distributed.init_distributed().rank
-        print(f"treetrain train: rank {rank}: stopped: a collective failed, another rank is gone or "
-              f"stuck ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})", file=sys.stderr)
+        print(
+            f"treetrain train: rank {rank}: stopped: a collective failed, another rank is gone or "
+            f"stuck ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})",
+            file=sys.stderr,
+        )
         return 1
     finally:
         distributed.destroy()
