@@ -130,40 +130,45 @@ def at_step(samples: list[dict], step: int) -> dict:
     return next(s for s in samples if s["step"] >= step)
 
 
+def _median(xs: list[int]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
 def report(samples: list[dict], info: dict, args) -> str:
-    warm = at_step(samples, args.warmup)
-    trained = [s for s in samples if s["step"] >= args.warmup]
-    last = trained[-1]
-    growth = (last["rss_kib"] - warm["rss_kib"]) / warm["rss_kib"]
-    peak = max(s["rss_kib"] for s in trained)
-    checkpoints = sorted(
-        {min(args.steps, max(args.warmup, k)) for k in range(0, args.steps + 1, args.steps // 10)}
-    )
-    rows = [at_step(samples, k) for k in checkpoints if any(s["step"] >= k for s in samples)]
-    ok = growth < 0.05 and last["threads"] <= warm["threads"] and last["fds"] <= warm["fds"]
+    """Compare the first ``span`` steps after warm-up with the last ``span`` steps (medians of the
+    samples: RSS moves by tens of MiB within a step, as batches of different sizes come and go)."""
+    span = max(1, args.steps // 10)
+    end = max(s["step"] for s in samples)
+    early = [s for s in samples if args.warmup <= s["step"] < args.warmup + span]
+    late = [s for s in samples if end - span <= s["step"] < end] or [s for s in samples if s["step"] == end]
+    rss0, rss1 = _median([s["rss_kib"] for s in early]), _median([s["rss_kib"] for s in late])
+    growth = (rss1 - rss0) / rss0
+    threads0, threads1 = max(s["threads"] for s in early), max(s["threads"] for s in late)
+    fds0, fds1 = max(s["fds"] for s in early), max(s["fds"] for s in late)
+    peak = max(s["rss_kib"] for s in samples if s["step"] >= args.warmup)
+    marks = sorted({max(args.warmup, k) for k in range(0, end + 1, span)})
+    rows = [at_step(samples, k) for k in marks]
+    ok = growth < 0.05 and threads1 <= threads0 and fds1 <= fds0
+    stopped = f"; stopped early by SIGTERM at step {end} (the time ran out)" if info.get("preempted") else ""
     lines = [
         f"# Soak: {args.steps} steps of `treetrain train` on the bundled sample",
         "",
-        f"- date: {dt.date.today().isoformat()}; machine: {cpu_name()}, "
-        f"{os.cpu_count()} cores; OMP_NUM_THREADS={args.threads}; {args.note}",
+        f"- date: {dt.date.today().isoformat()}; machine: {cpu_name()}, {os.cpu_count()} cores; "
+        f"OMP_NUM_THREADS={args.threads}; {args.note}",
         f"- model: tiny Qwen3 (hidden 64, 2 layers), vocabulary {info['vocab']} (sample ids renumbered); "
         f"checkpoint every {args.checkpoint_every} steps; prefetch on",
-        f"- wall time {info['wall_s']:.0f} s; sampled every {args.every} s from /proc"
-        + (
-            f"; stopped early by SIGTERM at step {last['step']} (the time ran out)"
-            if info["preempted"]
-            else ""
-        ),
+        f"- wall time {info['wall_s']:.0f} s; sampled every {args.every} s from /proc{stopped}",
         "",
-        f"**RSS growth from step {warm['step']} (warm-up) to step {last['step']}: {growth:+.2%}** "
-        f"({warm['rss_kib'] / 1024:.1f} -> {last['rss_kib'] / 1024:.1f} MiB; peak {peak / 1024:.1f} MiB). "
-        f"Threads {warm['threads']} -> {last['threads']}, open files {warm['fds']} -> {last['fds']}. "
+        f"**Median RSS, steps {args.warmup}-{args.warmup + span - 1} vs steps {end - span}-{end - 1}: "
+        f"{rss0 / 1024:.1f} -> {rss1 / 1024:.1f} MiB ({growth:+.2%})**; peak {peak / 1024:.1f} MiB. "
+        f"Threads (max) {threads0} -> {threads1}, open files (max) {fds0} -> {fds1}; after the loop "
+        f"(prefetch thread joined): {samples[-1]['threads']} thread(s), {samples[-1]['fds']} files. "
         f"{'PASS' if ok else 'FAIL'} (growth < 5%, no leaked threads or files)",
         "",
         "| step | RSS MiB | threads | open fds |",
         "|---:|---:|---:|---:|",
         *(f"| {r['step']} | {r['rss_kib'] / 1024:.1f} | {r['threads']} | {r['fds']} |" for r in rows),
-        f"| {last['step']} | {last['rss_kib'] / 1024:.1f} | {last['threads']} | {last['fds']} |",
         "",
     ]
     return "\n".join(lines)
@@ -178,9 +183,14 @@ def main() -> None:
     ap.add_argument("--every", type=float, default=0.5, help="seconds between samples")
     ap.add_argument("--note", default="", help="e.g. 'contended: 7 other jobs on the 2 cores'")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--from-json", type=Path, help="re-render the report of a recorded run")
     args = ap.parse_args()
     args.warmup = min(args.warmup, args.steps)
-    samples, info = soak(args)
+    if args.from_json:
+        rec = json.loads(args.from_json.read_text())
+        samples, info = rec["samples"], rec["info"]
+    else:
+        samples, info = soak(args)
     text = report(samples, info, args)
     cpu = "".join(c if c.isalnum() else "-" for c in cpu_name().lower())
     out = (

@@ -188,6 +188,7 @@ def _limit_file_size(limit: int):
     return apply
 
 
+@pytest.mark.slow
 def test_checkpoint_write_failure_keeps_the_previous_one(workdir, tmp_path):
     """A real write failure (RLIMIT_FSIZE: the state file cannot grow past 100 kB, as on a full
     disk) while saving step 4: step 2 stays intact and ``latest`` names it."""
