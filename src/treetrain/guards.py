@@ -69,24 +69,24 @@ def validate_data(path: Path, options: dict[str, Any], progress: bool = True):
     if progress and size > _PROGRESS_BYTES and path.suffix != ".gz":
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=size, unit="B", unit_scale=True, desc=f"validating {path.name}")
+        bar = tqdm(total=_count_lines(path), unit=" lines", desc=f"validating {path.name}")
     try:
-        done = 0
         for _ in stream:
-            if bar is not None and stream.counts.lines - done >= 1000:
-                bar.n = _tell(stream)
-                bar.refresh()
-                done = stream.counts.lines
+            if bar is not None:  # tqdm redraws at most every 0.1 s
+                bar.update(stream.counts.lines - bar.n)
     finally:
         if bar is not None:
             bar.close()
     return _report(path, stream)
 
 
-def _tell(stream) -> int:
-    frame = getattr(stream._gen, "gi_frame", None)  # the reader's open file, for the byte offset
-    f = frame and frame.f_locals.get("f")
-    return f.tell() if f is not None and not f.closed else 0
+def _count_lines(path: Path) -> int:
+    """Newlines in ``path`` (a raw byte scan, ~1 GB/s: the progress bar's total)."""
+    n = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            n += chunk.count(b"\n")
+    return n
 
 
 def _report(path: Path, stream):
