@@ -356,7 +356,9 @@ def test_bad_data_twenty_times_never_aborts(workdir, bad_files, tmp_path, capsys
         for i in range(20):
             lazy = i % 4 == 1 and case in LAZY
             extra = ("--lazy-validate",) if lazy else ()
-            rc = main(train_args(workdir, tmp_path / f"run{i}", "--steps", "6", *extra, data=path))
+            rc = main(
+                train_args(workdir, tmp_path / f"{BAD.index(case)}-run{i}", "--steps", "6", *extra, data=path)
+            )
             err = capsys.readouterr().err
             assert rc == 2 and (LAZY[case] if lazy else needles[-1]) in err, (case, i, err)
             assert [t.name for t in threading.enumerate() if t.name == "treetrain-prefetch"] == []
@@ -364,7 +366,9 @@ def test_bad_data_twenty_times_never_aborts(workdir, bad_files, tmp_path, capsys
         path, needles = bad_files[case]
         for i in range(2):
             extra = ("--lazy-validate",) if i % 2 else ()
-            rc, err = finish(launch(train_args(workdir, tmp_path / f"proc{i}", *extra, data=path)))
+            rc, err = finish(
+                launch(train_args(workdir, tmp_path / f"{BAD.index(case)}-proc{i}", *extra, data=path))
+            )
             assert_clean_error(rc, err, LAZY[case] if extra else needles[-1])
 
 
