@@ -11,3 +11,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# torch.distributed.checkpoint logs every save/load at DEBUG (loggers it sets to DEBUG itself), which
+# buries a failing test's output; treetrain's CLI quiets them the same way unless --verbose
+from treetrain.logs import quiet_library_loggers  # noqa: E402
+
+quiet_library_loggers()

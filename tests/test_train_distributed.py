@@ -57,13 +57,23 @@ def train_args(workdir: Path, out: Path, *extra: str) -> list[str]:
     ]
 
 
+# Every training process of these comparisons runs ONE intra-op thread: torchrun's workers and the
+# one-process reference alike (a subprocess, not this pytest process, whose thread count is the
+# machine's or the user's OMP_NUM_THREADS). The thread count changes how a matmul splits its sums:
+# a 2-thread reference drifted from the 1-thread workers by 1.1e-4 in a grad norm over 24 steps.
+THREADS_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
 def launch(nproc: int, args: list[str], env: dict | None = None) -> subprocess.Popen:
-    """``torchrun --nproc_per_node N -m treetrain.cli ARGS`` in its own session (to SIGKILL it all)."""
+    """``torchrun --nproc_per_node N -m treetrain.cli ARGS`` in its own session (to SIGKILL it all);
+    ``nproc=0``: one plain process (no torchrun), with the same thread settings."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    dist_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    base = {k: v for k, v in os.environ.items() if k not in dist_vars}
     return subprocess.Popen(
-        [*cmd, "-m", "treetrain.cli", *args],
+        [*(cmd if nproc else [sys.executable]), "-m", "treetrain.cli", *args],
         cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        env={**base, **THREADS_ENV, **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -116,14 +126,13 @@ def assert_checkpoints_intact(out: Path) -> list[int]:
 
 @pytest.fixture(scope="module")
 def reference(workdir, tmp_path_factory) -> dict[str, Path]:
-    """Uninterrupted runs: one process (in this process) and two (torchrun)."""
-    from treetrain.cli import main
-
+    """Uninterrupted runs: one process and two (torchrun), each process with one thread."""
     runs = {n: tmp_path_factory.mktemp(f"ref{n}") / "run" for n in (1, 2)}
     two = launch(2, train_args(workdir, runs[2]))
-    assert main(train_args(workdir, runs[1])) == 0
-    rc, err = finish(two)
-    assert rc == 0, err[-3000:]
+    one = launch(0, train_args(workdir, runs[1]))
+    for proc in (one, two):
+        rc, err = finish(proc)
+        assert rc == 0, err[-3000:]
     return runs
 
 
@@ -187,7 +196,7 @@ def test_sigkill_mid_run_and_mid_checkpoint_then_resume(workdir, reference, tmp_
     w_ref, w_got = final_weights(reference[2]), final_weights(out)
     assert all(torch.equal(w_ref[k], w_got[k]) for k in w_ref)
     assert not list((out / "checkpoints").glob("*.tmp"))  # the next save cleared the debris
-    assert assert_checkpoints_intact(out) == [STEPS - 2 * EVERY, STEPS - EVERY]  # keep=2
+    assert assert_checkpoints_intact(out) == [STEPS - EVERY, STEPS]  # keep=2; the final step too
 
 
 def test_non_finite_loss_stops_every_rank(workdir, tmp_path):
@@ -214,14 +223,12 @@ def test_non_finite_loss_stops_every_rank(workdir, tmp_path):
 def test_sequence_packing_two_processes_match_one(workdir, tmp_path):
     """The per-path baseline runs one forward per path: ranks must still run equally many forwards
     (FSDP's collectives are per forward), or the job hangs."""
-    from treetrain.cli import main
-
     one, two = tmp_path / "one", tmp_path / "two"
     extra = ("--packing", "sequence", "--steps", "3", "--checkpoint-every", "0")
-    proc = launch(2, train_args(workdir, two, *extra))
-    assert main(train_args(workdir, one, *extra)) == 0
-    rc, err = finish(proc, timeout=180)
-    assert rc == 0, err[-3000:]
+    procs = [launch(2, train_args(workdir, two, *extra)), launch(0, train_args(workdir, one, *extra))]
+    for proc in procs:
+        rc, err = finish(proc, timeout=180)
+        assert rc == 0, err[-3000:]
     for a, b in zip(metrics(one), metrics(two), strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=0)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4, abs=0)

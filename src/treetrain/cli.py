@@ -59,6 +59,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# the library's messages name Python arguments; on the command line they are flags
+_CLI_WORDS = {
+    "pass skip_oversized=True": "pass --skip-oversized",
+    "skip_oversized=True": "--skip-oversized",
+    "tokenizer=<local dir> or 'qwen'": "--tokenizer DIR or --tokenizer qwen",
+    "token budget capacity=": "token budget --capacity ",
+}
+
+
+def cli_wording(message: str) -> str:
+    """``message`` with Python argument names replaced by the command line's flags."""
+    for py, flag in _CLI_WORDS.items():
+        message = message.replace(py, flag)
+    return message
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``treetrain`` script. Bad options exit with status 2 and one message."""
     parser = build_parser()
@@ -68,9 +84,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return args.handler(args)
-    except ValueError as e:
-        print(f"treetrain {args.command}: error: {e}", file=sys.stderr)
+    except (ValueError, FileNotFoundError, IsADirectoryError, PermissionError) as e:
+        print(f"treetrain {args.command}: error: {cli_wording(str(e))}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop (which stops after its step)
+        print(f"treetrain {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

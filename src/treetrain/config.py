@@ -102,6 +102,9 @@ class TrainConfig:
     lora_dropout: float = 0.0
     peft_config: Any = None  # YAML mapping of peft.LoraConfig fields, or a peft.LoraConfig
     report_to: str = "none"  # trackers, comma-separated: tensorboard,wandb,mlflow,trackio | none
+    lazy_validate: bool = False  # check records as they are read, not the whole file before step 1
+    allow_data_change: bool = False  # --resume even if the data file changed since the checkpoint
+    verbose: bool = False  # library loggers (torch.distributed, ...) at their own levels
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(dataclasses.replace(self, peft_config=None))
@@ -232,6 +235,9 @@ def _positive(name: str, value, allow_zero: bool = False) -> None:
         raise ValueError(f"--{name.replace('_', '-')}: must be {need} number, got {value!r}")
 
 
+_SAFETY_BOOLS = ("lazy_validate", "allow_data_change", "verbose")
+
+
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Check and normalize every option; returns a new config with types coerced."""
     c = dataclasses.replace(cfg, loss=dict(cfg.loss))
@@ -240,7 +246,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             setattr(c, name, _coerce(name, getattr(c, name), str))
     for name in ("objective", "reference", "packing", "schedule", "output", "device", "dtype"):
         setattr(c, name, _coerce(name, getattr(c, name), str))
-    for name in ("skip_oversized", "activation_checkpointing", "resume", "plot", "progress"):
+    for name in ("skip_oversized", "activation_checkpointing", "resume", "plot", "progress", *_SAFETY_BOOLS):
         setattr(c, name, _coerce(name, getattr(c, name), bool))
     for name in ("overwrite", "trust_remote_code"):
         setattr(c, name, _coerce(name, getattr(c, name), bool))
@@ -459,6 +465,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     from .lora import add_lora_arguments
 
     add_lora_arguments(p)
+    _bool_flag(g, "lazy-validate", "check each record when it is read, not the whole file before step 1")
+    _bool_flag(g, "allow-data-change", "--resume even if the data file changed since the checkpoint")
+    _bool_flag(g, "verbose", "let library loggers (torch.distributed, ...) print at their own levels")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:

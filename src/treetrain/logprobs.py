@@ -185,6 +185,21 @@ def _as_packed(batch) -> PackedTree:
     )
 
 
+def _check_vocab(model: nn.Module, ids: torch.Tensor) -> None:
+    """Token ids must index the model's embedding: a clear ValueError, not an IndexError inside it."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    vocab = getattr(emb, "num_embeddings", None)
+    if vocab is None or ids.numel() == 0:
+        return
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab:
+        bad = lo if lo < 0 else hi
+        raise ValueError(
+            f"token id {bad} is outside the model's vocabulary (vocab_size={vocab}); "
+            "tokenize with the model's own tokenizer"
+        )
+
+
 def path_logprobs(
     model: nn.Module,
     batch,
@@ -204,6 +219,7 @@ def path_logprobs(
     [torch.Size([2]), torch.Size([2])]
     """
     packed = _as_packed(batch)
+    _check_vocab(model, packed.input_ids)
     logp, ent = tree_logprobs(model, packed, backend, chunk, entropy=return_entropy)
     out = expand_to_paths(logp, packed)
     return (out, expand_to_paths(ent, packed)) if return_entropy else out

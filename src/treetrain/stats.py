@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from .flops import QWEN3_0_6B, CostModel, flop_bound, token_bound
 
@@ -75,6 +76,11 @@ def main(args: argparse.Namespace) -> int:
     if args.file and args.data and args.file != args.data:
         raise ValueError(f"two data files: {args.file} and --data {args.data}; give one (--data)")
     path = args.data or args.file or data.sample_path("agent-dialogues")
+    if not Path(path).exists():
+        what = "a JSONL (or Parquet/Arrow/datasets) file of trees"
+        raise ValueError(f"--data {path}: no such file; pass {what}, or omit it for the sample")
+    if args.model is not None and not (Path(args.model) / "config.json").is_file():
+        raise ValueError(f"--model {args.model}: not a model directory (no config.json)")
     stream = data.iter_trees(path, format=args.fmt, tokenizer=args.tokenizer, columns=args.columns)
     trees = [tree for tree, _ in stream]
     if not trees:

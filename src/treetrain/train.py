@@ -351,11 +351,21 @@ def tree_stream(
 ) -> Iterator[TrajectoryTree]:
     """Trees in file order, epoch after epoch, lazily: trees ``skip`` (resume) to ``total`` (the end
     of a fractional last epoch; None: no end) of that endless stream."""
-    stream = itertools.chain.from_iterable(_read_trees(cfg, vocab_size) for _ in itertools.count())
+    stream = _epochs(cfg, vocab_size)
     first = next(stream, None)
     if first is None:
         raise ValueError(f"--data {data_path(cfg)}: the file holds no trees")
     return itertools.islice(itertools.chain([first], stream), skip, total)
+
+
+def _epochs(cfg: TrainConfig, vocab_size: int) -> Iterator[TrajectoryTree]:
+    """The data file's trees, epoch after epoch; an epoch without a tree is an error (not a spin)."""
+    for _ in itertools.count():
+        n = 0
+        for n, tree in enumerate(_read_trees(cfg, vocab_size), start=1):  # noqa: B007
+            yield tree
+        if n == 0:
+            raise ValueError(f"--data {data_path(cfg)}: the file holds no trees")
 
 
 def sequence_parts(tree: TrajectoryTree) -> list[TrajectoryTree]:
@@ -522,6 +532,13 @@ def build_objective(cfg: TrainConfig):
     from .objectives_preference import PREFERENCE_OBJECTIVES, PreferenceObjective
 
     cls = PreferenceObjective if cfg.objective in PREFERENCE_OBJECTIVES else Objective
+    known = [f.name for f in dataclasses.fields(cls) if f.name != "name"]
+    unknown = sorted(set(cfg.loss) - set(known))
+    if unknown:
+        raise ValueError(
+            f"loss: unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
+            f"valid {cfg.objective} loss options: {', '.join(known)} (e.g. --set loss.{known[0]}=...)"
+        )
     try:
         return cls(name=cfg.objective, **cfg.loss)
     except TypeError as e:
@@ -763,7 +780,7 @@ class TrainResult:
 def setup(cfg: TrainConfig) -> Run:
     """Model, objective, reference model, optimizer, schedule; resumed from the latest checkpoint
     under ``OUTPUT/checkpoints`` with ``resume``."""
-    from . import checkpoint
+    from . import checkpoint, guards
 
     info = distributed.init_distributed("cpu" if cfg.device == "cpu" else "auto")
     device = info.device if info.distributed else resolve_device(cfg.device)
@@ -801,7 +818,10 @@ def setup(cfg: TrainConfig) -> Run:
         model, mixed_precision=autocast_dtype is not None and device.type == "cuda"
     )
     optimizer = build_optimizer(model, cfg)
-    steps, total_trees = total_steps(cfg, model.config.get_text_config().vocab_size)
+    vocab_size = model.config.get_text_config().vocab_size
+    if not cfg.lazy_validate and cfg.epochs is None:  # --epochs counts the trees in a validating pass
+        guards.validate_data(data_path(cfg), _reader_options(cfg, vocab_size), cfg.progress and info.is_main)
+    steps, total_trees = total_steps(cfg, vocab_size)
     scheduler = build_scheduler(optimizer, cfg, steps)
     run = Run(cfg, device, autocast_dtype, model, ref_model, objective, optimizer, scheduler, steps, out)
     run.total_trees = total_trees
@@ -809,8 +829,11 @@ def setup(cfg: TrainConfig) -> Run:
 
     run.cp = init_cp(cfg.cp)
     latest = checkpoint.latest_checkpoint(out) if cfg.resume else None
+    if cfg.resume and latest is None and info.is_main:
+        print(f"treetrain train: --resume: no checkpoint under {out / 'checkpoints'}; starting from step 0")
     if latest is not None:
         run.start_step, data_state = checkpoint.load_checkpoint(latest, model, optimizer, scheduler)
+        guards.check_resume(latest, data_state, data_path(cfg), cfg, announce=info.is_main)
         run.trees_done = int(data_state.get("trees_consumed", 0))
     return run
 
@@ -821,6 +844,7 @@ def run_loop(run: Run, metrics_path: Path) -> list[dict[str, Any]]:
     from tqdm.auto import tqdm
 
     from . import checkpoint
+    from .signals import Preempted, StopOnSignal
 
     cfg, device = run.cfg, run.device
     info = distributed.init_distributed()
@@ -845,6 +869,8 @@ def run_loop(run: Run, metrics_path: Path) -> list[dict[str, Any]]:
     if info.is_main and run.start_step:
         truncate_metrics(metrics_path, run.start_step)
     with (
+        contextlib.closing(batches) if hasattr(batches, "close") else contextlib.nullcontext(),
+        StopOnSignal(announce=info.is_main) as stop,
         open(metrics_path, "a" if run.start_step else "w")
         if info.is_main
         else contextlib.nullcontext() as fh,
@@ -889,17 +915,33 @@ def run_loop(run: Run, metrics_path: Path) -> list[dict[str, Any]]:
                 trackers.log(record)
             bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}")
             bar.update(1)
-            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < run.steps:
-                data_state = {"trees_consumed": batch.trees_consumed}
-                checkpoint.save_checkpoint(run.out, step, run.model, run.optimizer, run.scheduler, data_state)
+            stopping = stop.should_stop()
+            if stopping or (cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == run.steps)):
+                saved = save_step(run, step, batch.trees_consumed)
+            if stopping:
+                bar.close()
+                raise Preempted(stop.signum, step, str(saved))
     return records
 
 
-def train(cfg: TrainConfig, *, quiet: bool = False) -> TrainResult:
+def save_step(run: Run, step: int, trees_consumed: int) -> Path:
+    """Checkpoint ``step`` (with the data file's fingerprint and the config, checked on resume)."""
+    from .guards import save_or_explain
+
+    return save_or_explain(run.out, step, run.model, run.optimizer, run.scheduler, trees_consumed, run.cfg)
+
+
+def train(cfg: TrainConfig | dict[str, Any], *, quiet: bool = False) -> TrainResult:
     """Run ``cfg`` end to end: setup, the loop, the final model (``save_pretrained``, safetensors,
     loadable with plain transformers), the plot and the summary table (unless ``quiet``)."""
     from .checkpoint import export_pretrained
 
+    if isinstance(cfg, dict):  # the YAML form: {"steps": 1, "lr": 1e-4, "loss": {...}}
+        from .config import merge
+
+        cfg = merge(TrainConfig(), cfg, "train(config)")
+    elif not isinstance(cfg, TrainConfig):
+        raise ValueError(f"train: expected a TrainConfig or a dict of options, got {type(cfg).__name__}")
     cfg = validate(cfg)
     run = setup(cfg)
     metrics_path = run.out / "metrics.jsonl"
@@ -937,15 +979,36 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def main(args: argparse.Namespace) -> int:
     """``treetrain train``: defaults < ``--config`` < flags < ``--set``, then :func:`train`."""
+    from .guards import CheckpointWriteError
+    from .signals import Preempted
+
     try:
-        train(config_from_args(args))
-    except NonFiniteError as e:
+        cfg = config_from_args(args)
+        if not cfg.verbose:
+            from .logs import quiet_library_loggers
+
+            quiet_library_loggers()
+        train(cfg)
+    except (NonFiniteError, CheckpointWriteError, CheckpointError, Preempted) as e:
         if distributed.init_distributed().is_main:
             print(f"treetrain train: stopped: {e}", file=sys.stderr)
-        return 1
-    except CheckpointError as e:  # a corrupted, tampered or unsafe checkpoint: named, no traceback
-        if distributed.init_distributed().is_main:
-            print(f"treetrain train: error: {e}", file=sys.stderr)
+        return e.exit_code if isinstance(e, Preempted) else 1
+    except RuntimeError as e:  # a peer died or timed out (torchrun stops the rest)
+        peer_gone = isinstance(e, torch.distributed.DistError) or any(
+            s in str(e) for s in ("gloo", "Connection reset", "Connection closed", "NCCL", "Broken pipe")
+        )
+        if not (peer_gone and distributed.init_distributed().distributed):
+            raise
+        import signal
+
+        with contextlib.suppress(ValueError):  # torchrun's SIGTERM to the survivors: say why first
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        rank = distributed.init_distributed().rank
+        print(
+            f"treetrain train: rank {rank}: stopped: a collective failed, another rank is gone or "
+            f"stuck ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})",
+            file=sys.stderr,
+        )
         return 1
     finally:
         distributed.destroy()
