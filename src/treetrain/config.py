@@ -465,9 +465,17 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     from .lora import add_lora_arguments
 
     add_lora_arguments(p)
-    _bool_flag(g, "lazy-validate", "check each record when it is read, not the whole file before step 1")
-    _bool_flag(g, "allow-data-change", "--resume even if the data file changed since the checkpoint")
-    _bool_flag(g, "verbose", "let library loggers (torch.distributed, ...) print at their own levels")
+    _bool_flag(
+        g,
+        "lazy-validate",
+        "check each record when it is read, not the whole file before step 1 (default off)",
+    )
+    _bool_flag(
+        g, "allow-data-change", "--resume even if the data file changed since the checkpoint (default off)"
+    )
+    _bool_flag(
+        g, "verbose", "let library loggers (torch.distributed, ...) print at their own levels (default off)"
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:

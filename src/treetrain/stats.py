@@ -78,7 +78,7 @@ def main(args: argparse.Namespace) -> int:
     path = args.data or args.file or data.sample_path("agent-dialogues")
     if not Path(path).exists():
         what = "a JSONL (or Parquet/Arrow/datasets) file of trees"
-        raise ValueError(f"--data {path}: no such file; pass {what}, or omit it for the sample")
+        raise ValueError(f"--data {path}: no such data file; pass {what}, or omit it for the sample")
     if args.model is not None and not (Path(args.model) / "config.json").is_file():
         raise ValueError(f"--model {args.model}: not a model directory (no config.json)")
     stream = data.iter_trees(path, format=args.fmt, tokenizer=args.tokenizer, columns=args.columns)

@@ -537,7 +537,7 @@ def build_objective(cfg: TrainConfig):
     if unknown:
         raise ValueError(
             f"loss: unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
-            f"valid {cfg.objective} loss options: {', '.join(known)} (e.g. --set loss.{known[0]}=...)"
+            f"valid loss options: {', '.join(known)} (for --objective {cfg.objective})"
         )
     try:
         return cls(name=cfg.objective, **cfg.loss)
