@@ -40,8 +40,10 @@ import torch
 from torch import nn
 
 from . import distributed
+from .baseline import sequence_loss, sequence_parts  # noqa: F401  (the baseline's home: baseline.py)
 from .config import DEFAULT_STEPS, TrainConfig, add_train_arguments, config_from_args, validate
 from .packing import PackedTree, pack
+from .strategies import get_strategy
 from .tree import TrajectoryTree
 
 __all__ = [
@@ -299,95 +301,21 @@ def tree_stream(
     return itertools.islice(itertools.chain([first], stream), skip, total)
 
 
-def sequence_parts(tree: TrajectoryTree) -> list[TrajectoryTree]:
-    """The baseline's unit: every path its own one-path tree (a plain causal sequence)."""
-    return [tree.subset([i]) for i in range(tree.num_paths)]
-
-
-def sequence_logprobs(model: nn.Module, ids: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence ``ids [L]`` through the model's own causal attention (SDPA, no tree mask):
-    log-probs and entropies of its ``L - 1`` targets, through the same chunked LM head as trees."""
-    from .logprobs import target_logprobs
-
-    decoder = getattr(model, "treetrain_decoder", None) or model.base_model  # FSDP's root entry
-    hidden = decoder(input_ids=ids[None], use_cache=False).last_hidden_state[0]
-    return target_logprobs(hidden[:-1], model.get_output_embeddings(), ids[1:], chunk)
-
-
-def sequence_loss(
-    model: nn.Module,
-    packed: PackedTree,
-    objective,
-    normalizer: float,
-    ref_model: nn.Module | None = None,
-    *,
-    backend: str | None = None,
-    chunk: int | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The per-sequence baseline for one micro-batch of one-path trees: every path its own forward
-    with plain causal attention (what trainers without tree packing run), then the same per-path
-    objective (``treetrain.losses.objective``) under the step's global normalizer.
-
-    Drop-in for ``treetrain.losses.compute_loss``; ``backend`` (tree attention) is unused.
-    """
-    from .logprobs import DEFAULT_CHUNK
-    from .losses import PathMeta
-    from .losses import objective as path_objective
-
-    chunk = chunk or DEFAULT_CHUNK
-    device = model.get_input_embeddings().weight.device
-    ids = [torch.as_tensor(t.path(0), device=device) for t in packed.trees]
-    logp, ent = zip(*(sequence_logprobs(model, x, chunk) for x in ids))
-    ref = None
-    if objective.kl_coef and ref_model is not None:
-        with torch.no_grad():
-            ref = torch.cat([sequence_logprobs(ref_model, x, chunk)[0] for x in ids])
-    entropy = torch.cat(ent) if objective.entropy_coef else torch.cat(ent).detach()
-    meta = PathMeta.from_trees(packed)
-    return path_objective(torch.cat(logp), meta, objective, normalizer, entropy=entropy, ref_logprobs=ref)
-
-
 def make_microbatches(trees: list[TrajectoryTree], packing: str, capacity: int) -> list[list[TrajectoryTree]]:
     """Group the step's trees into micro-batches of at most ``capacity`` tokens each.
 
     ``tree``: whole trees, those larger than ``capacity`` partitioned into parts of whole paths.
-    ``sequence``: every path its own sequence. Either way the pieces are packed several to a
-    micro-batch by :func:`treetrain.partition.pack_microbatches`.
+    ``sequence``: every path its own sequence. See :mod:`treetrain.strategies`.
     """
-    from .partition import pack_microbatches
-
-    if packing == "sequence":
-        trees = [seq for tree in trees for seq in sequence_parts(tree)]
-    return pack_microbatches(trees, capacity)
+    return get_strategy(packing).microbatches(trees, capacity)
 
 
 def rank_microbatches(
     trees: list[TrajectoryTree], packing: str, capacity: int, rank: int, world_size: int, model_config
 ) -> tuple[list[list[TrajectoryTree]], int, int]:
-    """This rank's micro-batches when the step's work is split over ``world_size`` ranks.
-
-    Whole trees (parts of whole paths for trees over ``capacity``; single paths with ``sequence``
-    packing) go to ranks by their training FLOPs (``distributed.tree_cost``, LPT), then each rank
-    packs its own pieces. Every rank computes the same plan from the same trees, with no
-    communication. Returns (this rank's micro-batches, the most micro-batches any rank has, the
-    tokens all ranks compute).
-
-    FSDP's collectives run once per forward, so every rank must run the same number of forwards:
-    ``sequence`` packing runs one forward per path (:func:`sequence_loss`), hence one path per
-    micro-batch here, and idle ranks pad with one-forward dummy passes.
-    """
-    from .partition import pack_microbatches, partition
-
-    units = [seq for tree in trees for seq in sequence_parts(tree)] if packing == "sequence" else trees
-    pieces = [part for unit in units for part in partition(unit, capacity)]
-    costs = [distributed.tree_cost(piece, model_config) for piece in pieces]
-    plan = distributed.assign_to_ranks(costs, world_size)
-    if packing == "sequence":
-        per_rank = [[[pieces[i]] for i in idx] for idx in plan]
-    else:
-        per_rank = [pack_microbatches([pieces[i] for i in idx], capacity) for idx in plan]
-    computed = sum(t.num_tokens for mbs in per_rank for mb in mbs for t in mb)
-    return per_rank[rank], max(len(mbs) for mbs in per_rank), computed
+    """This rank's micro-batches, the most any rank has, and the tokens all ranks compute
+    (:meth:`treetrain.strategies.TreePacking.rank_plan`). Idle ranks pad with dummy passes."""
+    return get_strategy(packing).rank_plan(trees, capacity, rank, world_size, model_config)
 
 
 def make_batches(
@@ -480,9 +408,9 @@ def train_step(
     objective metrics (``treetrain.losses.summarize_metrics`` of the summed micro-batch metrics)
     plus ``grad_norm`` (before clipping).
     """
-    from .losses import compute_loss, loss_normalizer, summarize_metrics
+    from .losses import loss_normalizer, summarize_metrics
 
-    loss_fn = sequence_loss if batch.packing == "sequence" else compute_loss
+    loss_fn = get_strategy(batch.packing).loss
     device = next(model.parameters()).device
     normalizer = loss_normalizer(batch.trees, objective)
     sums: dict[str, torch.Tensor] = {}

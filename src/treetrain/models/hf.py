@@ -42,6 +42,14 @@ def _tree_attention(module, query, key, value, attention_mask, scaling=None, dro
     if torch.is_autocast_enabled(dev):  # as SDPA under autocast: q, k, v in the autocast dtype
         dtype = torch.get_autocast_dtype(dev)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    if mask.cached("one_sequence", lambda: bool((mask.subtree_end == mask.num_tokens).all())):
+        # one plain causal sequence (e.g. a one-path tree): SDPA's causal kernel, as the HF model runs
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("tree_mask", "packed_tree", "is_causal")}
+        return sdpa_attention_forward(
+            module, query, key, value, None, scaling=scaling, is_causal=True, **kwargs
+        )
     out = get_backend(mask.backend)(query[0], key[0], value[0], mask, scaling)
     return out.transpose(0, 1).unsqueeze(0), None
 
