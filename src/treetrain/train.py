@@ -5,8 +5,9 @@ One optimizer step takes ``batch_trees`` whole trees (a tree never straddles two
 1. the loss normalizer is computed over those whole trees, before anything runs;
 2. ``packing="tree"``: a tree with more distinct tokens than ``capacity`` is partitioned into parts
    of whole paths, and trees and parts are packed together into micro-batches;
-   ``packing="sequence"`` (the baseline): every path becomes its own sequence (a one-path tree, so
-   the mask is block-diagonal causal), packed into micro-batches under the same token budget;
+   ``packing="sequence"`` (the baseline, :mod:`treetrain.baseline`): every path becomes its own
+   sequence (a one-path tree, so the mask is block-diagonal causal), packed into micro-batches under
+   the same token budget; both are :mod:`treetrain.strategies` objects with the same loss entry;
 3. every micro-batch runs forward and backward; its loss is already divided by the global
    normalizer, so accumulating gradients over micro-batches gives the full-batch gradient;
 4. grad clipping, AdamW step, LR schedule step, one line of ``metrics.jsonl``.
@@ -455,9 +456,13 @@ def step_record(
 ) -> dict[str, Any]:
     """One ``metrics.jsonl`` line: the required fields first, then the objective's metrics.
 
-    ``tokens`` counts baseline path tokens, so ``tokens_per_s`` is the same useful work per second
-    in both packing modes (their ratio is the speedup). ``peak_memory`` is in MiB.
+    ``tokens`` counts baseline path tokens and ``tokens_per_s`` (= ``path_tokens_per_s``) is path
+    tokens per second: the same useful work in both packing modes, so the ratio of two runs' values
+    is the speedup. ``computed_tokens_per_s`` is what the step actually ran per second (distinct
+    tree tokens, plus prefixes recomputed by partitioning; the path tokens with ``sequence``): a
+    hardware throughput, not comparable across modes. ``peak_memory`` is in MiB.
     """
+    rate = (lambda n: n / seconds) if seconds > 0 else (lambda n: float("inf"))
     record = {
         "step": step,
         "loss": metrics["loss"],
@@ -468,7 +473,9 @@ def step_record(
         "computed_tokens": batch.computed_tokens,
         "por": batch.por,
         "err": batch.err,
-        "tokens_per_s": batch.path_tokens / seconds if seconds > 0 else float("inf"),
+        "tokens_per_s": rate(batch.path_tokens),
+        "path_tokens_per_s": rate(batch.path_tokens),
+        "computed_tokens_per_s": rate(batch.computed_tokens),
         "peak_memory": mem,
         "step_time_s": seconds,
         "micro_batches": len(batch.micro),
