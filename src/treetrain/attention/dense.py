@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .mask import TreeMask, dense_tree_mask
+from .mask import TreeMask, check_inputs, dense_tree_mask
 
 
 def dense_attention(
@@ -15,6 +15,7 @@ def dense_attention(
 
     Shapes: ``q [Hq, T, D]``, ``k, v [Hkv, T, D]`` with ``Hq % Hkv == 0`` (GQA); returns ``[Hq, T, D]``.
     """
+    check_inputs("dense_attention", q, k, v, mask)
     dense = mask.cached("dense", lambda: dense_tree_mask(mask.subtree_end))
     rep = q.shape[0] // k.shape[0]
     if rep > 1:

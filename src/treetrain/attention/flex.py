@@ -12,7 +12,7 @@ import warnings
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from .mask import TreeMask, block_classes
+from .mask import TreeMask, block_classes, check_inputs
 
 FLEX_BLOCK = 128
 
@@ -58,6 +58,7 @@ def flex_tree_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: TreeMask, scale: float
 ) -> torch.Tensor:
     """``q [Hq, T, D]``, ``k, v [Hkv, T, D]`` -> ``[Hq, T, D]``. CPU: forward only (no flex backward)."""
+    check_inputs("flex_tree_attention", q, k, v, mask)
     bm = mask.cached("flex", lambda: tree_block_mask(mask.subtree_end))
     gqa = q.shape[0] != k.shape[0]
     out = _flex(q.device)(q[None], k[None], v[None], block_mask=bm, scale=scale, enable_gqa=gqa)
