@@ -23,6 +23,7 @@ row times a plain Hugging Face step (``model(input_ids, labels=input_ids)``, cau
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -405,6 +406,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA default)")
     p.add_argument("--json", default=None, help="write results as JSON here")
     p.add_argument("--plot", default=None, help="write a PNG of speedup and bound vs POR here")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="directory (e.g. benchmarks/results): write treetrain_bench_<preset>_<hardware>_<date>"
+        ".md/.json/.png there",
+    )
     p.set_defaults(handler=main)
     return p
 
@@ -547,10 +554,52 @@ def main(args: argparse.Namespace) -> int:
         results.append(r)
     print(f"\ndone in {time.perf_counter() - t_start:.0f} s\n")
     print(format_table(results))
+    report = {"matmul_gflops": rate / 1e9, "results": [asdict(r) for r in results]}
+    if args.out:
+        stem = os.path.join(
+            args.out, f"treetrain_bench_{args.preset}_{hardware_slug(device)}_{time.strftime('%Y-%m-%d')}"
+        )
+        os.makedirs(args.out, exist_ok=True)
+        args.json, args.plot = args.json or stem + ".json", args.plot or stem + ".png"
+        with open(stem + ".md", "w") as f:
+            f.write(results_header(args, rate, dtype, device) + format_table(results) + "\n")
+        print(f"wrote {stem}.md")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"matmul_gflops": rate / 1e9, "results": [asdict(r) for r in results]}, f, indent=1)
+            json.dump(report, f, indent=1)
     if args.plot:
         plot(results, args.plot)
         print(f"plot: {args.plot}")
     return 0
+
+
+def hardware_slug(device: torch.device) -> str:
+    """``cpu-2core-intel-xeon...`` or ``cuda-nvidia-h100...``: the hardware, for file names."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = "unknown"
+        with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+            name = next((ln.split(":", 1)[1] for ln in f if ln.startswith("model name")), name)
+        name = f"{os.cpu_count()}core-{name}"
+    slug = "".join(c if c.isalnum() else "-" for c in name.strip().lower())
+    return f"{device.type}-" + "-".join(filter(None, slug.split("-")))[:48]
+
+
+def results_header(args, rate: float, dtype, device) -> str:
+    import platform
+    import sys
+
+    return (
+        f"# treetrain bench, preset {args.preset}\n\n"
+        f"- command: `treetrain {' '.join(sys.argv[1:]) or 'bench'}`\n"
+        f"- hardware: {hardware_slug(device)} ({platform.processor() or platform.machine()}), torch "
+        f"{torch.__version__}, {torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d %H:%M')}\n"
+        f"- model: Qwen3-shaped, hidden {args.hidden}, {args.layers} layers, {args.heads} heads, vocab "
+        f"{args.vocab}, {dtype}; dense matmul rate {rate / 1e9:,.1f} GFLOP/s\n"
+        "- baseline: treetrain.baseline, every path its own sequence, packed padding-free (varlen) "
+        "into micro-batches of --capacity tokens, the same attention backend family, the chunked LM head on "
+        "trained targets only, the same compute_loss (SFT token-mean)\n"
+        "- FLOP bound: baseline / tree training FLOPs of what each computes (treetrain.flops); efficiency "
+        "= speedup / bound; MFU = model FLOPs / time / matmul rate\n\n"
+    )
