@@ -9,6 +9,7 @@ sequence boundary, a shared prefix or a per-micro-batch normalizer shows as O(1e
 from __future__ import annotations
 
 import pytest
+import torch
 
 from treetrain import TrajectoryTree, pack
 from treetrain.baseline import (
@@ -120,3 +121,31 @@ def test_one_sequence_runs_sdpa_causal_and_matches_blocksparse():
         two = baseline_path_logprobs(model, [tree, TrajectoryTree.from_paths([[5, 6, 7]])])[0]
         want = hf_logprobs(reference_copy(model), tree.paths())[0]
         assert rel_err(one, want) < TOL and rel_err(two, want) < TOL
+
+
+@pytest.mark.parametrize("with_entropy", [True, False])
+def test_single_chunk_head_keeps_its_logits_and_matches_autograd(with_entropy):
+    """All rows in one chunk: backward reuses the forward's logits (no recomputed head matmul); the
+    gradients still equal autograd through a full log-softmax, also on a second backward."""
+    from treetrain.logprobs import target_logprobs
+
+    torch.manual_seed(1)
+    head = torch.nn.Linear(6, 11, bias=True, dtype=torch.float64)
+    h = torch.randn(9, 6, dtype=torch.float64, requires_grad=True)
+    tgt = torch.randint(0, 11, (9,))
+    gl, ge = torch.randn(9, dtype=torch.float64), torch.randn(9, dtype=torch.float64)
+    lp, ent = target_logprobs(h, head, tgt, chunk=16, entropy=with_entropy)
+    loss = (lp * gl).sum() + ((ent * ge).sum() if with_entropy else 0.0)
+    loss.backward(retain_graph=True)
+    first = [h.grad.clone(), head.weight.grad.clone(), head.bias.grad.clone()]
+    loss.backward()  # the second backward recomputes: the kept logits were released
+    second = [h.grad - first[0], head.weight.grad - first[1], head.bias.grad - first[2]]
+    h.grad = None
+    head.zero_grad()
+    lsm = torch.log_softmax(head(h), -1)
+    want = (lsm.gather(1, tgt[:, None])[:, 0] * gl).sum()
+    if with_entropy:
+        want = want + (-(lsm.exp() * lsm).sum(-1) * ge).sum()
+    want.backward()
+    for a, b, c in zip(first, second, [h.grad, head.weight.grad, head.bias.grad]):
+        assert torch.allclose(a, c, rtol=0, atol=1e-12) and torch.allclose(b, c, rtol=0, atol=1e-12)

@@ -41,17 +41,17 @@ from .tree import TrajectoryTree
 # model and case sizes; every flag left unset takes its preset's value (``--preset``)
 PRESETS: dict[str, dict] = {
     "small": dict(
-        hidden=128,
-        layers=4,
+        hidden=512,
+        layers=2,
         heads=4,
         vocab=4096,
         paths=16,
         path_len=256,
-        por=[0.2, 0.5, 0.8, 0.92],
+        por=[0.5, 0.8, 0.92],
         turns=0,
-        turn_len=64,
-        one_path=2048,
-        repeats=3,
+        turn_len=32,
+        one_path=1024,
+        repeats=2,
         sample_trees=1,
     ),
     "mid": dict(
@@ -395,7 +395,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="tokens of the one-path case (also timed as a plain HF step; 0: none)",
     )
     p.add_argument("--sample", action="store_true", help="also the bundled sample (real agent dialogues)")
-    p.add_argument("--sample-trees", type=int, default=None, help="first N trees of the sample (0: all 8)")
+    p.add_argument(
+        "--sample-trees",
+        type=int,
+        default=None,
+        help="the N trees of the sample with the fewest baseline tokens (0: all 8)",
+    )
     p.add_argument("--capacity", type=int, default=16384, help="micro-batch token budget, both modes")
     p.add_argument("--repeats", type=int, default=None, help="timed steps per mode (median), after a warm-up")
     p.add_argument(
@@ -435,7 +440,11 @@ def _cases(args, vocab: int) -> list[tuple[str, list[TrajectoryTree]]]:
         from . import data
 
         trees = [t for t, _ in data.iter_trees(data.sample_path("agent-dialogues"))]
-        trees = trees[: args.sample_trees] if args.sample_trees else trees
+        if args.sample_trees:  # the N smallest by baseline tokens, in file order
+            keep = sorted(
+                sorted(range(len(trees)), key=lambda i: trees[i].num_path_tokens)[: args.sample_trees]
+            )
+            trees = [trees[i] for i in keep]
         cases.append((f"bundled sample ({len(trees)} trees)", renumber(trees, vocab)))
     return cases
 
