@@ -270,6 +270,7 @@ class Result:
     tree_peak_mb: float | None
     max_logprob_diff: float
     loss_diff: float  # |tree loss - baseline loss| of the warm-up step (same weights)
+    matmul_gflops: float = 0.0  # the dense matmul rate the MFUs use (the best of the run's and the case's)
 
 
 def _timed(fn, device) -> tuple[float, float]:
@@ -297,6 +298,8 @@ def run_case(
     micro = {m: prepare(m, trees, capacity) if m != "hf" else [] for m in modes}
     times: dict[str, list[float]] = {m: [] for m in modes}
     losses: dict[str, float] = {}
+    # the rate right before this case's steps: on a shared machine the load changes during a run
+    rate = max(rate, matmul_rate(next(model.parameters()).dtype, device))
     for r in range(repeats + 1):  # the first round warms up and is not timed
         for mode in modes if r % 2 == 0 else modes[::-1]:
             model.zero_grad(set_to_none=True)
@@ -335,6 +338,7 @@ def run_case(
         tree_peak_mb=peaks["tree"],
         max_logprob_diff=max_logprob_diff(model, trees, capacity, backend),
         loss_diff=abs(losses["tree"] - losses["sequence"]),
+        matmul_gflops=rate / 1e9,
     )
 
 
