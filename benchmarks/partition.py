@@ -254,9 +254,9 @@ def err(tree: TrajectoryTree, tokens: int) -> float:
 
 
 METHODS = {
-    "greedy": dict(method="greedy"),
-    "greedy (beam 1)": dict(method="greedy", beam=1),
-    "dfs (paper)": dict(method="dfs"),
+    "beam_dp": dict(method="beam_dp"),
+    "beam_dp (beam 1)": dict(method="beam_dp", beam=1),
+    "greedy_dfs (paper)": dict(method="greedy_dfs"),
     "single_path": dict(method="single_path"),
     "first_fit": dict(method="first_fit"),
 }
@@ -311,9 +311,9 @@ def speed() -> list[dict]:
             row = {"tree": name, "nodes": tree.num_nodes, "paths": tree.num_paths, "capacity": cap}
             lb = lower_bound(tree, cap)
             for label, kw in (
-                ("greedy", {}),
-                ("greedy (beam 4)", {"beam": 4}),
-                ("dfs", {"method": "dfs"}),
+                ("beam_dp", {}),
+                ("beam_dp (beam 4)", {"beam": 4}),
+                ("greedy_dfs", {"method": "greedy_dfs"}),
                 ("first_fit", {"method": "first_fit"}),
             ):
                 groups = plan(tree, cap, **kw)

@@ -3,8 +3,9 @@
 Each selected tree of the bundled ``agent-dialogues`` sample is one optimizer step (SFT on its
 loss masks) through the same functions ``treetrain train`` uses (``make_microbatches`` +
 ``train_step``): ``--packing tree`` (every shared prefix once, tree attention: the CPU default
-backend) and ``--packing sequence`` (the baseline: every path its own forward with the model's
-plain causal SDPA, micro-batches under the same token budget, the same chunked LM head). Both
+backend) and ``--packing sequence`` (the baseline of ``treetrain.baseline``: every path its own
+sequence, packed padding-free under the same token budget, the same attention backend family, the
+same chunked LM head on trained targets only, the same ``compute_loss``). Both
 start from the same weights, so their first-step losses must agree; that first step is also the
 warm-up, then modes alternate and each time is the minimum over ``--repeats`` further steps (the
 least disturbed by other load on the machine; the weights move between steps, which does not change
@@ -14,8 +15,9 @@ Theoretical ratios beside the measured speedup:
 
 - tokens: baseline path tokens / tokens the tree micro-batches compute (partitioning a tree
   larger than ``--capacity`` recomputes some prefixes);
-- FLOPs: ``treetrain.flops`` training-FLOP model of this model (linear layers and LM head per
-  token, attention per allowed query-key pair), baseline / tree.
+- FLOPs: ``treetrain.flops`` training-FLOP model of what each mode computes (linear layers per
+  token run, attention per allowed query-key pair, LM head per trained target scored), baseline /
+  tree: the bound on the speedup; efficiency = speedup / bound.
 
 ``--vocab compact`` renumbers the sample's token ids to ``0..K-1`` (K distinct ids) and shrinks the
 model's vocabulary to K; the default ``full`` keeps Qwen3's 151,936 ids, whose LM head dominates a
@@ -43,7 +45,7 @@ import torch
 
 from treetrain.config import TrainConfig
 from treetrain.data import iter_trees, sample_path
-from treetrain.flops import CostModel, baseline_pairs, train_flops, tree_pairs
+from treetrain.flops import CostModel, baseline_work, tree_work
 from treetrain.losses import Objective
 from treetrain.packing import pack
 from treetrain.train import (
@@ -127,8 +129,9 @@ def bench_tree(name, tree, vocab, args, objective, cost) -> dict:
                 r["wall"].append(wall)
                 r["cpu"].append(cpu)
     t, s = runs["tree"], runs["sequence"]
-    flops_tree = train_flops(t["computed"], tree_pairs(tree), cost)  # pairs: unpartitioned (lower bound)
-    flops_seq = train_flops(tree.num_path_tokens, baseline_pairs(tree), cost)
+    parts = [part for mb in make_microbatches([tree], "tree", args.capacity) for part in mb]
+    flops_tree = tree_work(parts).flops(cost)
+    flops_seq = baseline_work([tree]).flops(cost)
     return {
         "name": name,
         "paths": tree.num_paths,
@@ -150,16 +153,18 @@ def bench_tree(name, tree, vocab, args, objective, cost) -> dict:
 
 def table(rows: list[dict]) -> str:
     out = [
-        "| tree | paths | path tokens | tree tokens | computed | token ratio | FLOP ratio | tree s "
-        "| sequence s | speedup (wall) | speedup (CPU time) | loss tree | loss sequence | rel. diff |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| tree | paths | path tokens | tree tokens | computed | token ratio | FLOP bound | tree s "
+        "| sequence s | speedup (wall) | efficiency | speedup (CPU time) | loss tree | loss sequence "
+        "| rel. diff |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         rel = abs(r["loss_tree"] - r["loss_seq"]) / abs(r["loss_seq"])
         out.append(
             f"| {r['name']} | {r['paths']} | {r['path_tokens']:,} | {r['tree_tokens']:,} | {r['computed']:,} "
             f"| {r['token_ratio']:.2f} | {r['flop_ratio']:.2f} | {r['tree_s']:.2f} | {r['seq_s']:.2f} "
-            f"| **{r['seq_s'] / r['tree_s']:.2f}x** | {r['seq_cpu'] / r['tree_cpu']:.2f}x "
+            f"| **{r['seq_s'] / r['tree_s']:.2f}x** | {r['seq_s'] / r['tree_s'] / r['flop_ratio']:.2f} "
+            f"| {r['seq_cpu'] / r['tree_cpu']:.2f}x "
             f"| {r['loss_tree']:.6f} | {r['loss_seq']:.6f} | {rel:.1e} |"
         )
     tot = {k: sum(r[k] for r in rows) for k in ("path_tokens", "tree_tokens", "computed", "tree_s", "seq_s")}
@@ -169,7 +174,7 @@ def table(rows: list[dict]) -> str:
         f"| **all** | {sum(r['paths'] for r in rows)} | {tot['path_tokens']:,} | {tot['tree_tokens']:,} "
         f"| {tot['computed']:,} | {tot['path_tokens'] / tot['computed']:.2f} | {flop_ratio:.2f} "
         f"| {tot['tree_s']:.2f} | {tot['seq_s']:.2f} | **{tot['seq_s'] / tot['tree_s']:.2f}x** "
-        f"| {cpu_s / cpu_t:.2f}x | | | |"
+        f"| {tot['seq_s'] / tot['tree_s'] / flop_ratio:.2f} | {cpu_s / cpu_t:.2f}x | | | |"
     )
     return "\n".join(out)
 
@@ -209,8 +214,11 @@ def main() -> None:
         f"{config.num_attention_heads} heads, vocab {vocab:,} ({args.vocab})), float32, random init\n"
         f"- one optimizer step (SFT on the loss masks, AdamW) per sample tree, capacity {args.capacity}; "
         f"a warm-up step, then the minimum of {args.repeats} steps per mode, modes alternating\n"
-        "- token ratio: path tokens / tokens the tree micro-batches compute; FLOP ratio: "
-        "treetrain.flops training-FLOP model, baseline / tree\n"
+        "- token ratio: path tokens / tokens the tree micro-batches compute; FLOP bound: "
+        "treetrain.flops training FLOPs of what each mode computes (head on trained targets only), "
+        "baseline / tree; efficiency: speedup / bound\n"
+        "- baseline: treetrain.baseline (every path alone, packed padding-free, same backend family, "
+        "chunked head on trained targets, same compute_loss)\n"
         "- speedup (wall): sequence time / tree time; CPU time: process user+system time, less "
         "sensitive to other load on the machine\n\n"
     )

@@ -25,11 +25,18 @@ def test_bench_cli_small(tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     argv = ["bench", "--hidden", "32", "--layers", "1", "--heads", "2", "--vocab", "64"]
     argv += ["--paths", "4", "--path-len", "48", "--por", "0.5", "--turns", "3", "--turn-len", "16"]
-    argv += ["--repeats", "1", "--capacity", "96", "--json", str(out), "--plot", str(png)]
-    assert main(argv) == 0
-    results = json.loads(out.read_text())
-    assert [r["name"] for r in results] == ["group POR 50%", "per-turn 3 turns"]
+    argv += ["--one-path", "40", "--repeats", "1", "--capacity", "96", "--memory"]
+    assert main(argv + ["--json", str(out), "--plot", str(png)]) == 0
+    report = json.loads(out.read_text())
+    results = report["results"]
+    assert report["matmul_gflops"] > 0
+    assert [r["name"] for r in results] == ["group POR 50%", "per-turn 3 turns", "one path 40"]
     for r in results:
         assert r["max_logprob_diff"] < 1e-4  # float32: the same log-probs from both modes
-        assert r["flop_bound"] > 1 and r["speedup"] > 0 and r["baseline_peak_mb"] >= 0
+        assert r["loss_diff"] < 1e-4
+        assert r["flop_bound"] >= 1 and r["speedup"] > 0 and r["baseline_peak_mb"] >= 0
+        assert r["efficiency"] == pytest.approx(r["speedup"] / r["flop_bound"])
+        assert r["tree_mfu"] > 0 and r["baseline_mfu"] > 0
+    assert results[0]["flop_bound"] > 1 and results[0]["hf_s"] is None
+    assert results[2]["flop_bound"] == 1 and results[2]["hf_s"] > 0  # one path: a plain HF step too
     assert png.stat().st_size > 1000

@@ -116,8 +116,8 @@ def test_methods_on_a_hand_example():
     paths = [[0, 0, 1, 1, 1, 1], [0, 0, 2, 2, 2], [0, 0, 3, 3, 3], [0, 0, 4, 4]]
     tree = TrajectoryTree.from_paths(paths)
     assert [g.tolist() for g in plan(tree, 8, "first_fit")] == [[0], [1, 2], [3]]
-    assert [g.tolist() for g in plan(tree, 8, "dfs")] == [[0], [1, 2], [3]]  # deepest first: no 4 + 2
-    for method in ("greedy", "optimal"):
+    assert [g.tolist() for g in plan(tree, 8, "greedy_dfs")] == [[0], [1, 2], [3]]  # deepest first: no 4 + 2
+    for method in ("beam_dp", "optimal"):
         assert [g.tolist() for g in plan(tree, 8, method)] == [[0, 3], [1, 2]], method
     assert [g.tolist() for g in plan(tree, 8, "single_path")] == [[0], [1], [2], [3]]
 
@@ -189,9 +189,9 @@ def test_sweep_against_optimum():
     for method, e in excess.items():
         e = np.asarray(e)
         print(f"  {method:12s} mean {e.mean():7.3%}  worst {e.max():7.2%}  optimal {(e == 0).mean():6.1%}")
-    greedy = np.asarray(excess["greedy"])
-    assert greedy.mean() <= 0.02 and greedy.max() <= 0.10
-    assert greedy.mean() < np.mean(excess["dfs"])
+    beam_dp = np.asarray(excess["beam_dp"])
+    assert beam_dp.mean() <= 0.02 and beam_dp.max() <= 0.10
+    assert beam_dp.mean() < np.mean(excess["greedy_dfs"])
 
 
 # ---- against first fit in input order, on realistic shapes -------------------------------------
@@ -225,7 +225,7 @@ def _accumulated_grads(model, batches, coeffs, denom) -> dict[str, torch.Tensor]
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(trees_with_capacity(max_paths=6, min_len=2), st.sampled_from(["greedy", "first_fit", "single_path"]))
+@given(trees_with_capacity(max_paths=6, min_len=2), st.sampled_from(["beam_dp", "first_fit", "single_path"]))
 def test_gradients_invariant_to_partition(tree_cap, method):
     """The loss is a sum over paths divided by a count fixed for the whole batch, and every path
     is in exactly one part, so the accumulated gradient is the same sum. In float64 (the models'
@@ -296,3 +296,15 @@ def test_pack_microbatches_bin_packs(sizes, cap):
     assert all(sum(t.num_tokens for t in mb) <= cap for mb in batches)
     assert all([trees.index(t) for t in mb] == sorted(trees.index(t) for t in mb) for mb in batches)
     assert len(batches) <= 2 * sum(sizes) / cap + 1  # best fit leaves at most one bin half empty
+
+
+@pytest.mark.parametrize(("old", "new"), [("greedy", "beam_dp"), ("dfs", "greedy_dfs")])
+def test_old_method_names_warn_and_give_the_new_methods(old, new):
+    tree = TrajectoryTree.from_paths([[1, 2, 3, 4], [1, 2, 5, 6], [1, 7, 8], [9, 10]])
+    with pytest.warns(DeprecationWarning, match=f"use {new!r}"):
+        got = plan(tree, 6, old)
+    assert [g.tolist() for g in got] == [g.tolist() for g in plan(tree, 6, new)]
+    with pytest.warns(DeprecationWarning):
+        tree.partition(6, old)
+    with pytest.raises(ValueError, match="beam_dp"):
+        plan(tree, 6, "beam")

@@ -102,6 +102,11 @@ def test_default_run_end_to_end(tmp_path, capsys):
     for r in records:
         assert set(METRIC_FIELDS) <= r.keys()
         assert np.isfinite(r["loss"]) and r["tokens"] >= r["tree_tokens"] > 0 and r["tokens_per_s"] > 0
+        # path tokens / s is the useful work (tokens_per_s keeps that meaning); computed tokens / s
+        # what the step ran, so their ratio is path tokens / computed tokens
+        assert r["tokens_per_s"] == r["path_tokens_per_s"]
+        ratio = r["path_tokens_per_s"] / r["computed_tokens_per_s"]
+        assert abs(ratio - r["tokens"] / r["computed_tokens"]) < 1e-9
     assert (out / "training.png").stat().st_size > 0
     assert list((out / "final").glob("*.safetensors"))
     model = transformers.AutoModelForCausalLM.from_pretrained(out / "final")

@@ -1,18 +1,29 @@
-"""``treetrain bench``: per-path baseline vs tree training on the same model and data.
+"""``treetrain bench``: tree training vs the per-path baseline on the same model, data and loss.
 
-Baseline: every path its own sequence with plain causal attention (SDPA ``is_causal``, the best
-causal kernel on the device), grouped into micro-batches of at most ``capacity`` tokens whose losses
-are summed before one backward. Tree: each tree (partitioned to ``capacity`` if needed) in one
-forward. Both run a forward+backward of the same loss (a fixed random linear function of all
-log-probs), alternating, and report medians.
+Both modes run one training step (forward + backward, SFT token-mean on the trees' loss masks)
+through the same library code, :mod:`treetrain.strategies`:
 
-The bound beside each speedup is the FLOP ratio (``treetrain.flops``): linear layers per token,
-attention per allowed query-key pair.
+- **baseline** (:mod:`treetrain.baseline`): every path its own sequence, packed padding-free into
+  micro-batches of at most ``--capacity`` tokens (varlen causal attention through the same backend
+  family; one sequence alone runs SDPA's causal kernel), the chunked LM head on trained targets only;
+- **tree**: each tree (partitioned to ``--capacity`` if needed) in one forward, every shared
+  prefix once, the same head on the distinct trained targets.
+
+Micro-batches are built and packed before the clock starts, for both modes. Modes alternate
+(a warm-up round first, not timed) and each time is the median of ``--repeats`` steps.
+
+The bound beside each speedup is the FLOP ratio of what each mode computes
+(:mod:`treetrain.flops`: linear layers on tokens run, attention on allowed pairs, LM head on
+targets scored); efficiency = speedup / bound, so 1.0 means the tree realizes exactly its FLOP
+saving. The run also measures the machine's dense matmul rate for the dtype used and reports each
+step's model FLOP utilization (MFU = model FLOPs / time / matmul rate). On a one-path tree a third
+row times a plain Hugging Face step (``model(input_ids, labels=input_ids)``, causal SDPA).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -23,10 +34,41 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from .flops import CostModel, baseline_pairs, train_flops, tree_pairs
-from .logprobs import path_logprobs
+from .flops import CostModel, baseline_work, tree_work
 from .packing import pack
 from .tree import TrajectoryTree
+
+# model and case sizes; every flag left unset takes its preset's value (``--preset``)
+PRESETS: dict[str, dict] = {
+    "small": dict(
+        hidden=512,
+        layers=2,
+        heads=4,
+        vocab=4096,
+        paths=16,
+        path_len=256,
+        por=[0.5, 0.8, 0.92],
+        turns=0,
+        turn_len=32,
+        one_path=1024,
+        repeats=2,
+        sample_trees=1,
+    ),
+    "mid": dict(
+        hidden=1024,
+        layers=8,
+        heads=8,
+        vocab=32000,
+        paths=4,
+        path_len=2048,
+        por=[0.5],
+        turns=8,
+        turn_len=512,
+        one_path=4096,
+        repeats=2,
+        sample_trees=2,
+    ),
+}
 
 # ---- synthetic data --------------------------------------------------------------------------
 
@@ -54,76 +96,116 @@ def per_turn_tree(turns: int, turn_len: int, vocab: int, seed: int = 0) -> Traje
     return TrajectoryTree.from_paths([full[: (k + 1) * turn_len] for k in range(turns)])
 
 
-# ---- the two modes ---------------------------------------------------------------------------
+def one_path_tree(length: int, vocab: int, seed: int = 0) -> TrajectoryTree:
+    """One path: no sharing (bound 1), the case to compare with a plain Hugging Face step."""
+    return TrajectoryTree.from_paths([np.random.default_rng(seed).integers(0, vocab, length)])
 
 
-def _coeffs(trees: list[TrajectoryTree], seed: int = 0) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(int(n) - 1, generator=g) for t in trees for n in t.path_lengths]
+# ---- the modes -------------------------------------------------------------------------------
 
 
-def _microbatches(lengths: list[int], capacity: int) -> list[list[int]]:
-    """Consecutive paths grouped into micro-batches of at most ``capacity`` tokens."""
-    out: list[list[int]] = [[]]
-    used = 0
-    for i, n in enumerate(lengths):
-        if out[-1] and used + n > capacity:
-            out.append([])
-            used = 0
-        out[-1].append(i)
-        used += n
-    return out
+def _objective():
+    from .losses import Objective
+
+    return Objective("sft")
 
 
-def baseline_step(model, trees, coeffs, capacity: int) -> list[torch.Tensor]:
-    """Forward+backward of every path alone (causal SDPA), micro-batched; returns log-probs."""
-    device = model.get_input_embeddings().weight.device
-    paths = [p for t in trees for p in t.paths()]
-    out: list[torch.Tensor] = []
-    for mb in _microbatches([len(p) for p in paths], capacity):
-        loss = 0.0
-        for i in mb:
-            ids = torch.as_tensor(paths[i], device=device)[None]
-            logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
-            lp = torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0]
-            loss = loss + (coeffs[i].to(device) * lp).sum()
-            out.append(lp.detach())
+def prepare(mode: str, trees: list[TrajectoryTree], capacity: int) -> list:
+    """The packed micro-batches ``mode`` runs (built before timing, as a data loader would)."""
+    from .strategies import get_strategy
+
+    return [pack(mb) for mb in get_strategy(mode).microbatches(trees, capacity)]
+
+
+def train_step(mode: str, model, trees, micro, backend: str | None) -> float:
+    """One forward+backward of ``mode`` (``tree`` | ``sequence`` | ``hf``) over its prepared
+    micro-batches; returns the loss (SFT, token-mean over the trees' trained targets)."""
+    from .losses import loss_normalizer
+
+    objective = _objective()
+    normalizer = loss_normalizer(trees, objective)
+    if mode == "hf":
+        return hf_step(model, trees, normalizer)
+    from .strategies import get_strategy
+
+    strategy = get_strategy(mode)
+    total = 0.0
+    for packed in micro:
+        loss, _ = strategy.loss(model, packed, objective, normalizer, backend=backend)
         loss.backward()
-    return out
+        total += float(loss.detach())
+    return total
 
 
-def tree_step(model, trees, coeffs, capacity: int, backend: str | None) -> list[torch.Tensor]:
-    """Forward+backward of the trees (parts of at most ``capacity`` tokens); returns log-probs."""
+def hf_step(model, trees, normalizer: float) -> float:
+    """Plain Hugging Face training on every path: ``model(input_ids, labels=...)`` (causal SDPA,
+    full ``[L, vocab]`` logits, cross-entropy over the trained targets), one path per forward."""
+    device = model.get_input_embeddings().weight.device
+    total = 0.0
+    for tree in trees:
+        masks = tree.fields.get("loss_masks")
+        for p in range(tree.num_paths):
+            ids = torch.as_tensor(tree.path(p), device=device)[None]
+            labels = ids.clone()
+            if masks is not None:
+                labels[0, torch.as_tensor(np.asarray(masks[p]) == 0, device=device)] = -100
+            n = int((labels[0, 1:] != -100).sum())
+            if n == 0:
+                continue
+            loss = model(input_ids=ids, labels=labels, use_cache=False).loss * (n / normalizer)
+            loss.backward()
+            total += float(loss.detach())
+    return total
+
+
+def max_logprob_diff(model, trees, capacity: int, backend) -> float:
+    """Largest |tree - baseline| per-path log-prob over every path (no grad, not timed)."""
+    from .baseline import baseline_path_logprobs
+    from .logprobs import path_logprobs
     from .partition import pack_microbatches
 
-    device = model.get_input_embeddings().weight.device
     offsets = np.cumsum([0] + [t.num_paths for t in trees])
-    out: list[torch.Tensor | None] = [None] * int(offsets[-1])
-    # global path numbers (kept through partitioning); a shallow copy, no rebuild
-    tagged = [dataclasses.replace(t, path_ids=t.path_ids + offsets[k]) for k, t in enumerate(trees)]
-    for mb in pack_microbatches(tagged, capacity):
-        lps = path_logprobs(model, pack(mb), backend=backend)
-        ids = [int(i) for part in mb for i in part.path_ids]
-        loss = sum((coeffs[i].to(device) * lp).sum() for i, lp in zip(ids, lps))
-        loss.backward()
-        for i, lp in zip(ids, lps):
-            out[i] = lp.detach()
-    return out  # type: ignore[return-value]
+    # global path numbers, kept through partitioning (a shallow copy, no rebuild)
+    tagged = [
+        dataclasses.replace(t, path_ids=np.arange(t.num_paths) + offsets[k]) for k, t in enumerate(trees)
+    ]
+    with torch.no_grad():
+        base = baseline_path_logprobs(model, trees, capacity=capacity, backend=backend)
+        worst = 0.0
+        for mb in pack_microbatches(tagged, capacity):
+            ids = [int(i) for part in mb for i in part.path_ids]
+            for i, lp in zip(ids, path_logprobs(model, pack(mb), backend=backend)):
+                if lp.numel():
+                    worst = max(worst, (lp.float() - base[i].float()).abs().max().item())
+    return worst
 
 
 # ---- measurement -----------------------------------------------------------------------------
 
 
+def matmul_rate(dtype: torch.dtype, device: torch.device, size: int = 2048, repeats: int = 5) -> float:
+    """The machine's dense matmul rate (FLOP/s) for ``dtype``: best of ``repeats`` square
+    ``size x size`` products (best-of: the least disturbed by other load)."""
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        a @ b
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * size**3 / best
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _one_step(mode: str, model, trees, capacity: int, backend) -> list[torch.Tensor]:
-    coeffs = _coeffs(trees)
-    if mode == "baseline":
-        return baseline_step(model, trees, coeffs, capacity)
-    return tree_step(model, trees, coeffs, capacity, backend)
 
 
 def _peak_rss_bytes() -> int:
@@ -138,10 +220,11 @@ def _child_peak(mode: str, model_args: tuple, trees, capacity: int, backend) -> 
     parent's mark through fork+exec.
     """
     model = bench_model(*model_args)
+    micro = prepare(mode, trees, capacity) if mode != "hf" else []
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     before = _rss_bytes()
-    _one_step(mode, model, trees, capacity, backend)
+    train_step(mode, model, trees, micro, backend)
     return max(0, _peak_rss_bytes() - before)
 
 
@@ -152,11 +235,12 @@ def peak_memory(mode: str, model, model_args: tuple, trees, capacity: int, backe
     runs second would look free. Each mode runs once in its own spawned process instead.
     """
     if model.device.type == "cuda":
+        micro = prepare(mode, trees, capacity) if mode != "hf" else []
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         start = torch.cuda.memory_allocated()
         model.zero_grad(set_to_none=True)
-        _one_step(mode, model, trees, capacity, backend)
+        train_step(mode, model, trees, micro, backend)
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - start
     import multiprocessing as mp
@@ -170,66 +254,91 @@ class Result:
     name: str
     paths: int
     baseline_tokens: int
-    tree_tokens: int
+    tree_tokens: int  # distinct tokens of the trees
+    computed_tokens: int  # what the tree mode runs (parts recompute shared prefixes)
     por: float
-    flop_bound: float
+    flop_bound: float  # baseline FLOPs / tree FLOPs of what each computes
     baseline_s: float
     tree_s: float
     speedup: float
-    efficiency: float
-    baseline_peak_mb: float
-    tree_peak_mb: float
+    efficiency: float  # speedup / flop_bound
+    baseline_mfu: float
+    tree_mfu: float
+    hf_s: float | None  # plain HF step (one-path cases), else None
+    tree_vs_hf: float | None  # tree time / HF time
+    baseline_peak_mb: float | None
+    tree_peak_mb: float | None
     max_logprob_diff: float
+    loss_diff: float  # |tree loss - baseline loss| of the warm-up step (same weights)
+    matmul_gflops: float = 0.0  # the dense matmul rate the MFUs use (the best of the run's and the case's)
 
 
-def _timed(fn, device) -> tuple[float, list[torch.Tensor]]:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+def _timed(fn, device) -> tuple[float, float]:
+    _sync(device)
     t0 = time.perf_counter()
-    lps = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0, lps
+    out = fn()
+    _sync(device)
+    return time.perf_counter() - t0, out
 
 
-def run_case(name, model, model_args, trees, capacity, repeats, backend, cost: CostModel) -> Result:
+def case_flops(trees, capacity: int, cost: CostModel) -> tuple[float, float, int]:
+    """(baseline FLOPs, tree FLOPs, tokens the tree mode computes) of one step."""
+    from .partition import partition
+
+    parts = [p for t in trees for p in partition(t, capacity)]
+    return baseline_work(trees).flops(cost), tree_work(parts).flops(cost), sum(p.num_tokens for p in parts)
+
+
+def run_case(
+    name, model, model_args, trees, capacity, repeats, backend, cost: CostModel, rate: float, memory: bool
+) -> Result:
     device = model.get_input_embeddings().weight.device
-    base_tok = sum(t.num_path_tokens for t in trees)
-    tree_tok = sum(t.num_tokens for t in trees)
-    base_flops = sum(train_flops(t.num_path_tokens, baseline_pairs(t), cost) for t in trees)
-    tree_flops = sum(train_flops(t.num_tokens, tree_pairs(t), cost) for t in trees)
-    times: dict[str, list[float]] = {"baseline": [], "tree": []}
-    last: dict[str, list[torch.Tensor]] = {}
-    steps = {m: (lambda m=m: _one_step(m, model, trees, capacity, backend)) for m in ("baseline", "tree")}
+    base_flops, tree_flops, computed = case_flops(trees, capacity, cost)
+    modes = ["sequence", "tree"] + (["hf"] if all(t.num_paths == 1 for t in trees) else [])
+    micro = {m: prepare(m, trees, capacity) if m != "hf" else [] for m in modes}
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    losses: dict[str, float] = {}
+    # the rate right before this case's steps: on a shared machine the load changes during a run
+    rate = max(rate, matmul_rate(next(model.parameters()).dtype, device))
     for r in range(repeats + 1):  # the first round warms up and is not timed
-        for mode in ("baseline", "tree") if r % 2 == 0 else ("tree", "baseline"):
+        for mode in modes if r % 2 == 0 else modes[::-1]:
             model.zero_grad(set_to_none=True)
-            dt, lps = _timed(steps[mode], device)
+            dt, loss = _timed(lambda m=mode: train_step(m, model, trees, micro[m], backend), device)
             if r > 0:
                 times[mode].append(dt)
-            last[mode] = lps
-    peaks = {m: peak_memory(m, model, model_args, trees, capacity, backend) for m in ("baseline", "tree")}
-    diff = max(
-        (a.float() - b.float()).abs().max().item()
-        for a, b in zip(last["baseline"], last["tree"])
-        if a.numel()
-    )
-    tb, tt = statistics.median(times["baseline"]), statistics.median(times["tree"])
+            else:
+                losses[mode] = loss
+    model.zero_grad(set_to_none=True)
+    peaks = {
+        m: peak_memory(m, model, model_args, trees, capacity, backend) / 2**20 if memory else None
+        for m in ("sequence", "tree")
+    }
+    med = {m: statistics.median(v) for m, v in times.items()}
+    tb, tt = med["sequence"], med["tree"]
+    base_tok = sum(t.num_path_tokens for t in trees)
+    tree_tok = sum(t.num_tokens for t in trees)
     bound = base_flops / tree_flops
     return Result(
         name=name,
         paths=sum(t.num_paths for t in trees),
         baseline_tokens=base_tok,
         tree_tokens=tree_tok,
+        computed_tokens=computed,
         por=1 - tree_tok / base_tok,
         flop_bound=bound,
         baseline_s=tb,
         tree_s=tt,
         speedup=tb / tt,
         efficiency=(tb / tt) / bound,
-        baseline_peak_mb=peaks["baseline"] / 2**20,
-        tree_peak_mb=peaks["tree"] / 2**20,
-        max_logprob_diff=diff,
+        baseline_mfu=base_flops / tb / rate,
+        tree_mfu=tree_flops / tt / rate,
+        hf_s=med.get("hf"),
+        tree_vs_hf=tt / med["hf"] if "hf" in med else None,
+        baseline_peak_mb=peaks["sequence"],
+        tree_peak_mb=peaks["tree"],
+        max_logprob_diff=max_logprob_diff(model, trees, capacity, backend),
+        loss_diff=abs(losses["tree"] - losses["sequence"]),
+        matmul_gflops=rate / 1e9,
     )
 
 
@@ -237,6 +346,7 @@ def run_case(name, model, model_args, trees, capacity, repeats, backend, cost: C
 
 
 def bench_model(hidden: int, layers: int, vocab: int, heads: int, device, dtype, seed: int = 0):
+    """A random-init Qwen3-architecture model (no download): GQA 2:1, MLP 3x, untied head."""
     import transformers
 
     torch.manual_seed(seed)
@@ -256,37 +366,90 @@ def bench_model(hidden: int, layers: int, vocab: int, heads: int, device, dtype,
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser("bench", help="baseline vs tree training speed, memory and equivalence")
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--paths", type=int, default=16, help="paths per synthetic group tree")
-    p.add_argument("--path-len", type=int, default=256, help="tokens per synthetic path")
-    p.add_argument("--por", type=float, nargs="*", default=[0.2, 0.35, 0.5, 0.65, 0.8, 0.92])
-    p.add_argument("--turns", type=int, default=0, help="also a per-turn chain tree with N turns")
-    p.add_argument("--turn-len", type=int, default=150)
-    p.add_argument("--sample", action="store_true", help="also the bundled realistic sample")
-    p.add_argument("--capacity", type=int, default=16384, help="micro-batch token budget")
-    p.add_argument("--repeats", type=int, default=3)
+    p = sub.add_parser(
+        "bench",
+        help="tree vs per-path baseline training speed, FLOP bound, MFU, memory and equivalence",
+        description="Time one training step of tree packing and of the per-path baseline on the same "
+        "model and data; report the speedup beside the FLOP bound of what each mode computes, the "
+        "efficiency (speedup / bound) and each step's MFU against this machine's matmul rate. "
+        "Model and case flags left unset take the --preset's values.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    small = PRESETS["small"]
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="small",
+        help="sizes: small (a couple of minutes on a 2-core CPU) or mid (hidden 1024, 8 layers, >= 4k "
+        f"tokens per tree step; minutes per step on CPU). small: {small}; mid: {PRESETS['mid']}",
+    )
+    p.add_argument("--hidden", type=int, default=None, help="model hidden size")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers")
+    p.add_argument("--heads", type=int, default=None, help="attention heads (key/value heads: half)")
+    p.add_argument("--vocab", type=int, default=None, help="vocabulary size")
+    p.add_argument("--paths", type=int, default=None, help="paths per synthetic group tree")
+    p.add_argument("--path-len", type=int, default=None, help="tokens per synthetic group-tree path")
+    p.add_argument("--por", type=float, nargs="*", default=None, help="group trees at these POR values")
+    p.add_argument("--turns", type=int, default=None, help="also a per-turn tree with N turns (0: none)")
+    p.add_argument("--turn-len", type=int, default=None, help="tokens per turn of the per-turn tree")
+    p.add_argument(
+        "--one-path",
+        type=int,
+        default=None,
+        help="tokens of the one-path case (also timed as a plain HF step; 0: none)",
+    )
+    p.add_argument("--sample", action="store_true", help="also the bundled sample (real agent dialogues)")
+    p.add_argument(
+        "--sample-trees",
+        type=int,
+        default=None,
+        help="the N trees of the sample with the fewest baseline tokens (0: all 8)",
+    )
+    p.add_argument("--capacity", type=int, default=16384, help="micro-batch token budget, both modes")
+    p.add_argument("--repeats", type=int, default=None, help="timed steps per mode (median), after a warm-up")
+    p.add_argument(
+        "--memory", action="store_true", help="also peak memory per mode (CPU: a fresh process each)"
+    )
     p.add_argument("--backend", default=None, help="tree attention backend (default: by device)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="device")
     p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA default)")
     p.add_argument("--json", default=None, help="write results as JSON here")
-    p.add_argument("--plot", default=None, help="write a PNG of speedup vs POR here")
+    p.add_argument("--plot", default=None, help="write a PNG of speedup and bound vs POR here")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="directory (e.g. benchmarks/results): write treetrain_bench_<preset>_<hardware>_<date>"
+        ".md/.json/.png there",
+    )
     p.set_defaults(handler=main)
     return p
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """Flags left unset take the preset's values."""
+    out = argparse.Namespace(**vars(args))
+    for k, v in PRESETS[args.preset].items():
+        if getattr(out, k, None) is None:
+            setattr(out, k, v)
+    return out
 
 
 def _cases(args, vocab: int) -> list[tuple[str, list[TrajectoryTree]]]:
     cases = [(f"group POR {p:.0%}", [group_tree(p, args.paths, args.path_len, vocab)]) for p in args.por]
     if args.turns:
         cases.append((f"per-turn {args.turns} turns", [per_turn_tree(args.turns, args.turn_len, vocab)]))
+    if args.one_path:
+        cases.append((f"one path {args.one_path}", [one_path_tree(args.one_path, vocab)]))
     if args.sample:
         from . import data
 
         trees = [t for t, _ in data.iter_trees(data.sample_path("agent-dialogues"))]
-        cases.append(("bundled sample", renumber(trees, vocab)))
+        if args.sample_trees:  # the N smallest by baseline tokens, in file order
+            keep = sorted(
+                sorted(range(len(trees)), key=lambda i: trees[i].num_path_tokens)[: args.sample_trees]
+            )
+            trees = [trees[i] for i in keep]
+        cases.append((f"bundled sample ({len(trees)} trees)", renumber(trees, vocab)))
     return cases
 
 
@@ -300,22 +463,29 @@ def renumber(trees: list[TrajectoryTree], vocab: int) -> list[TrajectoryTree]:
     ]
 
 
+def _opt(x: float | None, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
 def format_table(results: list[Result]) -> str:
     head = (
-        "| case | paths | baseline tok | tree tok | POR | FLOP bound | baseline s | tree s | speedup "
-        "| efficiency | peak MB base/tree | max lp diff |"
+        "| case | paths | baseline tok | tree tok | POR | speedup | FLOP bound | efficiency "
+        "| baseline s | tree s | MFU base/tree | HF s (tree/HF) | peak MB base/tree | max lp diff |"
     )
-    lines = [head, "|" + "---|" * 12]
+    lines = [head, "|" + "---|" * 14]
     for r in results:
+        hf = "-" if r.hf_s is None else f"{r.hf_s:.3f} ({r.tree_vs_hf:.3f})"
         lines.append(
-            f"| {r.name} | {r.paths} | {r.baseline_tokens:,} | {r.tree_tokens:,} | {r.por:.1%} | "
-            f"{r.flop_bound:.2f}x | {r.baseline_s:.3f} | {r.tree_s:.3f} | {r.speedup:.2f}x | "
-            f"{r.efficiency:.2f} | {r.baseline_peak_mb:.0f}/{r.tree_peak_mb:.0f} | {r.max_logprob_diff:.1e} |"
+            f"| {r.name} | {r.paths} | {r.baseline_tokens:,} | {r.computed_tokens:,} | {r.por:.1%} "
+            f"| {r.speedup:.2f}x | {r.flop_bound:.2f}x | **{r.efficiency:.2f}** | {r.baseline_s:.3f} "
+            f"| {r.tree_s:.3f} | {r.baseline_mfu:.2f}/{r.tree_mfu:.2f} | {hf} "
+            f"| {_opt(r.baseline_peak_mb, '.0f')}/{_opt(r.tree_peak_mb, '.0f')} | {r.max_logprob_diff:.1e} |"
         )
     return "\n".join(lines)
 
 
 def plot(results: list[Result], out: str) -> None:
+    """Speedup and FLOP bound vs POR (log scale), efficiency annotated."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -332,16 +502,27 @@ def plot(results: list[Result], out: str) -> None:
         ax.plot(r.por * 100, r.flop_bound, "k^", label="FLOP bound (other)" if i == 0 else None)
         ax.plot(r.por * 100, r.speedup, "C1s", label="measured (other)" if i == 0 else None)
         ax.annotate(r.name, (r.por * 100, r.speedup), fontsize=7, xytext=(-60, 6), textcoords="offset points")
+    for r in results:
+        ax.annotate(
+            f"{r.efficiency:.2f}",
+            (r.por * 100, r.speedup),
+            fontsize=7,
+            xytext=(4, -10),
+            textcoords="offset points",
+        )
     ax.set_xlabel("POR (%)")
     ax.set_ylabel("speedup over per-path baseline (x)")
     ax.set_yscale("log")
+    ax.set_title("tree vs per-path baseline (numbers: efficiency = speedup / bound)", fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
+    plt.close(fig)
 
 
 def main(args: argparse.Namespace) -> int:
+    args = resolve(args)
     device = torch.device(args.device)
     dtype = (
         getattr(torch, args.dtype)
@@ -351,22 +532,87 @@ def main(args: argparse.Namespace) -> int:
     model_args = (args.hidden, args.layers, args.vocab, args.heads, device, dtype)
     model = bench_model(*model_args)
     cost = CostModel.from_config(model.config)
-    results = []
-    for name, trees in _cases(args, args.vocab):
-        print(f"{name}: {sum(t.num_path_tokens for t in trees):,} baseline tokens ...", flush=True)
-        r = run_case(name, model, model_args, trees, args.capacity, args.repeats, args.backend, cost)
+    rate = matmul_rate(dtype, device)
+    print(
+        f"treetrain bench: preset {args.preset}, hidden {args.hidden}, {args.layers} layers, "
+        f"vocab {args.vocab}, "
+        f"{dtype}, {device}; dense matmul rate {rate / 1e9:,.1f} GFLOP/s",
+        flush=True,
+    )
+    cases = _cases(args, args.vocab)
+    # work of every case: both modes, warm-up + repeats, plus the untimed log-prob check (~1/3 step)
+    work = [
+        (args.repeats + 1.4) * (b + t)
+        for b, t, _ in (case_flops(trees, args.capacity, cost) for _, trees in cases)
+    ]
+    results, t_start, sec_per_flop = [], time.perf_counter(), 1 / (0.3 * rate)
+    for i, (name, trees) in enumerate(cases):
+        left = sum(work[i:]) * sec_per_flop
         print(
-            f"  speedup {r.speedup:.2f}x of bound {r.flop_bound:.2f}x (efficiency {r.efficiency:.2f}), "
-            f"max log-prob diff {r.max_logprob_diff:.1e}",
+            f"[{i + 1}/{len(cases)}] {name}: {sum(t.num_path_tokens for t in trees):,} baseline tokens "
+            f"(about {left:,.0f} s left) ...",
+            flush=True,
+        )
+        r = run_case(
+            name, model, model_args, trees, args.capacity, args.repeats, args.backend, cost, rate, args.memory
+        )
+        sec_per_flop = (time.perf_counter() - t_start) / sum(work[: i + 1])
+        print(
+            f"  speedup {r.speedup:.2f}x, bound {r.flop_bound:.2f}x, efficiency {r.efficiency:.2f}; "
+            f"MFU baseline {r.baseline_mfu:.2f}, tree {r.tree_mfu:.2f}"
+            + ("" if r.hf_s is None else f"; tree / plain HF step {r.tree_vs_hf:.3f}")
+            + f"; max log-prob diff {r.max_logprob_diff:.1e}",
             flush=True,
         )
         results.append(r)
-    print()
+    print(f"\ndone in {time.perf_counter() - t_start:.0f} s\n")
     print(format_table(results))
+    report = {"matmul_gflops": rate / 1e9, "results": [asdict(r) for r in results]}
+    if args.out:
+        stem = os.path.join(
+            args.out, f"treetrain_bench_{args.preset}_{hardware_slug(device)}_{time.strftime('%Y-%m-%d')}"
+        )
+        os.makedirs(args.out, exist_ok=True)
+        args.json, args.plot = args.json or stem + ".json", args.plot or stem + ".png"
+        with open(stem + ".md", "w") as f:
+            f.write(results_header(args, rate, dtype, device) + format_table(results) + "\n")
+        print(f"wrote {stem}.md")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([asdict(r) for r in results], f, indent=1)
+            json.dump(report, f, indent=1)
     if args.plot:
         plot(results, args.plot)
         print(f"plot: {args.plot}")
     return 0
+
+
+def hardware_slug(device: torch.device) -> str:
+    """``cpu-2core-intel-xeon...`` or ``cuda-nvidia-h100...``: the hardware, for file names."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = "unknown"
+        with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+            name = next((ln.split(":", 1)[1] for ln in f if ln.startswith("model name")), name)
+        name = f"{os.cpu_count()}core-{name}"
+    slug = "".join(c if c.isalnum() else "-" for c in name.strip().lower())
+    return f"{device.type}-" + "-".join(filter(None, slug.split("-")))[:48]
+
+
+def results_header(args, rate: float, dtype, device) -> str:
+    import platform
+    import sys
+
+    return (
+        f"# treetrain bench, preset {args.preset}\n\n"
+        f"- command: `treetrain {' '.join(sys.argv[1:]) or 'bench'}`\n"
+        f"- hardware: {hardware_slug(device)} ({platform.processor() or platform.machine()}), torch "
+        f"{torch.__version__}, {torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d %H:%M')}\n"
+        f"- model: Qwen3-shaped, hidden {args.hidden}, {args.layers} layers, {args.heads} heads, vocab "
+        f"{args.vocab}, {dtype}; dense matmul rate {rate / 1e9:,.1f} GFLOP/s\n"
+        "- baseline: treetrain.baseline, every path its own sequence, packed padding-free (varlen) "
+        "into micro-batches of --capacity tokens, the same attention backend family, the chunked LM head on "
+        "trained targets only, the same compute_loss (SFT token-mean)\n"
+        "- FLOP bound: baseline / tree training FLOPs of what each computes (treetrain.flops); efficiency "
+        "= speedup / bound; MFU = model FLOPs / time / matmul rate\n\n"
+    )

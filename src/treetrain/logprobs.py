@@ -35,7 +35,9 @@ class _TargetLogprobs(torch.autograd.Function):
 
     hidden ``[N, H]``, weight ``[V, H]``, bias ``[V]`` or None, targets ``[N]`` -> ``[N]``, ``[N]``
     (the entropy is empty unless ``entropy`` is set). Saves only the inputs; backward recomputes
-    each chunk's logits, so at most ``[chunk, V]`` logits exist at a time. ``softcap`` (Gemma 2's
+    each chunk's logits, so at most ``[chunk, V]`` logits exist at a time. When all rows fit one
+    chunk, that chunk's logits are kept for backward instead (the same ``[chunk, V]`` bound, no
+    recomputed head matmul: what an unchunked head costs). ``softcap`` (Gemma 2's
     ``final_logit_softcapping``): the logits are ``softcap * tanh(z / softcap)``.
     """
 
@@ -55,6 +57,8 @@ class _TargetLogprobs(torch.autograd.Function):
                 ent[s : s + chunk] = lse - torch.einsum("nv,nv->n", torch.softmax(z, -1), z)
         ctx.save_for_backward(hidden, weight, bias, targets)
         ctx.chunk, ctx.entropy, ctx.softcap = chunk, entropy, softcap
+        # one chunk: keep its logits, skip the recompute (softcap recomputes: backward needs tanh)
+        ctx.logits = z if 0 < N <= chunk and softcap is None else None
         return logp, ent
 
     @staticmethod
@@ -71,7 +75,10 @@ class _TargetLogprobs(torch.autograd.Function):
         for s in range(0, hidden.shape[0], ctx.chunk):
             rows = slice(s, s + ctx.chunk)
             h, gl = hidden[rows], g_logp[rows, None]
-            z = nn.functional.linear(h, weight, bias).to(acc)
+            if ctx.logits is not None:  # the single chunk's logits from forward
+                z = ctx.logits.clone() if with_ent else ctx.logits
+            else:
+                z = nn.functional.linear(h, weight, bias).to(acc)
             if ctx.softcap is not None:  # d capped / dz = 1 - tanh^2, applied to g_z below
                 tanh = torch.tanh(z / ctx.softcap)
                 z = tanh * ctx.softcap
@@ -94,6 +101,7 @@ class _TargetLogprobs(torch.autograd.Function):
                 g_w += (g_z.T @ h).to(acc)
             if g_b is not None:
                 g_b += g_z.sum(0).to(acc)
+        ctx.logits = None
         g_w = g_w.to(weight.dtype) if g_w is not None else None
         g_b = g_b.to(bias.dtype) if g_b is not None else None
         return g_h, g_w, g_b, None, None, None, None

@@ -20,16 +20,18 @@ part holding a leaf below it. Every path must fit the budget alone, else ``Value
 
 **Methods** (``N`` nodes, ``L`` leaves; all return parts in the order of their first path):
 
-- ``"greedy"`` (default): the paper's multi-path DP (Lift + bin packing, bottom-up) with each
-  node's candidate states cut to the best ``beam``. A node packs the bins its children hand up,
-  items from different children sharing its ``depth``, with a few packers (best-fit decreasing,
-  balanced loads, minimum bin slack for a handful of items, no merge); states are ranked by
+- ``"beam_dp"`` (default; formerly ``"greedy"``): the paper's multi-path DP (Lift + bin packing,
+  bottom-up) with each node's candidate states cut to the best ``beam``. A node packs the bins its
+  children hand up, items from different children sharing its ``depth``, with a few packers
+  (best-fit decreasing, balanced loads, minimum bin slack for a handful of items, no merge); states
+  are ranked by
   their total cost if no more merging happened above. ``O(sum_u k_u log k_u)`` for ``k_u`` bins at
   ``u`` (near-linear: about the node count of the partitioned trees), times ``beam``.
   ``beam=1`` is plain bottom-up best-fit decreasing; the default is ``DEFAULT_BEAM`` up to
   ``BEAM_MAX_NODES`` nodes and 1 above, where it costs ~4x for < 0.1% (benchmarks/partition.py).
-- ``"dfs"``: the paper's greedy: children visited deepest-leaf first (leaves of similar depth
-  together), leaves taken in that DFS order, a new part when the next leaf overflows. ``O(N log N)``.
+- ``"greedy_dfs"`` (formerly ``"dfs"``): the paper's greedy: children visited deepest-leaf first
+  (leaves of similar depth together), leaves taken in that DFS order, a new part when the next
+  leaf overflows. ``O(N log N)``.
 - ``"single_path"``: the paper's single-path DP: every part is one whole subtree. With exact
   distinct-token costs the DP's ``max`` always keeps a subtree that fits, so its answer is the
   maximal fitting subtrees, found in one ``O(N)`` pass. Optimal when those are optimal, e.g. a
@@ -58,6 +60,7 @@ import contextlib
 import gc
 import heapq
 import operator
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -69,15 +72,19 @@ __all__ = [
     "BEAM_MAX_NODES",
     "DEFAULT_BEAM",
     "MAX_OPTIMAL_LEAVES",
+    "DEPRECATED_METHODS",
     "METHODS",
     "lower_bound",
     "pack_microbatches",
     "partition",
     "partition_stats",
     "plan",
+    "resolve_method",
 ]
 
-METHODS = ("greedy", "dfs", "single_path", "first_fit", "optimal")
+METHODS = ("beam_dp", "greedy_dfs", "single_path", "first_fit", "optimal")
+# old names, kept as aliases that warn: "greedy" was the beam DP, "dfs" the paper's greedy
+DEPRECATED_METHODS = {"greedy": "beam_dp", "dfs": "greedy_dfs"}
 DEFAULT_BEAM = 4
 BEAM_MAX_NODES = 20_000  # above this, beam=None means 1: the beam costs ~4x and gained < 0.1% there
 MAX_OPTIMAL_LEAVES = 14
@@ -432,7 +439,7 @@ def _optimal(sk: _Skeleton, capacity: int) -> list[list[int]]:
     if L > MAX_OPTIMAL_LEAVES:
         raise ValueError(
             f"optimal: {L} leaves, the exact search is exponential; at most {MAX_OPTIMAL_LEAVES} "
-            "(use method='greedy')"
+            "(use method='beam_dp')"
         )
     ancestors = np.zeros((L, sk.num_nodes), dtype=bool)
     for i, leaf in enumerate(sk.leaves.tolist()):
@@ -479,8 +486,23 @@ def _check(tree: TrajectoryTree, capacity: int) -> None:
         )
 
 
+def resolve_method(method: str) -> str:
+    """``method`` checked against ``METHODS``; an old name warns and maps to its new one."""
+    if method in DEPRECATED_METHODS:
+        new = DEPRECATED_METHODS[method]
+        warnings.warn(
+            f"partition method {method!r} is deprecated, use {new!r} (the name says what it does)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        return new
+    if method not in METHODS:
+        raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
+    return method
+
+
 def plan(
-    tree: TrajectoryTree, capacity: int, method: str = "greedy", *, beam: int | None = None
+    tree: TrajectoryTree, capacity: int, method: str = "beam_dp", *, beam: int | None = None
 ) -> list[np.ndarray]:
     """Path ids (indices into ``tree``) of each part, ascending; parts ordered by their first path.
 
@@ -491,19 +513,18 @@ def plan(
     [[0, 2], [1]]
     """
     _check(tree, capacity)
-    if method not in METHODS:
-        raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
+    method = resolve_method(method)
     if tree.num_tokens <= capacity:
         return [np.arange(tree.num_paths)]
     sk = _skeleton(tree)
     if method == "first_fit":
         label = _first_fit(sk, capacity)
         return _groups_from_labels(label, int(label.max()) + 1)
-    if method == "greedy":
+    if method == "beam_dp":
         if beam is None:
             beam = DEFAULT_BEAM if sk.num_nodes <= BEAM_MAX_NODES else 1
         groups = _greedy(sk, capacity, max(1, int(beam)))
-    elif method == "dfs":
+    elif method == "greedy_dfs":
         groups = _dfs(sk, capacity)
     elif method == "single_path":
         groups = _single_path(sk, capacity, tree.node_subtree_end - tree.node_start)
@@ -513,14 +534,14 @@ def plan(
 
 
 def partition(
-    tree: TrajectoryTree, capacity: int, method: str = "greedy", *, beam: int | None = None
+    tree: TrajectoryTree, capacity: int, method: str = "beam_dp", *, beam: int | None = None
 ) -> list[TrajectoryTree]:
     """Split ``tree`` into parts of whole paths, each with at most ``capacity`` distinct tokens.
 
     Every path (duplicates and prefix paths included) lands in exactly one part; ``part.path_ids``
     index the original tree (composed through earlier subsets); metadata travels with the paths.
     A tree that fits is returned as ``[tree]``. Raises ``ValueError`` if a path alone exceeds the
-    capacity. ``method``: see the module docstring; ``beam``: states kept per node by ``greedy``.
+    capacity. ``method``: see the module docstring; ``beam``: states kept per node by ``beam_dp``.
     """
     groups = plan(tree, capacity, method, beam=beam)
     if len(groups) == 1:
@@ -531,7 +552,7 @@ def partition(
 def pack_microbatches(
     trees: Sequence[TrajectoryTree],
     capacity: int,
-    method: str = "greedy",
+    method: str = "beam_dp",
     *,
     beam: int | None = None,
 ) -> list[list[TrajectoryTree]]:

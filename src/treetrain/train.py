@@ -5,8 +5,9 @@ One optimizer step takes ``batch_trees`` whole trees (a tree never straddles two
 1. the loss normalizer is computed over those whole trees, before anything runs;
 2. ``packing="tree"``: a tree with more distinct tokens than ``capacity`` is partitioned into parts
    of whole paths, and trees and parts are packed together into micro-batches;
-   ``packing="sequence"`` (the baseline): every path becomes its own sequence (a one-path tree, so
-   the mask is block-diagonal causal), packed into micro-batches under the same token budget;
+   ``packing="sequence"`` (the baseline, :mod:`treetrain.baseline`): every path becomes its own
+   sequence (a one-path tree, so the mask is block-diagonal causal), packed into micro-batches under
+   the same token budget; both are :mod:`treetrain.strategies` objects with the same loss entry;
 3. every micro-batch runs forward and backward; its loss is already divided by the global
    normalizer, so accumulating gradients over micro-batches gives the full-batch gradient;
 4. grad clipping, AdamW step, LR schedule step, one line of ``metrics.jsonl``.
@@ -42,12 +43,14 @@ import torch
 from torch import nn
 
 from . import distributed
+from .baseline import sequence_loss, sequence_parts  # noqa: F401  (the baseline's home: baseline.py)
 from .checkpoint import CheckpointError
 from .config import DEFAULT_STEPS, TrainConfig, add_train_arguments, config_from_args, validate
 from .lora import apply_lora, is_peft_model, save_adapter
 from .lora import config_from_train as lora_config_of
 from .packing import PackedTree, pack
 from .sources import is_table_source
+from .strategies import get_strategy
 from .trackers import open_trackers
 from .tree import TrajectoryTree
 
@@ -368,100 +371,22 @@ def _epochs(cfg: TrainConfig, vocab_size: int) -> Iterator[TrajectoryTree]:
             raise ValueError(f"--data {data_path(cfg)}: the file holds no trees")
 
 
-def sequence_parts(tree: TrajectoryTree) -> list[TrajectoryTree]:
-    """The baseline's unit: every path its own one-path tree (a plain causal sequence)."""
-    return [tree.subset([i]) for i in range(tree.num_paths)]
-
-
-def sequence_logprobs(model: nn.Module, ids: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence ``ids [L]`` through the model's own causal attention (SDPA, no tree mask):
-    log-probs and entropies of its ``L - 1`` targets, through the same chunked LM head as trees."""
-    from .logprobs import logit_softcap, target_logprobs
-    from .models.hf import decoder_of
-
-    decoder = getattr(model, "treetrain_decoder", None) or decoder_of(model)  # FSDP's root entry
-    hidden = decoder(input_ids=ids[None], use_cache=False).last_hidden_state[0]
-    return target_logprobs(
-        hidden[:-1], model.get_output_embeddings(), ids[1:], chunk, softcap=logit_softcap(model)
-    )
-
-
-def sequence_loss(
-    model: nn.Module,
-    packed: PackedTree,
-    objective,
-    normalizer: float,
-    ref_model: nn.Module | None = None,
-    *,
-    backend: str | None = None,
-    chunk: int | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The per-sequence baseline for one micro-batch of one-path trees: every path its own forward
-    with plain causal attention (what trainers without tree packing run), then the same per-path
-    objective (``treetrain.losses.objective``) under the step's global normalizer.
-
-    Drop-in for ``treetrain.losses.compute_loss``; ``backend`` (tree attention) is unused.
-    """
-    from .logprobs import DEFAULT_CHUNK
-    from .losses import PathMeta
-    from .losses import objective as path_objective
-
-    chunk = chunk or DEFAULT_CHUNK
-    device = model.get_input_embeddings().weight.device
-    ids = [torch.as_tensor(t.path(0), device=device) for t in packed.trees]
-    logp, ent = zip(*(sequence_logprobs(model, x, chunk) for x in ids))
-    ref = None
-    if objective.kl_coef and ref_model is not None:
-        with torch.no_grad():
-            ref = torch.cat([sequence_logprobs(ref_model, x, chunk)[0] for x in ids])
-    entropy = torch.cat(ent) if objective.entropy_coef else torch.cat(ent).detach()
-    meta = PathMeta.from_trees(packed)
-    return path_objective(torch.cat(logp), meta, objective, normalizer, entropy=entropy, ref_logprobs=ref)
-
-
 def make_microbatches(trees: list[TrajectoryTree], packing: str, capacity: int) -> list[list[TrajectoryTree]]:
     """Group the step's trees into micro-batches of at most ``capacity`` tokens each.
 
     ``tree``: whole trees, those larger than ``capacity`` partitioned into parts of whole paths.
-    ``sequence``: every path its own sequence. Either way the pieces are packed several to a
-    micro-batch by :func:`treetrain.partition.pack_microbatches`.
+    ``sequence``: every path its own sequence. See :mod:`treetrain.strategies`.
     """
-    from .partition import pack_microbatches
-
-    if packing == "sequence":
-        trees = [seq for tree in trees for seq in sequence_parts(tree)]
-    return pack_microbatches(trees, capacity)
+    return get_strategy(packing).microbatches(trees, capacity)
 
 
 def rank_microbatches(
     trees: list[TrajectoryTree], packing: str, capacity: int, rank: int, world_size: int, model_config
-) -> tuple[list[list[TrajectoryTree]], int, int]:
-    """This rank's micro-batches when the step's work is split over ``world_size`` ranks.
-
-    Whole trees (parts of whole paths for trees over ``capacity``; single paths with ``sequence``
-    packing) go to ranks by their training FLOPs (``distributed.tree_cost``, LPT), then each rank
-    packs its own pieces. Every rank computes the same plan from the same trees, with no
-    communication. Returns (this rank's micro-batches, the most micro-batches any rank has, the
-    tokens all ranks compute, the FLOP imbalance max/mean over ranks).
-
-    FSDP's collectives run once per forward, so every rank must run the same number of forwards:
-    ``sequence`` packing runs one forward per path (:func:`sequence_loss`), hence one path per
-    micro-batch here, and idle ranks pad with one-forward dummy passes.
-    """
-    from .parallel.balance import balanced_plan
-    from .partition import pack_microbatches, partition
-
-    units = [seq for tree in trees for seq in sequence_parts(tree)] if packing == "sequence" else trees
-    pieces = [part for unit in units for part in partition(unit, capacity)]
-    # LPT by FLOPs; a piece costlier than a fair share is split in parts of whole paths (parallel.balance)
-    cost = lambda t: distributed.tree_cost(t, model_config)  # noqa: E731
-    pieces, plan, imbalance = balanced_plan(pieces, world_size, cost)
-    if packing == "sequence":
-        per_rank = [[[pieces[i]] for i in idx] for idx in plan]
-    else:
-        per_rank = [pack_microbatches([pieces[i] for i in idx], capacity) for idx in plan]
-    computed = sum(t.num_tokens for mbs in per_rank for mb in mbs for t in mb)
-    return per_rank[rank], max(len(mbs) for mbs in per_rank), computed, imbalance
+) -> tuple[list[list[TrajectoryTree]], int, int, float]:
+    """This rank's micro-batches, the most any rank has, the tokens all ranks compute and the
+    FLOP imbalance (:meth:`treetrain.strategies.TreePacking.rank_plan`). Idle ranks pad with dummy
+    passes."""
+    return get_strategy(packing).rank_plan(trees, capacity, rank, world_size, model_config)
 
 
 def make_batches(
@@ -576,9 +501,9 @@ def train_step(
     """
     from . import moe_aux
     from . import objectives_preference as pref
-    from .losses import compute_loss, loss_normalizer, summarize_metrics
+    from .losses import loss_normalizer, summarize_metrics
 
-    loss_fn = sequence_loss if batch.packing == "sequence" else compute_loss
+    loss_fn = get_strategy(batch.packing).loss
     device = next(model.parameters()).device
     if isinstance(objective, pref.PreferenceObjective):  # dpo, reward: per-path tensors, either packing
         loss_fn = functools.partial(pref.compute_preference_loss, packing=batch.packing)
@@ -638,9 +563,13 @@ def step_record(
 ) -> dict[str, Any]:
     """One ``metrics.jsonl`` line: the required fields first, then the objective's metrics.
 
-    ``tokens`` counts baseline path tokens, so ``tokens_per_s`` is the same useful work per second
-    in both packing modes (their ratio is the speedup). ``peak_memory`` is in MiB.
+    ``tokens`` counts baseline path tokens and ``tokens_per_s`` (= ``path_tokens_per_s``) is path
+    tokens per second: the same useful work in both packing modes, so the ratio of two runs' values
+    is the speedup. ``computed_tokens_per_s`` is what the step actually ran per second (distinct
+    tree tokens, plus prefixes recomputed by partitioning; the path tokens with ``sequence``): a
+    hardware throughput, not comparable across modes. ``peak_memory`` is in MiB.
     """
+    rate = (lambda n: n / seconds) if seconds > 0 else (lambda n: float("inf"))
     record = {
         "step": step,
         "loss": metrics["loss"],
@@ -651,7 +580,9 @@ def step_record(
         "computed_tokens": batch.computed_tokens,
         "por": batch.por,
         "err": batch.err,
-        "tokens_per_s": batch.path_tokens / seconds if seconds > 0 else float("inf"),
+        "tokens_per_s": rate(batch.path_tokens),
+        "path_tokens_per_s": rate(batch.path_tokens),
+        "computed_tokens_per_s": rate(batch.computed_tokens),
         "peak_memory": mem,
         "step_time_s": seconds,
         "micro_batches": len(batch.micro),

@@ -248,7 +248,7 @@ class TrajectoryTree:
         """How many paths run through each distinct token ``[T]`` (the baseline's reuse count)."""
         return np.bincount(np.concatenate(self.path_index), minlength=self.num_tokens)
 
-    def partition(self, capacity: int, method: str = "greedy") -> list[TrajectoryTree]:
+    def partition(self, capacity: int, method: str = "beam_dp") -> list[TrajectoryTree]:
         """Split into parts of whole paths, each with at most ``capacity`` distinct tokens.
 
         See :mod:`treetrain.partition`. Each part's ``path_ids`` index into this tree.

@@ -6,6 +6,7 @@ Every backend is ``fn(q [Hq, T, D], k [Hkv, T, D], v [Hkv, T, D], mask: TreeMask
 from __future__ import annotations
 
 import importlib
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -44,24 +45,43 @@ def get_backend(name: str) -> Callable:
         raise ValueError(f"attention backend {name!r} is not available here: {e}") from None
 
 
-def _importable(name: str) -> bool:
+def _unavailable(name: str) -> str | None:
+    """Why backend ``name`` cannot run here (None: it can)."""
+    if name == "triton":
+        try:
+            from .triton_kernel import triton_available
+        except ImportError as e:
+            return str(e)
+        return None if triton_available() else "triton is not installed or has no CUDA device here"
     try:
         get_backend(name)
-        return True
-    except ValueError:
-        return False
+    except ValueError as e:
+        return str(e)
+    return None
 
 
-def _triton_ok() -> bool:
-    try:
-        from .triton_kernel import triton_available
-    except ImportError:
-        return False
-    return triton_available()
+_announced: set[tuple[str, str]] = set()
+
+
+def _fallback(chosen: str, preferred: str, why: str) -> str:
+    """Say once per process which backend runs instead of the preferred one, and why."""
+    if (chosen, preferred) not in _announced:
+        _announced.add((chosen, preferred))
+        cost = ": it builds the T x T mask, O(T^2) time and memory" if chosen == "dense" else ""
+        warnings.warn(
+            f"tree attention runs the {chosen!r} backend{cost}, because {preferred!r} is unavailable "
+            f"({why}); pass backend={chosen!r} explicitly to silence this",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return chosen
 
 
 def default_backend(device: torch.device | str) -> str:
-    """``triton`` (else ``flex``) on CUDA, ``blocksparse`` (else ``dense``) elsewhere."""
+    """``triton`` (else ``flex``) on CUDA, ``blocksparse`` (else ``dense``) elsewhere; a fallback
+    warns once, naming the backend that runs and why the preferred one cannot."""
     if torch.device(device).type == "cuda":
-        return "triton" if _triton_ok() else "flex"
-    return "blocksparse" if _importable("blocksparse") else "dense"
+        why = _unavailable("triton")
+        return "triton" if why is None else _fallback("flex", "triton", why)
+    why = _unavailable("blocksparse")
+    return "blocksparse" if why is None else _fallback("dense", "blocksparse", why)

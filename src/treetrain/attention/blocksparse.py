@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .mask import TreeMask
+from .mask import TreeMask, check_inputs
 
 try:  # the CPU flash kernel behind SDPA, called directly for its log-sum-exp and backward
     _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -375,13 +375,10 @@ def blocksparse_attention(
             f"attention logit softcapping ({softcap}) is not supported by the blocksparse backend; "
             "use attention backend 'dense' (CPU) or 'flex'"
         )
+    check_inputs("blocksparse_attention", q, k, v, mask)
     if q.device.type != "cpu":
         raise ValueError(f"blocksparse_attention runs on CPU, got {q.device}; use flex or triton")
-    hq, T, D = q.shape
-    hkv = k.shape[0]
-    if hq % hkv:
-        raise ValueError(f"query heads {hq} must be a multiple of key/value heads {hkv}")
-    if T == 0:
+    if q.shape[1] == 0:
         return q.new_empty(q.shape)
     pos = mask.window_positions(window)
     pos = None if pos is None else pos.detach().to("cpu", torch.int64)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .mask import TreeMask, dense_tree_mask
+from .mask import TreeMask, check_inputs, dense_tree_mask
 
 
 def dense_attention(
@@ -24,6 +24,7 @@ def dense_attention(
     ``window``: sliding window along each path (``pos[q] - pos[k] < window``, see ``mask.py``).
     ``softcap``: Gemma 2's attention logit soft-capping, ``softcap * tanh(scores / softcap)``.
     """
+    check_inputs("dense_attention", q, k, v, mask)
     pos = mask.window_positions(window)
     dense = mask.cached(("dense", window), lambda: dense_tree_mask(mask.subtree_end, pos, window))
     rep = q.shape[0] // k.shape[0]

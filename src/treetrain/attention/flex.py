@@ -12,7 +12,7 @@ import warnings
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from .mask import TreeMask, block_classes
+from .mask import TreeMask, block_classes, check_inputs
 
 FLEX_BLOCK = 128
 
@@ -89,6 +89,7 @@ def flex_tree_attention(
     ``window``: sliding window along each path; ``softcap``: Gemma 2's logit soft-capping (a
     ``score_mod`` on the scaled scores).
     """
+    check_inputs("flex_tree_attention", q, k, v, mask)
     pos = mask.window_positions(window)
     bm = mask.cached(("flex", window), lambda: tree_block_mask(mask.subtree_end, FLEX_BLOCK, pos, window))
     gqa = q.shape[0] != k.shape[0]

@@ -73,6 +73,32 @@ def dense_tree_mask(
     return mask
 
 
+def check_inputs(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: TreeMask) -> None:
+    """The checks every backend entry point runs, as ``ValueError``: ``q [Hq, T, D]``,
+    ``k, v [Hkv, T, D]`` with ``Hq % Hkv == 0``, one dtype and device, ``subtree_end [T]``."""
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(
+            f"{name}: q, k, v must be [H, T, D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if k.shape != v.shape or q.shape[1:] != k.shape[1:]:
+        raise ValueError(
+            f"{name}: need q [Hq, T, D] and k, v [Hkv, T, D] with the same T and D, got "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if q.shape[0] % k.shape[0]:
+        raise ValueError(
+            f"{name}: query heads {q.shape[0]} must be a multiple of key/value heads {k.shape[0]}"
+        )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"{name}: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"{name}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if mask.subtree_end.shape != (q.shape[1],):
+        raise ValueError(
+            f"{name}: subtree_end must be [T] = [{q.shape[1]}], got {tuple(mask.subtree_end.shape)}"
+        )
+
+
 def check_subtree_end(subtree_end: torch.Tensor) -> None:
     """Assert the invariants a well-formed DFS tree layout has (internal: packing guarantees them)."""
     T = subtree_end.numel()

@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from .mask import TreeMask, block_bounds
+from .mask import TreeMask, block_bounds, check_inputs
 
 try:
     import triton
@@ -412,13 +412,12 @@ def triton_tree_attention(
             f"attention logit softcapping ({softcap}) is not supported by the triton backend; "
             "use attention backend 'flex' (CUDA) or 'dense'"
         )
-    assert q.dim() == 3 and k.shape == v.shape and q.shape[1:] == k.shape[1:], (q.shape, k.shape, v.shape)
-    assert q.shape[0] % k.shape[0] == 0, "GQA needs Hq % Hkv == 0"
-    assert q.dtype == k.dtype == v.dtype and mask.subtree_end.numel() == q.shape[1]
+    check_inputs("triton_tree_attention", q, k, v, mask)
     if triton is None:
         raise RuntimeError("the triton attention backend needs the triton package")
     default_m, default_n, _ = _config(q)
     block_m, block_n = block_m or default_m, block_n or default_n
     for b in (block_m, block_n):
-        assert b >= 16 and b & (b - 1) == 0, f"block sizes must be powers of two >= 16, got {b}"
+        if b < 16 or b & (b - 1):
+            raise ValueError(f"triton_tree_attention: block sizes must be powers of two >= 16, got {b}")
     return _TreeAttention.apply(q, k, v, mask, scale, block_m, block_n, window)

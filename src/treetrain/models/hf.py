@@ -56,8 +56,21 @@ def _tree_attention(module, query, key, value, attention_mask, scaling=None, dro
         extra["window"] = window
     if softcap is not None:
         extra["softcap"] = softcap
+    if not extra and mask.backend not in ("cp", "depth_first") and _one_sequence(mask):
+        # one plain causal sequence (e.g. a one-path tree): SDPA's causal kernel, as the HF model runs
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("tree_mask", "packed_tree", "is_causal")}
+        return sdpa_attention_forward(
+            module, query, key, value, None, scaling=scaling, is_causal=True, **kwargs
+        )
     out = get_backend(mask.backend)(query[0], key[0], value[0], mask, scaling, **extra)
     return out.transpose(0, 1).unsqueeze(0), None
+
+
+def _one_sequence(mask: TreeMask) -> bool:
+    """Whether the mask is one plain causal sequence (every key visible to every later query)."""
+    return mask.cached("one_sequence", lambda: bool((mask.subtree_end == mask.num_tokens).all()))
 
 
 def _effective_window(mask: TreeMask, window: int | None) -> int | None:
