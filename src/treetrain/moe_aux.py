@@ -58,12 +58,15 @@ def micro_batch_aux_loss(
 ) -> torch.Tensor:
     """The load-balancing loss of one micro-batch's paths, from its forwards' router logits.
 
-    ``router_logits``: ``[T, E]`` per MoE layer of one tree forward (``tree``), or ``[len(p), E]``
-    per layer of each path's own forward in path order (``sequence``).
+    ``router_logits``: ``[T, E]`` per MoE layer of one forward over the packed micro-batch (a tree,
+    or the baseline's varlen sequences), or ``[len(p), E]`` per layer of each path's own forward in
+    path order.
     """
     cfg = getattr(model.config, "text_config", None) or model.config
     top_k = cfg.num_experts_per_tok
-    if packing == "tree":
+    if packing == "tree" or router_logits[0].shape[0] == packed.num_tokens:
+        # one forward over the micro-batch (a tree, or the baseline's packed one-path trees, whose
+        # path counts are all 1): per-token weights = paths through the token
         chunks = [(router_logits, path_count_weights(packed))]
     else:
         lengths = packed.path_lengths.tolist()
