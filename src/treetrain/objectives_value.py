@@ -31,7 +31,7 @@ from torch import nn
 
 from .models import tree_forward
 from .packing import PackedTree
-from .path_outputs import _paths, _sequence_hidden
+from .path_outputs import _tree_view
 
 __all__ = ["clipped_value_loss", "compute_ppo_critic_loss", "gae_per_path", "path_values", "value_head"]
 
@@ -53,17 +53,16 @@ def path_values(
     """The critic's value of every path target ``[M]`` (the state before token ``j + 1``).
 
     Tree: the head runs once per distinct token ``[T]``, then ``values[prev[target]]``. Sequence:
-    every path alone, ``head(hidden[:-1])``. Example: paths ``[1 2 3]``, ``[1 2 4]`` give
+    every path its own sequence (the baseline's packed one-path trees), the same head. Example:
+    paths ``[1 2 3]``, ``[1 2 4]`` give
     ``[V(1), V(1 2), V(1), V(1 2)]``, each computed once on the tree.
     """
     head = value_head(model)
-    if packing == "tree":
-        hidden = tree_forward(model, packed, backend)
-        values = head(hidden)[:, 0]  # [T]: one per distinct token
-        packed = packed.to(values.device)
-        values = values.index_select(0, packed.prev[packed.target_index()])
-    else:
-        values = torch.cat([head(_sequence_hidden(model, ids)[:-1])[:, 0] for ids in _paths(packed)])
+    packed = _tree_view(packed, packing)  # sequence: the paths as packed one-path trees (the baseline)
+    hidden = tree_forward(model, packed, backend)
+    values = head(hidden)[:, 0]  # [T]: one per distinct token
+    packed = packed.to(values.device)
+    values = values.index_select(0, packed.prev[packed.target_index()])
     return values.float() if values.dtype in (torch.float16, torch.bfloat16) else values  # autocast
 
 

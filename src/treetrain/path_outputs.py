@@ -6,8 +6,9 @@ both modes; the modes differ only in how the tensors are obtained:
 
 - ``packing="tree"``: one forward over the packed forest (tree attention), every distinct token
   once, then the index gather to the per-path layout;
-- ``packing="sequence"`` (the baseline): every path its own forward with the model's ordinary causal
-  attention, from position 0, the shared prefixes recomputed per path.
+- ``packing="sequence"`` (the baseline, :mod:`treetrain.baseline`): every path its own sequence,
+  packed padding-free (varlen causal attention, the same chunked head on the same targets), the
+  shared prefixes recomputed per path.
 
 Layouts (``P`` paths of the micro-batch in batch order, tree by tree; ``M = sum_p (len(p) - 1)``):
 log-probs ``[M]`` (path by path, as ``torch.cat(path_logprobs(...))``), last hidden rows
@@ -19,27 +20,23 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .logprobs import DEFAULT_CHUNK, target_logprobs, tree_logprobs
+from .baseline import is_sequences, sequences
+from .logprobs import DEFAULT_CHUNK, tree_logprobs
 from .models import tree_forward
-from .packing import PackedTree
+from .packing import PackedTree, pack
 
 __all__ = ["PACKINGS", "path_hidden", "path_last_hidden", "path_target_logprobs"]
 
 PACKINGS = ("tree", "sequence")
 
 
-def _paths(packed: PackedTree) -> list[torch.Tensor]:
-    return [torch.as_tensor(t.path(i)) for t in packed.trees for i in range(t.num_paths)]
-
-
-def _decoder(model: nn.Module) -> nn.Module:
-    return getattr(model, "treetrain_decoder", None) or model.base_model  # FSDP's root entry first
-
-
-def _sequence_hidden(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """One path ``[L]`` alone through the decoder (plain causal attention): ``[L, H]``."""
-    device = model.get_input_embeddings().weight.device
-    return _decoder(model)(input_ids=ids.to(device)[None], use_cache=False).last_hidden_state[0]
+def _tree_view(packed: PackedTree, packing: str) -> PackedTree:
+    """What runs: the forest itself (``tree``), or its paths as one-path trees packed padding-free
+    (``sequence``, the library's one baseline, :mod:`treetrain.baseline`), in the same path order."""
+    _check(packing)
+    if packing == "tree" or is_sequences(packed):
+        return packed
+    return pack(sequences(packed.trees))
 
 
 def _check(packing: str) -> None:
@@ -62,40 +59,24 @@ def path_target_logprobs(
     with no gradient), in both modes. Example: paths ``[1 2 3]`` and ``[1 2 4]`` give
     ``[lp(2|1), lp(3|1 2), lp(2|1), lp(4|1 2)]``; the tree scores ``lp(2|1)`` once.
     """
-    _check(packing)
-    if packing == "tree":
-        target = packed.target_index()
-        tree_needed = None
-        if needed is not None:
-            tree_needed = torch.zeros(packed.num_tokens, dtype=torch.bool)
-            tree_needed[target[needed.cpu()]] = True
-        logp, _ = tree_logprobs(model, packed, backend, chunk, entropy=False, needed=tree_needed)
-        return logp.index_select(0, target.to(logp.device))
-    head = model.get_output_embeddings()
-    out, start = [], 0
-    for ids in _paths(packed):
-        n = ids.numel() - 1
-        keep = torch.ones(n, dtype=torch.bool) if needed is None else needed[start : start + n].cpu()
-        start += n
-        hidden = _sequence_hidden(model, ids)[:-1]
-        rows = torch.nonzero(keep)[:, 0].to(hidden.device)
-        lp, _ = target_logprobs(
-            hidden.index_select(0, rows), head, ids[1:].to(hidden.device)[rows], chunk, False
-        )
-        out.append(lp.new_zeros(n).index_copy(0, rows, lp))
-    return torch.cat(out)
+    packed = _tree_view(packed, packing)
+    target = packed.target_index()
+    tree_needed = None
+    if needed is not None:
+        tree_needed = torch.zeros(packed.num_tokens, dtype=torch.bool)
+        tree_needed[target[needed.cpu()]] = True
+    logp, _ = tree_logprobs(model, packed, backend, chunk, entropy=False, needed=tree_needed)
+    return logp.index_select(0, target.to(logp.device))
 
 
 def path_last_hidden(
     model: nn.Module, packed: PackedTree, packing: str = "tree", *, backend: str | None = None
 ) -> torch.Tensor:
     """The final hidden state at every path's last token ``[P, H]`` (what a reward head reads)."""
-    _check(packing)
-    if packing == "tree":
-        hidden = tree_forward(model, packed, backend)
-        last = packed.path_index[packed.path_offsets[1:] - 1]
-        return hidden.index_select(0, last.to(hidden.device))
-    return torch.stack([_sequence_hidden(model, ids)[-1] for ids in _paths(packed)])
+    packed = _tree_view(packed, packing)
+    hidden = tree_forward(model, packed, backend)
+    last = packed.path_index[packed.path_offsets[1:] - 1]
+    return hidden.index_select(0, last.to(hidden.device))
 
 
 def path_hidden(
@@ -105,10 +86,8 @@ def path_hidden(
 
     Tree: ``rows [T, H]`` (each distinct token once) and ``index = path_index [sum len(p)]``, so a
     head applied to ``rows`` runs once per distinct token and ``out[index]`` is the per-path view.
-    Sequence: ``rows [sum len(p), H]`` already per path, ``index`` None.
+    Sequence: the same over the one-path trees, so ``rows [sum len(p), H]`` and ``index`` the identity.
     """
-    _check(packing)
-    if packing == "tree":
-        hidden = tree_forward(model, packed, backend)
-        return hidden, packed.path_index.to(hidden.device)
-    return torch.cat([_sequence_hidden(model, ids) for ids in _paths(packed)]), None
+    packed = _tree_view(packed, packing)
+    hidden = tree_forward(model, packed, backend)
+    return hidden, packed.path_index.to(hidden.device)
