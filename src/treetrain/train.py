@@ -521,6 +521,10 @@ def build_objective(cfg: TrainConfig):
     from .losses import Objective
     from .objectives_preference import PREFERENCE_OBJECTIVES, PreferenceObjective
 
+    if cfg.objective == "ppo_critic":  # the policy's ppo objective; the critic's options: treetrain.critic
+        from .critic import policy_objective
+
+        return policy_objective(cfg)
     cls = PreferenceObjective if cfg.objective in PREFERENCE_OBJECTIVES else Objective
     try:
         return cls(name=cfg.objective, **cfg.loss)
@@ -549,6 +553,7 @@ def train_step(
     ref_model: nn.Module | None = None,
     backend: str | None = None,
     cp=None,
+    critic=None,
 ) -> dict[str, float]:
     """Forward and backward over every micro-batch, then clip and step.
 
@@ -568,6 +573,10 @@ def train_step(
         normalizer, summarize_metrics = pref.preference_normalizer(batch.trees), pref.summarize_preference
     else:
         normalizer = loss_normalizer(batch.trees, objective)
+    if critic is not None:  # ppo_critic: GAE advantages from the value model (treetrain.critic)
+        from .critic import summarize as summarize_metrics
+
+        loss_fn = critic.loss_fn(batch.trees, batch.packing)
     sums: dict[str, torch.Tensor] = {}
     cp_size = cp.cp_size if cp is not None else 1  # parallel.cp.CPLayout: ranks sharing each tree
     aux_coef = moe_aux.aux_coef(model)  # MoE router load-balancing loss, see treetrain.moe_aux
@@ -597,11 +606,18 @@ def train_step(
     out = summarize_metrics(sums) | {"grad_norm": float(grad_norm)}
     if "aux_loss" in sums:
         out["aux_loss"] = float(sums["aux_loss"])
-    if not (math.isfinite(out.get("loss", 0.0)) and math.isfinite(out["grad_norm"])):
+    if critic is not None:  # its own gradient norm and clip
+        out["critic_grad_norm"] = critic.clip(grad_clip)
+    finite = math.isfinite(out.get("loss", 0.0)) and math.isfinite(out["grad_norm"])
+    if not (finite and math.isfinite(out.get("critic_grad_norm", 0.0))):
         optimizer.zero_grad(set_to_none=True)  # the same values on every rank: all stop together
+        if critic is not None:
+            critic.optimizer.zero_grad(set_to_none=True)
         raise NonFiniteError(f"non-finite loss ({out.get('loss')}) or gradient norm ({out['grad_norm']})")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    if critic is not None:
+        critic.step(optimizer)
     return out
 
 
@@ -749,6 +765,7 @@ class Run:
     trees_done: int = 0
     total_trees: int | None = None  # the run's last tree (``--epochs``); None: ``steps`` decide
     cp: Any = None  # parallel.cp.CPLayout (dp x cp mesh); set by setup
+    critic: Any = None  # treetrain.critic.Critic: --objective ppo_critic's value model and its AdamW
 
 
 @dataclass
@@ -786,6 +803,11 @@ def setup(cfg: TrainConfig) -> Run:
         ),
         cfg.activation_checkpointing,
     )
+    critic = None
+    if cfg.objective == "ppo_critic":  # a value model from the policy's initial weights (treetrain.critic)
+        from .critic import build_critic
+
+        critic = build_critic(model, cfg, info.distributed)
     lora = lora_config_of(cfg)
     model = apply_lora(model, lora) if lora is not None else model
     objective = build_objective(cfg)
@@ -804,13 +826,16 @@ def setup(cfg: TrainConfig) -> Run:
     steps, total_trees = total_steps(cfg, model.config.get_text_config().vocab_size)
     scheduler = build_scheduler(optimizer, cfg, steps)
     run = Run(cfg, device, autocast_dtype, model, ref_model, objective, optimizer, scheduler, steps, out)
-    run.total_trees = total_trees
+    run.total_trees, run.critic = total_trees, critic
     from .parallel.cp import init_cp
 
     run.cp = init_cp(cfg.cp)
     latest = checkpoint.latest_checkpoint(out) if cfg.resume else None
     if latest is not None:
-        run.start_step, data_state = checkpoint.load_checkpoint(latest, model, optimizer, scheduler)
+        from .critic import with_critic
+
+        state = with_critic(model, optimizer, critic)  # with a critic: both models and optimizers
+        run.start_step, data_state = checkpoint.load_checkpoint(latest, *state, scheduler)
         run.trees_done = int(data_state.get("trees_consumed", 0))
     return run
 
@@ -869,6 +894,7 @@ def run_loop(run: Run, metrics_path: Path) -> list[dict[str, Any]]:
                     ref_model=run.ref_model,
                     backend=cfg.attention,
                     cp=cp,
+                    critic=run.critic,
                 )
             except NonFiniteError as e:
                 last = checkpoint.latest_checkpoint(run.out)
@@ -891,7 +917,10 @@ def run_loop(run: Run, metrics_path: Path) -> list[dict[str, Any]]:
             bar.update(1)
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < run.steps:
                 data_state = {"trees_consumed": batch.trees_consumed}
-                checkpoint.save_checkpoint(run.out, step, run.model, run.optimizer, run.scheduler, data_state)
+                from .critic import with_critic
+
+                state = with_critic(run.model, run.optimizer, run.critic)
+                checkpoint.save_checkpoint(run.out, step, *state, run.scheduler, data_state)
     return records
 
 
@@ -913,6 +942,8 @@ def train(cfg: TrainConfig, *, quiet: bool = False) -> TrainResult:
     is_main = distributed.init_distributed().is_main
     plot = plot_metrics(records, run.out / "training.png") if cfg.plot and records and is_main else None
     outputs = {"metrics": metrics_path, "model": final} | ({"plot": plot} if plot else {})
+    if run.critic is not None:  # loadable with AutoModelForTokenClassification.from_pretrained
+        outputs["critic"] = export_pretrained(run.critic.model, run.out / "final_critic")
     if not quiet and is_main:
         print(f"treetrain train: done, outputs in {run.out.resolve()}/")
         print(summary_table(records, cfg, outputs, wall))
