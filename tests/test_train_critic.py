@@ -22,6 +22,7 @@ import torch
 import transformers
 
 from treetrain.config import TrainConfig
+from treetrain.critic import build_critic
 from treetrain.train import build_model, train
 
 from .reference import tiny_config
@@ -57,7 +58,7 @@ def run(setup_dir, out, **over):
         model=str(setup_dir / "tiny"),
         output=str(out),
         objective="ppo_critic",
-        loss={"critic_lr": 3e-3, "gamma": 0.99},
+        loss={"critic_lr": "3e-3", "gamma": 0.99},  # a string, as `--set loss.critic_lr=3e-3` gives it
         steps=3,
         batch_trees=2,
         lr=1e-3,
@@ -138,3 +139,6 @@ def test_bad_records_and_options(setup_dir, tmp_path):
         run(setup_dir, tmp_path / "c", loss={"vf_coef": -1}, steps=1)
     with pytest.raises(ValueError, match="bogus"):
         run(setup_dir, tmp_path / "d", loss={"bogus": 1}, steps=1)
+    policy = build_model(str(setup_dir / "tiny"), 0, torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match="one process only"):  # what a torchrun rank would get
+        build_critic(policy, TrainConfig(objective="ppo_critic"), distributed=True)

@@ -133,6 +133,19 @@ def _micro_loss(policy, packed, objective, normalizer, *, critic, value_normaliz
     )
 
 
+def _number(name: str, v: Any) -> float | None:
+    """A finite number >= 0 (``--set loss.critic_lr=1e-3`` reaches here as the string '1e-3')."""
+    if v is None and name == "critic_lr":
+        return None
+    try:
+        x = float(v) if isinstance(v, (int, float, str)) and not isinstance(v, bool) else math.nan
+    except ValueError:
+        x = math.nan
+    if not (math.isfinite(x) and x >= 0):
+        raise ValueError(f"loss.{name}: need a finite number >= 0, got {v!r}")
+    return x
+
+
 def build_critic(policy: nn.Module, cfg, distributed: bool = False) -> Critic:
     """The value model (backbone = the policy's current weights, seeded ``score`` head) and its AdamW.
 
@@ -149,13 +162,7 @@ def build_critic(policy: nn.Module, cfg, distributed: bool = False) -> Critic:
         )
     if cfg.cp > 1:
         raise ValueError(f"--objective {CRITIC_OBJECTIVE}: --cp {cfg.cp} is not supported; use --cp 1")
-    opts, _ = _split_options(cfg.loss)
-    for name in ("vf_coef", "gamma", "lam", "value_clip", "critic_lr"):
-        v = opts[name]
-        if name == "critic_lr" and v is None:
-            continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-            raise ValueError(f"loss.{name}: need a finite number >= 0, got {v!r}")
+    opts = {k: _number(k, v) for k, v in _split_options(cfg.loss)[0].items()}
     config = copy.deepcopy(policy.config)
     config.num_labels, config.classifier_dropout = 1, 0.0
     param = next(policy.parameters())
@@ -170,9 +177,9 @@ def build_critic(policy: nn.Module, cfg, distributed: bool = False) -> Critic:
     model = model.to(device=param.device, dtype=param.dtype)
     model.base_model.load_state_dict(policy.base_model.state_dict())  # the policy's backbone
     model = configure_model(model, cfg.activation_checkpointing)
-    lr = float(cfg.lr if opts["critic_lr"] is None else opts["critic_lr"])
+    lr = cfg.lr if opts["critic_lr"] is None else opts["critic_lr"]
     optimizer = build_optimizer(model, dataclasses.replace(cfg, lr=lr))
-    kw = {k: float(opts[k]) for k in ("vf_coef", "gamma", "lam", "value_clip")}
+    kw = {k: opts[k] for k in ("vf_coef", "gamma", "lam", "value_clip")}
     return Critic(model, optimizer, lr, **kw)
 
 
