@@ -131,8 +131,11 @@ def test_resume_gives_the_same_steps(setup_dir, tmp_path):
 def test_bad_records_and_options(setup_dir, tmp_path):
     bad = tmp_path / "adv.jsonl"
     bad.write_text(json.dumps({"paths": [[1, 2, 3], [1, 2, 4]], "advantages": [1.0, -1.0]}) + "\n")
-    with pytest.raises(ValueError, match="rewards"):
+    with pytest.raises(ValueError, match=r"adv.jsonl:1: advantages: .* computes them"):
         run(setup_dir, tmp_path / "a", data=str(bad), steps=1)
+    bad.write_text("\n" + json.dumps({"paths": [[1, 2, 3], [1, 2, 4]]}) + "\n")
+    with pytest.raises(ValueError, match=r"adv.jsonl:2: rewards: missing"):
+        run(setup_dir, tmp_path / "a2", data=str(bad), steps=1)
     with pytest.raises(ValueError, match="kl_coef"):
         run(setup_dir, tmp_path / "b", loss={"kl_coef": 0.1}, steps=1)
     with pytest.raises(ValueError, match="vf_coef"):

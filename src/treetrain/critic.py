@@ -34,7 +34,15 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["CRITIC_OBJECTIVE", "Critic", "build_critic", "policy_objective", "summarize", "with_critic"]
+__all__ = [
+    "CRITIC_OBJECTIVE",
+    "Critic",
+    "build_critic",
+    "check_record",
+    "policy_objective",
+    "summarize",
+    "with_critic",
+]
 
 CRITIC_OBJECTIVE = "ppo_critic"
 CRITIC_OPTIONS = {"vf_coef": 0.5, "critic_lr": None, "gamma": 1.0, "lam": 0.95, "value_clip": 0.2}
@@ -102,6 +110,21 @@ class Critic:
             g["lr"] = self.lr * factor
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+
+def check_record(tree, info) -> None:
+    """A record for ``ppo_critic``: per-path ``rewards``, no ``advantages``; errors name file and line."""
+    where = f"{info.file}:{info.line}"
+    if "advantages" in tree.fields:
+        raise ValueError(
+            f"{where}: advantages: --objective {CRITIC_OBJECTIVE} computes them (GAE from the critic's "
+            "values and the per-path `rewards`); remove `advantages`, or use --objective ppo"
+        )
+    if "rewards" not in tree.fields:
+        raise ValueError(
+            f"{where}: rewards: missing; --objective {CRITIC_OBJECTIVE} needs one reward per path, "
+            'e.g. "rewards": [1.0, 0.0]'
+        )
 
 
 def _micro_loss(policy, packed, objective, normalizer, *, critic, value_normalizer, packing, **kw):

@@ -333,6 +333,10 @@ def _read_trees(cfg: TrainConfig, vocab_size: int) -> Iterator[TrajectoryTree]:
     from .data import iter_trees
 
     for tree, _info in iter_trees(data_path(cfg), **_reader_options(cfg, vocab_size)):
+        if cfg.objective == "ppo_critic":  # rewards per path, no advantages: named by file and line
+            from .critic import check_record
+
+            check_record(tree, _info)
         yield tree
 
 
