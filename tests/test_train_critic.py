@@ -23,7 +23,7 @@ import transformers
 
 from treetrain.config import TrainConfig
 from treetrain.critic import build_critic
-from treetrain.train import build_model, train
+from treetrain.train import NonFiniteError, build_model, train
 
 from .reference import tiny_config
 
@@ -136,6 +136,9 @@ def test_bad_records_and_options(setup_dir, tmp_path):
     bad.write_text("\n" + json.dumps({"paths": [[1, 2, 3], [1, 2, 4]]}) + "\n")
     with pytest.raises(ValueError, match=r"adv.jsonl:2: rewards: missing"):
         run(setup_dir, tmp_path / "a2", data=str(bad), steps=1)
+    bad.write_text(json.dumps({"paths": [[1, 2, 3], [1, 2, 4]], "rewards": [1e200, 0.0]}) + "\n")
+    with pytest.raises(NonFiniteError, match=r"step 1: non-finite .*critic (inf|nan)"):  # neither stepped
+        run(setup_dir, tmp_path / "inf", data=str(bad), steps=1, grad_clip=1.0)
     with pytest.raises(ValueError, match="kl_coef"):
         run(setup_dir, tmp_path / "b", loss={"kl_coef": 0.1}, steps=1)
     with pytest.raises(ValueError, match="vf_coef"):

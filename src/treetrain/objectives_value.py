@@ -149,8 +149,8 @@ def compute_ppo_critic_loss(
     ``cfg``: a ``treetrain.losses.Objective`` (``ppo``; the data carries per-path ``rewards``, no
     ``advantages``, and optionally ``old_logprobs``: without them the ratio is 1, on-policy).
     ``normalizer``: ``loss_normalizer(step trees, cfg)``; ``value_normalizer``: the step's trained
-    targets. The critic's values (one head row per distinct
-    token on a tree), GAE along each path, then the policy objective on those advantages.
+    targets. The critic's values (one head row per distinct token on a tree), GAE along each path,
+    then the policy objective on those advantages.
     """
     from .losses import PathMeta, objective
     from .path_outputs import path_target_logprobs

@@ -617,7 +617,8 @@ def train_step(
         optimizer.zero_grad(set_to_none=True)  # the same values on every rank: all stop together
         if critic is not None:
             critic.optimizer.zero_grad(set_to_none=True)
-        raise NonFiniteError(f"non-finite loss ({out.get('loss')}) or gradient norm ({out['grad_norm']})")
+        norms = f"{out['grad_norm']}" + (f", critic {out['critic_grad_norm']}" if critic is not None else "")
+        raise NonFiniteError(f"non-finite loss ({out.get('loss')}) or gradient norm ({norms})")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if critic is not None:
