@@ -128,6 +128,17 @@ def test_resume_gives_the_same_steps(setup_dir, tmp_path):
             assert a[key] == b[key], key
 
 
+def test_resume_with_lora_policy(setup_dir, tmp_path):
+    """A LoRA policy (its optimizer has no no-decay parameters) with a full critic resumes exactly too."""
+    lora = {"lora_r": 4, "steps": 2, "checkpoint_every": 1}
+    full = run(setup_dir, tmp_path / "full", **lora).records
+    shutil.copytree(tmp_path / "full", tmp_path / "cut")
+    (tmp_path / "cut" / "checkpoints" / "latest").write_text("step_1")
+    resumed = run(setup_dir, tmp_path / "cut", resume=True, **lora).records
+    assert [r["step"] for r in resumed] == [2]
+    assert all(full[1][k] == resumed[0][k] for k in ("loss", "value_loss", "grad_norm", "critic_grad_norm"))
+
+
 def test_bad_records_and_options(setup_dir, tmp_path):
     bad = tmp_path / "adv.jsonl"
     bad.write_text(json.dumps({"paths": [[1, 2, 3], [1, 2, 4]], "advantages": [1.0, -1.0]}) + "\n")

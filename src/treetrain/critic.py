@@ -39,6 +39,7 @@ __all__ = [
     "Critic",
     "build_critic",
     "check_record",
+    "drop_empty_groups",
     "policy_objective",
     "summarize",
     "with_critic",
@@ -201,9 +202,16 @@ def build_critic(policy: nn.Module, cfg, distributed: bool = False) -> Critic:
     model.base_model.load_state_dict(policy.base_model.state_dict())  # the policy's backbone
     model = configure_model(model, cfg.activation_checkpointing)
     lr = cfg.lr if opts["critic_lr"] is None else opts["critic_lr"]
-    optimizer = build_optimizer(model, dataclasses.replace(cfg, lr=lr))
+    optimizer = drop_empty_groups(build_optimizer(model, dataclasses.replace(cfg, lr=lr)))
     kw = {k: opts[k] for k in ("vf_coef", "gamma", "lam", "value_clip")}
     return Critic(model, optimizer, lr, **kw)
+
+
+def drop_empty_groups(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Remove parameter groups with no parameters (a LoRA policy's no-decay group): DCP saves and
+    loads several optimizers together only without them. Call before the LR scheduler is built."""
+    optimizer.param_groups[:] = [g for g in optimizer.param_groups if g["params"]]
+    return optimizer
 
 
 def with_critic(model: nn.Module, optimizer, critic: Critic | None):

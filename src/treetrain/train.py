@@ -828,6 +828,10 @@ def setup(cfg: TrainConfig) -> Run:
         model, mixed_precision=autocast_dtype is not None and device.type == "cuda"
     )
     optimizer = build_optimizer(model, cfg)
+    if critic is not None:  # DCP's state of several optimizers allows no empty group (LoRA's no-decay)
+        from .critic import drop_empty_groups
+
+        drop_empty_groups(optimizer)
     steps, total_trees = total_steps(cfg, model.config.get_text_config().vocab_size)
     scheduler = build_scheduler(optimizer, cfg, steps)
     run = Run(cfg, device, autocast_dtype, model, ref_model, objective, optimizer, scheduler, steps, out)
