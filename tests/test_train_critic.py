@@ -139,6 +139,24 @@ def test_resume_with_lora_policy(setup_dir, tmp_path):
     assert all(full[1][k] == resumed[0][k] for k in ("loss", "value_loss", "grad_norm", "critic_grad_norm"))
 
 
+def test_critic_from_a_saved_model(setup_dir, tmp_path):
+    """``loss.critic_model=DIR`` starts the critic from a saved model (here a 1-label sequence
+    classifier, as a reward model is saved); with critic_lr 0 the exported critic is that model."""
+    torch.manual_seed(3)
+    rm = transformers.AutoModelForSequenceClassification.from_config(
+        tiny_config("qwen3", vocab=VOCAB, num_labels=1)
+    )
+    rm.save_pretrained(tmp_path / "rm")
+    loss = {"critic_model": str(tmp_path / "rm"), "critic_lr": 0.0}
+    result = run(setup_dir, tmp_path / "out", loss=loss, steps=1)
+    got = state(result.output / "final_critic", transformers.AutoModelForTokenClassification)
+    want = {k: v.double() for k, v in rm.state_dict().items()}
+    assert set(want) <= set(got) and all(torch.equal(got[k], want[k]) for k in want)
+    assert torch.equal(got["score.bias"], torch.zeros(1, dtype=torch.float64))  # the classifier has none
+    with pytest.raises(ValueError, match="critic_model .*config.json"):
+        run(setup_dir, tmp_path / "out2", loss={"critic_model": str(tmp_path)}, steps=1)
+
+
 def test_bad_records_and_options(setup_dir, tmp_path):
     bad = tmp_path / "adv.jsonl"
     bad.write_text(json.dumps({"paths": [[1, 2, 3], [1, 2, 4]], "advantages": [1.0, -1.0]}) + "\n")

@@ -18,8 +18,10 @@ its own. Checkpoints hold both models and optimizers (one DCP state, keys ``poli
 ``critic.*``), so resuming continues exactly. One process only for now.
 
 Options (``--set loss.NAME=VALUE``): ``vf_coef`` (0.5), ``critic_lr`` (``--lr``), ``gamma`` (1.0),
-``lam`` (0.95), ``value_clip`` (0.2); every other ``loss.*`` goes to the policy's ``ppo``
-objective (``clip_low``, ``clip_high``, ``dual_clip_c``, ``agg_mode``).
+``lam`` (0.95), ``value_clip`` (0.2), ``critic_model`` (a directory to start the critic from instead,
+e.g. a reward model: loaded as token classification, its backbone and 1-label ``score``); every
+other ``loss.*`` goes to the policy's ``ppo`` objective (``clip_low``, ``clip_high``,
+``dual_clip_c``, ``agg_mode``).
 """
 
 from __future__ import annotations
@@ -46,7 +48,14 @@ __all__ = [
 ]
 
 CRITIC_OBJECTIVE = "ppo_critic"
-CRITIC_OPTIONS = {"vf_coef": 0.5, "critic_lr": None, "gamma": 1.0, "lam": 0.95, "value_clip": 0.2}
+CRITIC_OPTIONS = {
+    "vf_coef": 0.5,
+    "critic_lr": None,
+    "gamma": 1.0,
+    "lam": 0.95,
+    "value_clip": 0.2,
+    "critic_model": None,
+}
 
 
 def _split_options(loss: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -157,8 +166,10 @@ def _micro_loss(policy, packed, objective, normalizer, *, critic, value_normaliz
     )
 
 
-def _number(name: str, v: Any) -> float | None:
+def _number(name: str, v: Any) -> float | str | None:
     """A finite number >= 0 (``--set loss.critic_lr=1e-3`` reaches here as the string '1e-3')."""
+    if name == "critic_model":
+        return None if v is None else str(v)
     if v is None and name == "critic_lr":
         return None
     try:
@@ -187,24 +198,48 @@ def build_critic(policy: nn.Module, cfg, distributed: bool = False) -> Critic:
     if cfg.cp > 1:
         raise ValueError(f"--objective {CRITIC_OBJECTIVE}: --cp {cfg.cp} is not supported; use --cp 1")
     opts = {k: _number(k, v) for k, v in _split_options(cfg.loss)[0].items()}
-    config = copy.deepcopy(policy.config)
-    config.num_labels, config.classifier_dropout = 1, 0.0
     param = next(policy.parameters())
-    torch.manual_seed(cfg.seed)
-    try:
-        model = transformers.AutoModelForTokenClassification.from_config(config, dtype=torch.float32)
-    except ValueError as e:
-        raise ValueError(
-            f"--objective {CRITIC_OBJECTIVE}: the critic is an AutoModelForTokenClassification and "
-            f"{type(policy).__name__} has none in transformers ({e})"
-        ) from None
-    model = model.to(device=param.device, dtype=param.dtype)
-    model.base_model.load_state_dict(policy.base_model.state_dict())  # the policy's backbone
+    if opts["critic_model"] is not None:  # e.g. a reward model: its backbone, and its score if 1 label
+        model = _load_critic(opts["critic_model"], cfg, param)
+    else:
+        config = copy.deepcopy(policy.config)
+        config.num_labels, config.classifier_dropout = 1, 0.0
+        torch.manual_seed(cfg.seed)
+        try:
+            model = transformers.AutoModelForTokenClassification.from_config(config, dtype=torch.float32)
+        except ValueError as e:
+            raise ValueError(
+                f"--objective {CRITIC_OBJECTIVE}: the critic is an AutoModelForTokenClassification and "
+                f"{type(policy).__name__} has none in transformers ({e})"
+            ) from None
+        model = model.to(device=param.device, dtype=param.dtype)
+        model.base_model.load_state_dict(policy.base_model.state_dict())  # the policy's backbone
     model = configure_model(model, cfg.activation_checkpointing)
     lr = cfg.lr if opts["critic_lr"] is None else opts["critic_lr"]
     optimizer = drop_empty_groups(build_optimizer(model, dataclasses.replace(cfg, lr=lr)))
     kw = {k: opts[k] for k in ("vf_coef", "gamma", "lam", "value_clip")}
     return Critic(model, optimizer, lr, **kw)
+
+
+def _load_critic(path: str, cfg, like: torch.Tensor) -> nn.Module:
+    """``loss.critic_model=DIR``: a saved model as ``AutoModelForTokenClassification`` (num_labels=1,
+    no dropout), on the policy's device and dtype."""
+    from pathlib import Path
+
+    from .train import build_model
+
+    if not (Path(path) / "config.json").is_file():
+        raise ValueError(
+            f"loss.critic_model {path}: not a Hugging Face model directory (no config.json); pass a "
+            "directory saved with save_pretrained (a reward model, a previous run's final_critic)"
+        )
+    auto = "AutoModelForTokenClassification"
+    remote = cfg.trust_remote_code
+    model = build_model(path, cfg.seed, like.dtype, like.device, auto, trust_remote_code=remote)
+    model.config.classifier_dropout = 0.0
+    if isinstance(getattr(model, "dropout", None), nn.Dropout):
+        model.dropout.p = 0.0
+    return model
 
 
 def drop_empty_groups(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
