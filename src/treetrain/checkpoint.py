@@ -72,6 +72,11 @@ _STEP_RE = re.compile(r"^step_(\d+)$")
 FAULT_ENV = "TREETRAIN_CHECKPOINT_FAULT"  # tests: "STAGE" or "STAGE@STEP" -> SIGKILL at that point
 
 
+# one optimizer, or several over the model's parameters (e.g. a policy's and a critic's under one
+# ModuleDict, treetrain.critic.with_critic): DCP's get_state_dict/set_state_dict take either
+Optimizers = torch.optim.Optimizer | list[torch.optim.Optimizer]
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete or does not match what it is loaded into."""
 
@@ -187,7 +192,7 @@ def _manifest(directory: Path, names: list[str] | None = None) -> dict[str, dict
 # ---- model + optimizer state -------------------------------------------------------------------
 
 
-def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+def _state_dicts(model: nn.Module, optimizer: Optimizers | None) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     if optimizer is None:
@@ -321,7 +326,7 @@ def save_checkpoint(
     directory: str | os.PathLike,
     step: int,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
+    optimizer: Optimizers | None,
     scheduler: Any | None,
     data_state: dict[str, Any],
     keep: int = 2,
@@ -420,7 +425,7 @@ def _resolve(path: str | os.PathLike) -> Path:
 def load_checkpoint(
     path: str | os.PathLike,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
+    optimizer: Optimizers | None,
     scheduler: Any | None,
 ) -> tuple[int, dict[str, Any]]:
     """Restore model, optimizer, scheduler and this rank's RNG. Returns ``(step, data_state)``.

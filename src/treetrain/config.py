@@ -61,7 +61,7 @@ class TrainConfig:
     model: str | None = None  # HF model dir; a dir with only config.json: random init; None: tiny Qwen3
     attention: str | None = None  # tree attention backend (dense|blocksparse|flex|triton); None: by device
     # objective
-    objective: str = "sft"  # sft | reinforce | grpo | ppo | gspo | dpo | reward
+    objective: str = "sft"  # sft | reinforce | grpo | ppo | gspo | dpo | reward | ppo_critic
     loss: dict[str, Any] = field(default_factory=dict)  # extra treetrain.losses.Objective fields
     reference: str = "model"  # KL reference: model (frozen initial copy) | data (ref_logprobs field)
     ref_model: str | None = None  # dpo: the frozen reference model's directory; None: the initial weights
@@ -386,7 +386,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     )
     g = p.add_argument_group("objective and batching")
     g.add_argument(
-        "--objective", help=f"sft | reinforce | grpo | ppo | gspo | dpo | reward (default {d.objective})"
+        "--objective",
+        help=f"sft | reinforce | grpo | ppo | gspo | dpo | reward | ppo_critic (PPO with a learned value "
+        "model on per-path `rewards`: --set loss.vf_coef=0.5 loss.critic_lr=LR loss.gamma=1 loss.lam=0.95 "
+        f"loss.value_clip=0.2; the critic is saved to OUTPUT/final_critic) (default {d.objective})",
     )
     g.add_argument("--ref-model", help="dpo: reference model directory (default: the initial weights)")
     g.add_argument(

@@ -145,10 +145,11 @@ def compute_ppo_critic_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One micro-batch of PPO with a critic: ``policy_loss + vf_coef * value_loss``.
 
-    ``cfg``: a ``treetrain.losses.Objective`` (``ppo``; the data carries ``old_logprobs`` and
-    per-path ``rewards``, no ``advantages``). ``normalizer``: ``loss_normalizer(step trees, cfg)``;
-    ``value_normalizer``: the step's trained targets. The critic's values (one head row per distinct
-    token on a tree), GAE along each path, then the policy objective on those advantages.
+    ``cfg``: a ``treetrain.losses.Objective`` (``ppo``; the data carries per-path ``rewards``, no
+    ``advantages``, and optionally ``old_logprobs``: without them the ratio is 1, on-policy).
+    ``normalizer``: ``loss_normalizer(step trees, cfg)``; ``value_normalizer``: the step's trained
+    targets. The critic's values (one head row per distinct token on a tree), GAE along each path,
+    then the policy objective on those advantages.
     """
     from .losses import PathMeta, objective
     from .path_outputs import path_target_logprobs
@@ -163,6 +164,9 @@ def compute_ppo_critic_loss(
     v_loss, v_metrics = clipped_value_loss(values, ret, meta.mask, value_normalizer, clip=value_clip)
     meta.advantages = adv
     lp = path_target_logprobs(policy, packed, packing, meta.mask > 0, backend=backend)
+    if meta.old_logprobs is None:  # no sampling log-probs in the data: on-policy, ratio 1
+        meta.old_logprobs = lp.detach()
     p_loss, metrics = objective(lp, meta.to(lp.device, lp.dtype), cfg, normalizer)
     loss = p_loss + vf_coef * v_loss
-    return loss, metrics | v_metrics | {"loss": loss.detach()}
+    sums = {"advantage_sum": (adv * meta.mask).sum(), "return_sum": (ret * meta.mask).sum()}
+    return loss, metrics | v_metrics | sums | {"loss": loss.detach()}

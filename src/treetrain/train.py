@@ -336,6 +336,10 @@ def _read_trees(cfg: TrainConfig, vocab_size: int) -> Iterator[TrajectoryTree]:
     from .data import iter_trees
 
     for tree, _info in iter_trees(data_path(cfg), **_reader_options(cfg, vocab_size)):
+        if cfg.objective == "ppo_critic":  # rewards per path, no advantages: named by file and line
+            from .critic import check_record
+
+            check_record(tree, _info)
         yield tree
 
 
@@ -456,6 +460,10 @@ def build_objective(cfg: TrainConfig):
     from .losses import Objective
     from .objectives_preference import PREFERENCE_OBJECTIVES, PreferenceObjective
 
+    if cfg.objective == "ppo_critic":  # the policy's ppo objective; the critic's options: treetrain.critic
+        from .critic import policy_objective
+
+        return policy_objective(cfg)
     cls = PreferenceObjective if cfg.objective in PREFERENCE_OBJECTIVES else Objective
     known = [f.name for f in dataclasses.fields(cls) if f.name != "name"]
     unknown = sorted(set(cfg.loss) - set(known))
@@ -491,6 +499,7 @@ def train_step(
     ref_model: nn.Module | None = None,
     backend: str | None = None,
     cp=None,
+    critic=None,
 ) -> dict[str, float]:
     """Forward and backward over every micro-batch, then clip and step.
 
@@ -510,6 +519,10 @@ def train_step(
         normalizer, summarize_metrics = pref.preference_normalizer(batch.trees), pref.summarize_preference
     else:
         normalizer = loss_normalizer(batch.trees, objective)
+    if critic is not None:  # ppo_critic: GAE advantages from the value model (treetrain.critic)
+        from .critic import summarize as summarize_metrics
+
+        loss_fn = critic.loss_fn(batch.trees, batch.packing)
     sums: dict[str, torch.Tensor] = {}
     cp_size = cp.cp_size if cp is not None else 1  # parallel.cp.CPLayout: ranks sharing each tree
     aux_coef = moe_aux.aux_coef(model)  # MoE router load-balancing loss, see treetrain.moe_aux
@@ -539,11 +552,19 @@ def train_step(
     out = summarize_metrics(sums) | {"grad_norm": float(grad_norm)}
     if "aux_loss" in sums:
         out["aux_loss"] = float(sums["aux_loss"])
-    if not (math.isfinite(out.get("loss", 0.0)) and math.isfinite(out["grad_norm"])):
+    if critic is not None:  # its own gradient norm and clip
+        out["critic_grad_norm"] = critic.clip(grad_clip)
+    finite = math.isfinite(out.get("loss", 0.0)) and math.isfinite(out["grad_norm"])
+    if not (finite and math.isfinite(out.get("critic_grad_norm", 0.0))):
         optimizer.zero_grad(set_to_none=True)  # the same values on every rank: all stop together
-        raise NonFiniteError(f"non-finite loss ({out.get('loss')}) or gradient norm ({out['grad_norm']})")
+        if critic is not None:
+            critic.optimizer.zero_grad(set_to_none=True)
+        norms = f"{out['grad_norm']}" + (f", critic {out['critic_grad_norm']}" if critic is not None else "")
+        raise NonFiniteError(f"non-finite loss ({out.get('loss')}) or gradient norm ({norms})")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    if critic is not None:
+        critic.step(optimizer)
     return out
 
 
@@ -697,6 +718,7 @@ class Run:
     trees_done: int = 0
     total_trees: int | None = None  # the run's last tree (``--epochs``); None: ``steps`` decide
     cp: Any = None  # parallel.cp.CPLayout (dp x cp mesh); set by setup
+    critic: Any = None  # treetrain.critic.Critic: --objective ppo_critic's value model and its AdamW
 
 
 @dataclass
@@ -734,6 +756,11 @@ def setup(cfg: TrainConfig) -> Run:
         ),
         cfg.activation_checkpointing,
     )
+    critic = None
+    if cfg.objective == "ppo_critic":  # a value model from the policy's initial weights (treetrain.critic)
+        from .critic import build_critic
+
+        critic = build_critic(model, cfg, info.distributed)
     lora = lora_config_of(cfg)
     model = apply_lora(model, lora) if lora is not None else model
     objective = build_objective(cfg)
@@ -749,13 +776,17 @@ def setup(cfg: TrainConfig) -> Run:
         model, mixed_precision=autocast_dtype is not None and device.type == "cuda"
     )
     optimizer = build_optimizer(model, cfg)
+    if critic is not None:  # DCP's state of several optimizers allows no empty group (LoRA's no-decay)
+        from .critic import drop_empty_groups
+
+        drop_empty_groups(optimizer)
     vocab_size = model.config.get_text_config().vocab_size
     if not cfg.lazy_validate and cfg.epochs is None:  # --epochs counts the trees in a validating pass
         guards.validate_data(data_path(cfg), _reader_options(cfg, vocab_size), cfg.progress and info.is_main)
     steps, total_trees = total_steps(cfg, vocab_size)
     scheduler = build_scheduler(optimizer, cfg, steps)
     run = Run(cfg, device, autocast_dtype, model, ref_model, objective, optimizer, scheduler, steps, out)
-    run.total_trees = total_trees
+    run.total_trees, run.critic = total_trees, critic
     from .parallel.cp import init_cp
 
     run.cp = init_cp(cfg.cp)
@@ -763,7 +794,10 @@ def setup(cfg: TrainConfig) -> Run:
     if cfg.resume and latest is None and info.is_main:
         print(f"treetrain train: --resume: no checkpoint under {out / 'checkpoints'}; starting from step 0")
     if latest is not None:
-        run.start_step, data_state = checkpoint.load_checkpoint(latest, model, optimizer, scheduler)
+        from .critic import with_critic
+
+        state = with_critic(model, optimizer, critic)  # with a critic: both models and optimizers
+        run.start_step, data_state = checkpoint.load_checkpoint(latest, *state, scheduler)
         guards.check_resume(latest, data_state, data_path(cfg), cfg, announce=info.is_main)
         run.trees_done = int(data_state.get("trees_consumed", 0))
     return run
@@ -826,6 +860,7 @@ def run_loop(run: Run, metrics_path: Path) -> list[dict[str, Any]]:
                     ref_model=run.ref_model,
                     backend=cfg.attention,
                     cp=cp,
+                    critic=run.critic,
                 )
             except NonFiniteError as e:
                 last = checkpoint.latest_checkpoint(run.out)
@@ -857,9 +892,11 @@ def run_loop(run: Run, metrics_path: Path) -> list[dict[str, Any]]:
 
 def save_step(run: Run, step: int, trees_consumed: int) -> Path:
     """Checkpoint ``step`` (with the data file's fingerprint and the config, checked on resume)."""
+    from .critic import with_critic
     from .guards import save_or_explain
 
-    return save_or_explain(run.out, step, run.model, run.optimizer, run.scheduler, trees_consumed, run.cfg)
+    model, optimizer = with_critic(run.model, run.optimizer, run.critic)  # with a critic: both of each
+    return save_or_explain(run.out, step, model, optimizer, run.scheduler, trees_consumed, run.cfg)
 
 
 def train(cfg: TrainConfig | dict[str, Any], *, quiet: bool = False) -> TrainResult:
@@ -886,6 +923,8 @@ def train(cfg: TrainConfig | dict[str, Any], *, quiet: bool = False) -> TrainRes
     is_main = distributed.init_distributed().is_main
     plot = plot_metrics(records, run.out / "training.png") if cfg.plot and records and is_main else None
     outputs = {"metrics": metrics_path, "model": final} | ({"plot": plot} if plot else {})
+    if run.critic is not None:  # loadable with AutoModelForTokenClassification.from_pretrained
+        outputs["critic"] = export_pretrained(run.critic.model, run.out / "final_critic")
     if not quiet and is_main:
         print(f"treetrain train: done, outputs in {run.out.resolve()}/")
         print(summary_table(records, cfg, outputs, wall))
