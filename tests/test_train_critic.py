@@ -118,9 +118,11 @@ def test_resume_gives_the_same_steps(setup_dir, tmp_path):
     """Both models, both AdamW states, the schedule and the data position come back: steps 3-4 of a
     resumed run are bit-identical to the uninterrupted run's (the critic's value loss included)."""
     full = run(setup_dir, tmp_path / "full", steps=4, checkpoint_every=2).records
-    out = tmp_path / "cut"  # the run as if stopped after its step-2 checkpoint (the only one kept)
+    out = tmp_path / "cut"  # the run as if stopped after its step-2 checkpoint
     shutil.copytree(tmp_path / "full", out)
-    assert (out / "checkpoints" / "latest").read_text().strip() == "step_2"
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_4"  # the final step's
+    shutil.rmtree(out / "checkpoints" / "step_4")
+    (out / "checkpoints" / "latest").write_text("step_2\n")
     resumed = run(setup_dir, out, steps=4, checkpoint_every=2, resume=True).records
     assert [r["step"] for r in resumed] == [3, 4]
     for a, b in zip(full[2:], resumed):
@@ -133,6 +135,7 @@ def test_resume_with_lora_policy(setup_dir, tmp_path):
     lora = {"lora_r": 4, "steps": 2, "checkpoint_every": 1}
     full = run(setup_dir, tmp_path / "full", **lora).records
     shutil.copytree(tmp_path / "full", tmp_path / "cut")
+    shutil.rmtree(tmp_path / "cut" / "checkpoints" / "step_2")  # the final step's checkpoint
     (tmp_path / "cut" / "checkpoints" / "latest").write_text("step_1")
     resumed = run(setup_dir, tmp_path / "cut", resume=True, **lora).records
     assert [r["step"] for r in resumed] == [2]

@@ -148,10 +148,10 @@ def test_tampered_checkpoint_stops_resume_with_status_1(tmp_path, inputs, capsys
     argv += ["--device", "cpu", "--prefetch", "0", "--no-progress", "--checkpoint-every", "1"]
     assert main([*argv, "--steps", "3"]) == 0
     capsys.readouterr()
-    ck = out / "checkpoints" / "step_2"
-    (ck / "scheduler.json").write_text((ck / "scheduler.json").read_text().replace("2", "7"))
-    assert main([*argv, "--steps", "3", "--resume"]) == 1
+    ck = out / "checkpoints" / "step_3"  # the final step's checkpoint, the one --resume reads
+    (ck / "scheduler.json").write_text((ck / "scheduler.json").read_text().replace("3", "7"))
+    assert main([*argv, "--steps", "4", "--resume"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("treetrain train: error: ") and "Traceback" not in err
     assert "scheduler.json does not match its sha256" in err
-    assert f"the previous good checkpoint is {out / 'checkpoints' / 'step_1'}" in err
+    assert f"the previous good checkpoint is {out / 'checkpoints' / 'step_2'}" in err

@@ -11,9 +11,11 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -167,13 +169,24 @@ def check_resume(checkpoint: Path, data_state: dict[str, Any], data: Path, cfg, 
 # ---- checkpoint writing ---------------------------------------------------------------------------
 
 
-def _os_error(exc: BaseException) -> OSError | None:
-    """The ``OSError`` behind ``exc``: itself, or one a rank hit inside ``torch.distributed.checkpoint``."""
-    if isinstance(exc, OSError):
-        return exc
-    for inner, _trace in getattr(exc, "failures", {}).values():
-        if isinstance(inner, OSError):
-            return inner
+def _os_error(exc: BaseException, out: Path | None = None) -> OSError | None:
+    """The ``OSError`` behind ``exc``: itself, or one a rank hit inside ``torch.distributed.checkpoint``.
+
+    torch's zip writer reports a failed write (a full disk included) as a ``RuntimeError``
+    (``PytorchStreamWriter failed writing file`` / ``unexpected pos``); that becomes ``ENOSPC`` when
+    ``out``'s file system has (almost) no space left, else ``EIO``.
+    """
+    inner = [exc, *(e for e, _trace in getattr(exc, "failures", {}).values())]
+    for e in inner:
+        if isinstance(e, OSError):
+            return e
+    for e in inner:
+        if isinstance(e, RuntimeError) and any(
+            s in str(e) for s in ("PytorchStreamWriter failed", "unexpected pos")
+        ):
+            full = out is not None and shutil.disk_usage(out).free < 2**20
+            code = errno.ENOSPC if full else errno.EIO
+            return OSError(code, os.strerror(code))
     return None
 
 
@@ -192,8 +205,8 @@ def save_or_explain(out: Path, step: int, model, optimizer, scheduler, trees_con
     }
     try:
         return checkpoint.save_checkpoint(out, step, model, optimizer, scheduler, state)
-    except (OSError, CheckpointException) as exc:
-        e = _os_error(exc)
+    except (OSError, CheckpointException, RuntimeError) as exc:
+        e = _os_error(exc, out)
         if e is None:
             raise
         last = checkpoint.latest_checkpoint(out)

@@ -959,7 +959,11 @@ def main(args: argparse.Namespace) -> int:
 
             quiet_library_loggers()
         train(cfg)
-    except (NonFiniteError, CheckpointWriteError, CheckpointError, Preempted) as e:
+    except CheckpointError as e:  # a corrupted, tampered or unsafe checkpoint: named, no traceback
+        if distributed.init_distributed().is_main:
+            print(f"treetrain train: error: {e}", file=sys.stderr)
+        return 1
+    except (NonFiniteError, CheckpointWriteError, Preempted) as e:
         if distributed.init_distributed().is_main:
             print(f"treetrain train: stopped: {e}", file=sys.stderr)
         return e.exit_code if isinstance(e, Preempted) else 1
