@@ -322,6 +322,12 @@ def _reader_options(cfg: TrainConfig, vocab_size: int) -> dict[str, Any]:
     }
 
 
+def _per_tree_budget(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with the token budget of one packed tree: ``--capacity`` is per rank, and ``--cp N``
+    ranks share each tree."""
+    return dataclasses.replace(cfg, capacity=cfg.capacity * cfg.cp) if cfg.cp > 1 else cfg
+
+
 @functools.lru_cache(maxsize=2)
 def _tokenizer(name: str, trust_remote_code: bool):
     """``--tokenizer``, loaded once per run (code in its directory runs only with ``trust_remote_code``)."""
@@ -782,7 +788,8 @@ def setup(cfg: TrainConfig) -> Run:
         drop_empty_groups(optimizer)
     vocab_size = model.config.get_text_config().vocab_size
     if not cfg.lazy_validate and cfg.epochs is None:  # --epochs counts the trees in a validating pass
-        guards.validate_data(data_path(cfg), _reader_options(cfg, vocab_size), cfg.progress and info.is_main)
+        options = _reader_options(_per_tree_budget(cfg), vocab_size)
+        guards.validate_data(data_path(cfg), options, cfg.progress and info.is_main)
     steps, total_trees = total_steps(cfg, vocab_size)
     scheduler = build_scheduler(optimizer, cfg, steps)
     run = Run(cfg, device, autocast_dtype, model, ref_model, objective, optimizer, scheduler, steps, out)
@@ -819,7 +826,7 @@ def run_loop(run: Run, metrics_path: Path) -> list[dict[str, Any]]:
     cp = run.cp or init_cp(1)
     batches = prefetched(
         make_batches(
-            dataclasses.replace(cfg, capacity=cfg.capacity * cp.cp_size),  # --capacity is per CP rank
+            _per_tree_budget(cfg),
             vocab_size,
             run.steps - run.start_step,
             run.trees_done,
