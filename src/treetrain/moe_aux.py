@@ -64,10 +64,11 @@ def micro_batch_aux_loss(
     """
     cfg = getattr(model.config, "text_config", None) or model.config
     top_k = cfg.num_experts_per_tok
-    if packing == "tree" or router_logits[0].shape[0] == packed.num_tokens:
-        # one forward over the micro-batch (a tree, or the baseline's packed one-path trees, whose
-        # path counts are all 1): per-token weights = paths through the token
+    path_tokens = int(packed.path_lengths.sum())
+    if packing == "tree":  # one tree forward: per-token weights = paths through the token
         chunks = [(router_logits, path_count_weights(packed))]
+    elif router_logits[0].shape[0] == path_tokens:  # one forward over the paths as packed sequences
+        chunks = [(router_logits, torch.ones(path_tokens))]
     else:
         lengths = packed.path_lengths.tolist()
         layers, rem = divmod(len(router_logits), len(lengths))
