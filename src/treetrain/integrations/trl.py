@@ -1,0 +1,163 @@
+"""``TreeGRPOTrainer``: TRL's ``GRPOTrainer`` with every scoring forward run as a prefix tree.
+
+TRL scores a generation batch three ways (policy with gradients, old policy when
+``num_iterations > 1``, reference when ``beta > 0``), all through
+``GRPOTrainer._get_per_token_logps_and_entropies``, each time as a padded ``[B, P + C]`` batch in
+which the ``G`` completions of a prompt recompute that prompt ``G`` times. This subclass overrides
+only that method: the rows become one tree (the prompt once, each completion a branch, multi-turn
+rows branching where their histories part), which runs once and returns TRL's ``[B, logits_to_keep]``
+layout, so every TRL loss type, metric and mask downstream runs unchanged.
+
+Swap the class, change nothing else::
+
+    trainer = TreeGRPOTrainer(model="Qwen/Qwen3-0.6B", reward_funcs=reward, args=GRPOConfig(...),
+                              train_dataset=dataset)
+
+Tested against TRL 1.16.0 (the ``trl`` extra pins it): the override relies on that version's
+signature of ``_get_per_token_logps_and_entropies`` and on its ``add_fused_lm_head`` forward patch.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import torch
+from torch import nn
+from trl import GRPOTrainer
+
+from ..models import prepare_model
+from .flat import FlatBatch, score_packed
+
+__all__ = ["TreeGRPOTrainer"]
+
+REQUEST_KWARG = "treetrain_request"
+
+
+class _Request:
+    """One tree forward, carried through the model's wrappers (accelerate, DDP, PEFT) as a kwarg."""
+
+    def __init__(self, part, temperature: float, entropy: bool, backend: str | None, chunk: int | None):
+        self.part, self.temperature, self.entropy = part, temperature, entropy
+        self.backend, self.chunk = backend, chunk
+
+    def run(self, causal_lm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        return score_packed(
+            causal_lm,
+            self.part.packed,
+            self.part.needed,
+            temperature=self.temperature,
+            entropy=self.entropy,
+            backend=self.backend,
+            chunk=self.chunk,
+        )
+
+
+def install_tree_scoring(causal_lm: nn.Module) -> None:
+    """Let ``causal_lm.forward`` take ``treetrain_request=``: then it runs that tree and returns
+    ``(logp [T], entropy [T])``; otherwise it is the forward it was (generation is unchanged).
+
+    Patched on the instance like TRL's own fused head, so calling the *wrapped* model (accelerate's
+    autocast, DDP's gradient-sync hooks, PEFT's adapters) reaches it with every wrapper active.
+    """
+    if getattr(causal_lm, "_treetrain_scoring", False):
+        return
+    prepare_model(causal_lm)
+    inner = causal_lm.forward
+
+    @functools.wraps(type(causal_lm).forward)  # generate() validates kwargs against this signature
+    def forward(self, *args, **kwargs):
+        request = kwargs.pop(REQUEST_KWARG, None)
+        if request is None:
+            return inner(*args, **kwargs)
+        return request.run(self)
+
+    causal_lm.forward = types.MethodType(forward, causal_lm)
+    causal_lm._treetrain_scoring = True
+
+
+def _causal_lm(model: nn.Module) -> nn.Module:
+    """The ``...ForCausalLM`` inside a PEFT model (adapters injected in place), or the model itself."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+_MULTIMODAL = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
+
+
+class TreeGRPOTrainer(GRPOTrainer):
+    """``trl.GRPOTrainer`` whose policy, old-policy and reference scoring run as prefix trees.
+
+    Same constructor and ``GRPOConfig``; two optional keywords: ``tree_backend`` (attention kernel,
+    default by device) and ``tree_chunk`` (LM-head rows per chunk). Text-only causal LMs; vision
+    inputs and MoE router aux losses raise a ``ValueError``.
+    """
+
+    def __init__(self, *args, tree_backend: str | None = None, tree_chunk: int | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        peft_config = getattr(self.model, "active_peft_config", None)
+        if peft_config is not None and getattr(peft_config, "is_prompt_learning", False):
+            raise ValueError(
+                "TreeGRPOTrainer: prompt-learning PEFT adapters (prefix/prompt tuning) add virtual tokens "
+                "the tree forward does not run; use an adapter such as LoRA, or trl.GRPOTrainer"
+            )
+        self.tree_backend, self.tree_chunk = tree_backend, tree_chunk
+        install_tree_scoring(_causal_lm(self.model))
+        if self.ref_model is not None:
+            install_tree_scoring(_causal_lm(self.ref_model))
+
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **multimodal,
+    ):
+        """TRL's contract: ``(logps [B, K], entropies [B, K] or None, aux_loss or None)``.
+
+        ``batch_size`` (rows per forward in TRL, to bound memory) becomes a token budget of
+        ``batch_size * L`` distinct tokens per tree forward; a longer row still runs whole.
+        """
+        given = sorted(k for k, v in multimodal.items() if v is not None)
+        unknown = sorted(set(multimodal) - set(_MULTIMODAL))
+        if unknown:
+            raise TypeError(
+                f"TreeGRPOTrainer: unexpected scoring arguments {unknown} (tested with TRL 1.16.0)"
+            )
+        if given:
+            raise ValueError(
+                f"TreeGRPOTrainer scores text-only batches; got {given}. Vision-language models are not "
+                "supported yet: use trl.GRPOTrainer for them."
+            )
+        if compute_aux_loss:
+            raise ValueError(
+                "TreeGRPOTrainer: the MoE router aux loss (output_router_logits) is not supported yet; set "
+                "model.config.output_router_logits = False or use trl.GRPOTrainer"
+            )
+        batch = FlatBatch.build(input_ids, attention_mask, logits_to_keep=logits_to_keep)
+        parts = batch.parts(None if batch_size is None else batch_size * input_ids.size(1))
+        logps, ents = [], []
+        for part in parts:
+            request = _Request(part, self.temperature, compute_entropy, self.tree_backend, self.tree_chunk)
+            with self.accelerator.autocast():
+                lp, ent = model(**{REQUEST_KWARG: request})
+            logps.append(lp)
+            ents.append(ent)
+        out = batch.scatter(parts, logps, device=input_ids.device)
+        entropies = batch.scatter(parts, ents, device=input_ids.device) if compute_entropy else None
+        return out, entropies, None

@@ -1,0 +1,208 @@
+"""TreeGRPOTrainer == trl.GRPOTrainer: same per-token scores, per-step losses and final weights.
+
+Both trainers train the same tiny Qwen3 (float32, CPU, no autocast) from the same folder, with the
+same seed, on the same completions: TRL's real ``rollout_func`` hook returns a deterministic set of
+completions of different lengths, some ending in eos, some truncated at ``max_completion_length``,
+one only eos (an empty answer). What is compared, per configuration: every logged loss, and the
+final weights after the last optimizer step (SGD, so a weight error is ``lr`` times a gradient
+error; Adam would turn rounding noise in near-zero gradients into full-size steps).
+
+Tolerances (float32): TRL's own float32 run differs from the same run with a float64 model by
+~1e-5 of the update size (measured; ``test_tree_within_trls_own_float32_error`` checks the tree
+against that live) and by ~1 ulp in the loss. Tree vs TRL measures ~6e-7 of the update: the bounds
+below (1e-5 of the update, 1e-6 + 1e-6 relative in the loss) are TRL's own float32 error.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+import transformers  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+from treetrain.integrations.flat import flat_logprobs  # noqa: E402
+from treetrain.integrations.trl import TreeGRPOTrainer  # noqa: E402
+
+from .reference import float64_casts  # noqa: E402
+from .trl_tiny import dataset, fixed_rollout, reward_len_and_a, save_tiny_policy  # noqa: E402
+
+MAX_LEN = 6
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    transformers.logging.set_verbosity_error()
+    return save_tiny_policy(tmp_path_factory.mktemp("tiny") / "policy")
+
+
+def config(out, dtype=torch.float32, **over) -> GRPOConfig:
+    cfg = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        gradient_accumulation_steps=2,  # a generation batch of 8 rows = 2 prompts x 4 completions
+        max_steps=2,
+        learning_rate=0.05,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        num_iterations=2,
+        beta=0.1,
+        max_completion_length=MAX_LEN,
+        temperature=0.9,
+        use_cpu=True,
+        bf16=False,  # GRPOConfig defaults to bf16 autocast
+        seed=0,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        model_init_kwargs={"dtype": dtype},
+    )
+    cfg.update(over)
+    return GRPOConfig(**cfg)
+
+
+def train(cls, policy, out, dtype=torch.float32, rollout=True, **over):
+    """(logged losses [steps] float64, final weights float64, the trainer)."""
+    trainer = cls(
+        model=policy,
+        reward_funcs=reward_len_and_a,
+        args=config(out, dtype, **over),
+        train_dataset=dataset(4),
+        rollout_func=fixed_rollout(MAX_LEN) if rollout else None,
+    )
+    trainer.train()
+    losses = torch.tensor([h["loss"] for h in trainer.state.log_history if "loss" in h], dtype=torch.float64)
+    weights = {n: p.detach().double().clone() for n, p in trainer.model.named_parameters()}
+    return losses, weights, trainer
+
+
+def update_err(w, ref, w0) -> float:
+    """max |w - ref| over all weights, relative to the largest entry of the reference's update."""
+    step = max((ref[n] - w0[n]).abs().max().item() for n in ref)
+    assert step > 0, "the reference run did not move the weights"
+    return max((w[n] - ref[n]).abs().max().item() for n in ref) / step
+
+
+def initial(policy):
+    model = transformers.AutoModelForCausalLM.from_pretrained(policy)
+    return {n: p.detach().double() for n, p in model.named_parameters()}
+
+
+CONFIGS = {
+    "grpo": dict(loss_type="grpo"),
+    "dapo+mask_truncated": dict(loss_type="dapo", mask_truncated_completions=True),
+    "dr_grpo+sequence_level": dict(loss_type="dr_grpo", importance_sampling_level="sequence"),
+    "bnpo+top_entropy": dict(loss_type="bnpo", top_entropy_quantile=0.5),
+    "cispo": dict(loss_type="cispo"),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_losses_and_updates_equal_trl(name, policy, tmp_path):
+    """Two optimizer steps (4 micro-steps, 2 iterations per generation, KL on) per configuration."""
+    over = CONFIGS[name]
+    trl_loss, trl_w, trl_tr = train(GRPOTrainer, policy, tmp_path / "trl", **over)
+    tree_loss, tree_w, tree_tr = train(TreeGRPOTrainer, policy, tmp_path / "tree", **over)
+    assert trl_loss.numel() == tree_loss.numel() == 2
+    assert torch.allclose(tree_loss, trl_loss, rtol=1e-6, atol=1e-6), (tree_loss, trl_loss)
+    err = update_err(tree_w, trl_w, initial(policy))
+    assert err < 1e-5, err
+    # metrics TRL computes from the scores agree too
+    trl_logs = [h for h in trl_tr.state.log_history if "loss" in h]
+    tree_logs = [h for h in tree_tr.state.log_history if "loss" in h]
+    for key in ("entropy", "kl", "clip_ratio/region_mean", "cispo_clip_ratio"):
+        for a, b in zip(trl_logs, tree_logs):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.slow
+def test_tree_within_trls_own_float32_error(policy, tmp_path):
+    """The tolerance's ground: against a float64 run of TRL, the tree's float32 update is no further
+    off than TRL's own float32 update (a small multiple, as both round differently)."""
+    _, trl32, _ = train(GRPOTrainer, policy, tmp_path / "a")
+    _, tree32, _ = train(TreeGRPOTrainer, policy, tmp_path / "b")
+    _, trl64, _ = train(GRPOTrainer, policy, tmp_path / "c", dtype=torch.float64)
+    w0 = initial(policy)
+    own = update_err(trl32, trl64, w0)
+    assert 0 < own < 1e-4, own  # the float64 run really is the same training
+    assert update_err(tree32, trl64, w0) <= 2 * own
+
+
+@pytest.mark.slow
+def test_real_generation_end_to_end(policy, tmp_path):
+    """No rollout hook: TRL samples with the model itself. Generation is unchanged by the subclass (same
+    completions from the same seed), and the losses and update agree."""
+    over = dict(max_steps=1, num_iterations=1, beta=0.0)
+    trl_loss, trl_w, trl_tr = train(GRPOTrainer, policy, tmp_path / "a", rollout=False, **over)
+    tree_loss, tree_w, tree_tr = train(TreeGRPOTrainer, policy, tmp_path / "b", rollout=False, **over)
+    assert trl_tr._logs["completion"] == tree_tr._logs["completion"]
+    assert torch.allclose(tree_loss, trl_loss, rtol=1e-6, atol=1e-6)
+    assert update_err(tree_w, trl_w, initial(policy)) < 1e-5
+
+
+def _batch(tok):
+    """Left-padded prompts + right-padded completions as TRL builds them; row 1's completion is
+    shorter, row 3's is masked out entirely (mask_truncated_completions)."""
+    prompts = ["what is 1+2?", "what is 1+2?", "spell cat.", "spell cat."]
+    comps = [[5, 6, 7, 1], [5, 8, 1], [9, 9, 9, 9], [9, 4, 4, 4]]
+    P = max(len(tok(p)["input_ids"]) for p in prompts)
+    ids = torch.zeros(4, P + 4, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (p, c) in enumerate(zip(prompts, comps)):
+        pi = tok(p)["input_ids"]
+        ids[i, P - len(pi) : P], mask[i, P - len(pi) : P] = torch.tensor(pi), 1
+        ids[i, P : P + len(c)], mask[i, P : P + len(c)] = torch.tensor(c), 1
+    mask[3, P:] = 0
+    return ids, mask
+
+
+def test_scoring_matches_trl_and_float64_truth(policy, tmp_path):
+    """The overridden method returns TRL's layout and values (policy and reference, with entropies);
+    a token budget (``batch_size=1``: one row's worth of tokens per forward) changes nothing."""
+    trl_tr = GRPOTrainer(
+        model=policy, reward_funcs=reward_len_and_a, args=config(tmp_path), train_dataset=dataset()
+    )
+    tree_tr = TreeGRPOTrainer(
+        model=policy, reward_funcs=reward_len_and_a, args=config(tmp_path), train_dataset=dataset()
+    )
+    ids, mask = _batch(trl_tr.processing_class)
+    m64 = transformers.AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float64)
+    with float64_casts():
+        truth, truth_ent = flat_logprobs(
+            m64, ids, mask, logits_to_keep=4, temperature=0.9, return_entropy=True, backend="dense"
+        )
+    trl_lp, trl_ent, _ = trl_tr._get_per_token_logps_and_entropies(
+        trl_tr.model, ids, mask, 4, compute_entropy=True
+    )
+    for bs in (None, 1):
+        lp, ent, aux = tree_tr._get_per_token_logps_and_entropies(
+            tree_tr.model, ids, mask, 4, batch_size=bs, compute_entropy=True
+        )
+        assert lp.shape == ent.shape == (4, 4) and aux is None and lp.dtype == torch.float32
+        assert (lp[3] == 0).all() and lp[1, 3] == 0  # masked positions are 0, as TRL's
+        # float32 vs the float64 truth: within a small multiple of TRL's own float32 error
+        own = (trl_lp.double() - truth).abs().max().item()
+        assert (lp.double() - truth).abs().max().item() <= 4 * own + 1e-7
+        own_ent = (trl_ent.double() - truth_ent).abs().max().item()
+        assert (ent.double() - truth_ent).abs().max().item() <= 4 * own_ent + 1e-7
+    ref_lp, ref_ent, _ = tree_tr._get_per_token_logps_and_entropies(tree_tr.ref_model, ids, mask, 4)
+    assert ref_ent is None and torch.allclose(ref_lp, lp, atol=1e-6)
+
+
+def test_rejects_vision_inputs_and_moe_aux(policy, tmp_path):
+    tree_tr = TreeGRPOTrainer(
+        model=policy, reward_funcs=reward_len_and_a, args=config(tmp_path), train_dataset=dataset()
+    )
+    ids, mask = _batch(tree_tr.processing_class)
+    with pytest.raises(ValueError, match="pixel_values.*Vision-language"):
+        tree_tr._get_per_token_logps_and_entropies(tree_tr.model, ids, mask, 4, pixel_values=torch.zeros(1))
+    with pytest.raises(ValueError, match="router aux loss"):
+        tree_tr._get_per_token_logps_and_entropies(tree_tr.model, ids, mask, 4, compute_aux_loss=True)
