@@ -68,7 +68,7 @@ def config(out, dtype=torch.float32, **over) -> GRPOConfig:
     return GRPOConfig(**cfg)
 
 
-def train(cls, policy, out, dtype=torch.float32, rollout=True, **over):
+def train(cls, policy, out, dtype=torch.float32, rollout=True, peft_config=None, **over):
     """(logged losses [steps] float64, final weights float64, the trainer)."""
     trainer = cls(
         model=policy,
@@ -76,7 +76,9 @@ def train(cls, policy, out, dtype=torch.float32, rollout=True, **over):
         args=config(out, dtype, **over),
         train_dataset=dataset(4),
         rollout_func=fixed_rollout(MAX_LEN) if rollout else None,
+        peft_config=peft_config,
     )
+    trainer.initial_weights = {n: p.detach().double().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     losses = torch.tensor([h["loss"] for h in trainer.state.log_history if "loss" in h], dtype=torch.float64)
     weights = {n: p.detach().double().clone() for n, p in trainer.model.named_parameters()}
@@ -146,6 +148,23 @@ def test_real_generation_end_to_end(policy, tmp_path):
     assert trl_tr._logs["completion"] == tree_tr._logs["completion"]
     assert torch.allclose(tree_loss, trl_loss, rtol=1e-6, atol=1e-6)
     assert update_err(tree_w, trl_w, initial(policy)) < 1e-5
+
+
+@pytest.mark.slow
+def test_peft_lora_with_reference_from_disabled_adapter(policy, tmp_path):
+    """PEFT wraps the policy; the reference is the same model with the adapter disabled (TRL's
+    ``use_adapter``): the tree forward runs inside those wrappers, so both see the adapter state."""
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    over = dict(max_steps=1, learning_rate=0.5)
+    trl_loss, trl_w, trl_tr = train(GRPOTrainer, policy, tmp_path / "a", peft_config=lora, **over)
+    tree_loss, tree_w, tree_tr = train(TreeGRPOTrainer, policy, tmp_path / "b", peft_config=lora, **over)
+    assert trl_tr.ref_model is None and any("lora" in n for n in tree_w)
+    kl = [h["kl"] for h in tree_tr.state.log_history if "kl" in h]
+    assert kl and kl[0] > 0  # the random-init adapter moves the policy away from the base (reference)
+    assert kl == pytest.approx([h["kl"] for h in trl_tr.state.log_history if "kl" in h], rel=1e-4)
+    assert torch.allclose(tree_loss, trl_loss, rtol=1e-6, atol=1e-6)
+    assert update_err(tree_w, trl_w, trl_tr.initial_weights) < 1e-5  # only the LoRA weights move
 
 
 def _batch(tok):
