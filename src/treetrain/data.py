@@ -74,9 +74,9 @@ FORMATS = ("paths", "messages", "tree")
 _FORMAT_KEY = {"paths": "paths", "messages": "messages", "tree": "nodes"}
 _META_KEYS = ("id", "meta")
 _KEYS = {
-    "paths": ("paths", "loss_masks", "advantages", "weights", "old_logprobs", "ref_logprobs"),
-    "messages": ("messages", "tools", "advantages", "weights"),
-    "tree": ("nodes", "advantages", "weights", "old_logprobs", "ref_logprobs"),
+    "paths": ("paths", "loss_masks", "advantages", "weights", "old_logprobs", "ref_logprobs", "rewards"),
+    "messages": ("messages", "tools", "advantages", "weights", "rewards"),
+    "tree": ("nodes", "advantages", "weights", "old_logprobs", "ref_logprobs", "rewards"),
 }
 _LOGPROB_TOLERANCE = 1e-4  # log-probabilities above this are an error (rounding can give +1e-7)
 _MAX_STORED_ERRORS = 1000  # collected errors kept in memory; the count is always exact
@@ -293,6 +293,8 @@ def _path_fields(
                 j = int(np.argmax(w < 0))
                 raise _Invalid(f"weights must be >= 0, got {value[j]}", key, j)
             out[key] = w
+        elif key == "rewards":  # one number per path (GRPO advantages: train --advantages)
+            out[key] = np.array([_scalar(v, (key, i)) for i, v in enumerate(value)])
         elif key == "advantages":
             if all(not isinstance(v, list) for v in value):
                 out[key] = np.array([_scalar(v, (key, i)) for i, v in enumerate(value)])
@@ -522,7 +524,7 @@ def _parse_messages(
         raise _Invalid(
             "per-token advantages need the paths format; give one number per conversation", "advantages"
         )
-    fields = _path_fields(rec, [p.size for p in paths], ("advantages", "weights"))
+    fields = _path_fields(rec, [p.size for p in paths], ("advantages", "weights", "rewards"))
     fields["loss_masks"] = masks
     return paths, fields, wheres
 

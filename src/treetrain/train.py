@@ -412,6 +412,10 @@ def make_batches(
         trees = list(itertools.islice(stream, cfg.batch_trees))
         if not trees:  # the run's last tree was read (``--epochs``)
             return
+        if cfg.advantages is not None:  # per-path rewards -> group-normalized advantages
+            from .advantages import assign_advantages
+
+            trees = assign_advantages(trees, cfg.advantages)
         consumed += len(trees)
         if world_size == 1:
             micro = [pack(mb) for mb in make_microbatches(trees, cfg.packing, cfg.capacity)]

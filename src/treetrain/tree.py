@@ -133,6 +133,7 @@ class TrajectoryTree:
         old_logprobs: Sequence[Sequence[float]] | None = None,
         ref_logprobs: Sequence[Sequence[float]] | None = None,
         path_ids: Sequence[int] | None = None,
+        rewards: Sequence[float] | None = None,
     ) -> TrajectoryTree:
         """Merge token paths into a prefix tree. Duplicates and prefix paths are kept as paths.
 
@@ -148,6 +149,7 @@ class TrajectoryTree:
             advantages=advantages,
             old_logprobs=old_logprobs,
             ref_logprobs=ref_logprobs,
+            rewards=rewards,
         )
         tree = _build(flat, offsets)
         tree.fields = fields
@@ -296,10 +298,10 @@ def _validate_fields(lengths: list[int], **given) -> dict:
             continue
         if len(value) != P:
             raise ValueError(f"{name}: expected one entry per path ({P}), got {len(value)}")
-        if name == "weights":
+        if name in ("weights", "rewards"):  # one number per path
             out[name] = np.asarray(value, dtype=np.float64)
-            if not np.isfinite(out[name]).all():
-                raise ValueError(f"weights: must be finite, got {value}")
+            if out[name].shape != (P,) or not np.isfinite(out[name]).all():
+                raise ValueError(f"{name}: expected one finite number per path, got {value}")
             continue
         if name == "advantages" and all(np.ndim(a) == 0 for a in value):
             out[name] = np.asarray(value, dtype=np.float64)
