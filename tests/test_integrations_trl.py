@@ -225,3 +225,21 @@ def test_rejects_vision_inputs_and_moe_aux(policy, tmp_path):
         tree_tr._get_per_token_logps_and_entropies(tree_tr.model, ids, mask, 4, pixel_values=torch.zeros(1))
     with pytest.raises(ValueError, match="router aux loss"):
         tree_tr._get_per_token_logps_and_entropies(tree_tr.model, ids, mask, 4, compute_aux_loss=True)
+
+
+@pytest.mark.parametrize("cast_head", [False, True])
+def test_bf16_autocast_within_trls_own_error(policy, tmp_path, cast_head):
+    """GRPOConfig's default ``bf16=True`` (CPU autocast) and ``cast_lm_head_to_fp32``: the tree's
+    error against the float64 truth stays within a small multiple of TRL's own (8 mantissa bits)."""
+    args = config(tmp_path, bf16=True, cast_lm_head_to_fp32=cast_head)
+    trl_tr = GRPOTrainer(model=policy, reward_funcs=reward_len_and_a, args=args, train_dataset=dataset())
+    tree_tr = TreeGRPOTrainer(model=policy, reward_funcs=reward_len_and_a, args=args, train_dataset=dataset())
+    ids, mask = _batch(trl_tr.processing_class)
+    m64 = transformers.AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float64)
+    with float64_casts():
+        truth = flat_logprobs(m64, ids, mask, logits_to_keep=4, temperature=0.9, backend="dense")
+    trl_lp, _, _ = trl_tr._get_per_token_logps_and_entropies(trl_tr.model, ids, mask, 4)
+    lp, _, _ = tree_tr._get_per_token_logps_and_entropies(tree_tr.model, ids, mask, 4)
+    own = (trl_lp.double() - truth).abs().max().item()
+    assert 1e-5 < own < 0.1, own  # autocast really ran, and TRL is still near the truth
+    assert (lp.double() - truth).abs().max().item() <= 4 * own

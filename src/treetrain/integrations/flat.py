@@ -22,6 +22,7 @@ computes too (attention sees only relative offsets), up to float rounding.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -198,11 +199,13 @@ def score_packed(
     entropy: bool = False,
     backend: str | None = None,
     chunk: int | None = None,
+    head_fp32: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One tree forward: log-probs and entropies ``[T]`` each at the ``needed [T]`` targets (else 0).
 
     The logits are divided by ``temperature`` before the softmax (as TRL scores its samples). The
     entropy is all zeros unless ``entropy``. ``model`` is the ``...ForCausalLM`` that runs.
+    ``head_fp32``: the LM head in float32 outside autocast (TRL's ``cast_lm_head_to_fp32``).
     """
     if not temperature > 0:
         raise ValueError(f"temperature: expected > 0, got {temperature}")
@@ -218,7 +221,11 @@ def score_packed(
         rows = rows / temperature
         bias = None if bias is None else bias / temperature
     chunk = chunk or auto_chunk(head.out_features)
-    logp, ent = _TargetLogprobs.apply(rows, head.weight, bias, packed.input_ids[targets], chunk, entropy)
+    weight = head.weight
+    if head_fp32:
+        rows, weight, bias = rows.float(), weight.float(), None if bias is None else bias.float()
+    with torch.autocast(rows.device.type, enabled=False) if head_fp32 else contextlib.nullcontext():
+        logp, ent = _TargetLogprobs.apply(rows, weight, bias, packed.input_ids[targets], chunk, entropy)
     T = packed.num_tokens
     full_logp = logp.new_zeros(T).index_copy(0, targets, logp)
     full_ent = logp.new_zeros(T)

@@ -37,9 +37,9 @@ REQUEST_KWARG = "treetrain_request"
 class _Request:
     """One tree forward, carried through the model's wrappers (accelerate, DDP, PEFT) as a kwarg."""
 
-    def __init__(self, part, temperature: float, entropy: bool, backend: str | None, chunk: int | None):
+    def __init__(self, part, temperature: float, entropy: bool, backend, chunk, head_fp32: bool):
         self.part, self.temperature, self.entropy = part, temperature, entropy
-        self.backend, self.chunk = backend, chunk
+        self.backend, self.chunk, self.head_fp32 = backend, chunk, head_fp32
 
     def run(self, causal_lm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         return score_packed(
@@ -50,6 +50,7 @@ class _Request:
             entropy=self.entropy,
             backend=self.backend,
             chunk=self.chunk,
+            head_fp32=self.head_fp32,
         )
 
 
@@ -153,7 +154,14 @@ class TreeGRPOTrainer(GRPOTrainer):
         parts = batch.parts(None if batch_size is None else batch_size * input_ids.size(1))
         logps, ents = [], []
         for part in parts:
-            request = _Request(part, self.temperature, compute_entropy, self.tree_backend, self.tree_chunk)
+            request = _Request(
+                part,
+                self.temperature,
+                compute_entropy,
+                self.tree_backend,
+                self.tree_chunk,
+                head_fp32=self.args.cast_lm_head_to_fp32,
+            )
             with self.accelerator.autocast():
                 lp, ent = model(**{REQUEST_KWARG: request})
             logps.append(lp)
