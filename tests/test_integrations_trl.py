@@ -68,14 +68,14 @@ def config(out, dtype=torch.float32, **over) -> GRPOConfig:
     return GRPOConfig(**cfg)
 
 
-def train(cls, policy, out, dtype=torch.float32, rollout=True, peft_config=None, **over):
+def train(cls, policy, out, dtype=torch.float32, rollout=True, peft_config=None, env_mask=False, **over):
     """(logged losses [steps] float64, final weights float64, the trainer)."""
     trainer = cls(
         model=policy,
         reward_funcs=reward_len_and_a,
         args=config(out, dtype, **over),
         train_dataset=dataset(4),
-        rollout_func=fixed_rollout(MAX_LEN) if rollout else None,
+        rollout_func=fixed_rollout(MAX_LEN, env_mask) if rollout else None,
         peft_config=peft_config,
     )
     trainer.initial_weights = {n: p.detach().double().clone() for n, p in trainer.model.named_parameters()}
@@ -102,7 +102,7 @@ CONFIGS = {
     "dapo+mask_truncated": dict(loss_type="dapo", mask_truncated_completions=True),
     "dr_grpo+sequence_level": dict(loss_type="dr_grpo", importance_sampling_level="sequence"),
     "bnpo+top_entropy": dict(loss_type="bnpo", top_entropy_quantile=0.5),
-    "cispo": dict(loss_type="cispo"),
+    "cispo+env_mask": dict(loss_type="cispo", env_mask=True),
 }
 
 

@@ -52,23 +52,33 @@ def reward_len_and_a(completions, **kwargs) -> list[float]:
     return [2.0 * c.count("a") - 0.1 * len(c) for c in completions]
 
 
-def fixed_rollout(max_len: int):
+def fixed_rollout(max_len: int, env_mask: bool = False):
     """``rollout_func`` giving each repeated prompt its own completion: lengths 1..max_len, some ending in
     ``<eos>`` (id 1), some truncated at ``max_len`` (no eos), one that is only ``<eos>`` (an empty answer).
-    Depends on the step, so every generation differs, identically for both trainers."""
+    Every other completion starts with the same two tokens as the one before it (a shared first turn:
+    the tree branches inside the completions too); with ``env_mask`` those two tokens are marked as
+    environment output (TRL's ``env_mask``: in the context, out of the loss). Depends on the step, so
+    every generation differs, identically for both trainers."""
 
     def rollout(prompts, trainer):
         tok = trainer.processing_class
         step = trainer.state.global_step
-        prompt_ids, completion_ids = [], []
+        prompt_ids, completion_ids, masks = [], [], []
         for i, p in enumerate(prompts):
             ids = tok(p, add_special_tokens=False)["input_ids"]
             g = torch.Generator().manual_seed(1000 * step + 17 * i + len(p))
             n = (i * 3 + step) % (max_len + 1)  # 0 .. max_len content tokens
             body = torch.randint(3, len(tok), (n,), generator=g).tolist()
-            comp = body if n == max_len else body + [1]  # n == max_len: truncated, no eos
+            shared = i % 2 == 1 and n >= 2 and len(completion_ids[-1]) >= 2
+            if shared:
+                body[:2] = completion_ids[-1][:2]
+            comp = (body if n == max_len else body + [1])[:max_len]  # n == max_len: truncated, no eos
             prompt_ids.append(ids)
-            completion_ids.append(comp[:max_len])
-        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
+            completion_ids.append(comp)
+            masks.append([0, 0] + [1] * (len(comp) - 2) if shared else [1] * len(comp))
+        out = {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
+        if env_mask:
+            out["env_mask"] = masks
+        return out
 
     return rollout
