@@ -126,6 +126,15 @@ def test_losses_and_updates_equal_trl(name, policy, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("loss_type", ["sapo", "luspo", "vespo"])
+def test_more_loss_types_equal_trl(loss_type, policy, tmp_path):
+    trl_loss, trl_w, _ = train(GRPOTrainer, policy, tmp_path / "trl", loss_type=loss_type)
+    tree_loss, tree_w, _ = train(TreeGRPOTrainer, policy, tmp_path / "tree", loss_type=loss_type)
+    assert torch.allclose(tree_loss, trl_loss, rtol=1e-6, atol=1e-6), (tree_loss, trl_loss)
+    assert update_err(tree_w, trl_w, initial(policy)) < 1e-5
+
+
+@pytest.mark.slow
 def test_tree_within_trls_own_float32_error(policy, tmp_path):
     """The tolerance's ground: against a float64 run of TRL, the tree's float32 update is no further
     off than TRL's own float32 update (a small multiple, as both round differently)."""
