@@ -19,62 +19,12 @@ signature of ``_get_per_token_logps_and_entropies`` and on its ``add_fused_lm_he
 
 from __future__ import annotations
 
-import functools
-import types
-
-import torch
 from torch import nn
 from trl import GRPOTrainer
 
-from ..models import prepare_model
-from .flat import FlatBatch, score_packed
+from .wrapped import install_tree_scoring, wrapped_flat_logprobs
 
 __all__ = ["TreeGRPOTrainer"]
-
-REQUEST_KWARG = "treetrain_request"
-
-
-class _Request:
-    """One tree forward, carried through the model's wrappers (accelerate, DDP, PEFT) as a kwarg."""
-
-    def __init__(self, part, temperature: float, entropy: bool, backend, chunk, head_fp32: bool):
-        self.part, self.temperature, self.entropy = part, temperature, entropy
-        self.backend, self.chunk, self.head_fp32 = backend, chunk, head_fp32
-
-    def run(self, causal_lm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        return score_packed(
-            causal_lm,
-            self.part.packed,
-            self.part.needed,
-            temperature=self.temperature,
-            entropy=self.entropy,
-            backend=self.backend,
-            chunk=self.chunk,
-            head_fp32=self.head_fp32,
-        )
-
-
-def install_tree_scoring(causal_lm: nn.Module) -> None:
-    """Let ``causal_lm.forward`` take ``treetrain_request=``: then it runs that tree and returns
-    ``(logp [T], entropy [T])``; otherwise it is the forward it was (generation is unchanged).
-
-    Patched on the instance like TRL's own fused head, so calling the *wrapped* model (accelerate's
-    autocast, DDP's gradient-sync hooks, PEFT's adapters) reaches it with every wrapper active.
-    """
-    if getattr(causal_lm, "_treetrain_scoring", False):
-        return
-    prepare_model(causal_lm)
-    inner = causal_lm.forward
-
-    @functools.wraps(type(causal_lm).forward)  # generate() validates kwargs against this signature
-    def forward(self, *args, **kwargs):
-        request = kwargs.pop(REQUEST_KWARG, None)
-        if request is None:
-            return inner(*args, **kwargs)
-        return request.run(self)
-
-    causal_lm.forward = types.MethodType(forward, causal_lm)
-    causal_lm._treetrain_scoring = True
 
 
 def _causal_lm(model: nn.Module) -> nn.Module:
@@ -150,22 +100,17 @@ class TreeGRPOTrainer(GRPOTrainer):
                 "TreeGRPOTrainer: the MoE router aux loss (output_router_logits) is not supported yet; set "
                 "model.config.output_router_logits = False or use trl.GRPOTrainer"
             )
-        batch = FlatBatch.build(input_ids, attention_mask, logits_to_keep=logits_to_keep)
-        parts = batch.parts(None if batch_size is None else batch_size * input_ids.size(1))
-        logps, ents = [], []
-        for part in parts:
-            request = _Request(
-                part,
-                self.temperature,
-                compute_entropy,
-                self.tree_backend,
-                self.tree_chunk,
-                head_fp32=self.args.cast_lm_head_to_fp32,
-            )
-            with self.accelerator.autocast():
-                lp, ent = model(**{REQUEST_KWARG: request})
-            logps.append(lp)
-            ents.append(ent)
-        out = batch.scatter(parts, logps, device=input_ids.device)
-        entropies = batch.scatter(parts, ents, device=input_ids.device) if compute_entropy else None
-        return out, entropies, None
+        logps, entropies = wrapped_flat_logprobs(
+            model,
+            input_ids,
+            attention_mask,
+            logits_to_keep=logits_to_keep,
+            temperature=self.temperature,
+            return_entropy=compute_entropy,
+            max_tokens=None if batch_size is None else batch_size * input_ids.size(1),
+            backend=self.tree_backend,
+            chunk=self.tree_chunk,
+            head_fp32=self.args.cast_lm_head_to_fp32,
+            autocast=self.accelerator.autocast,
+        )
+        return logps, (entropies if compute_entropy else None), None
