@@ -12,7 +12,8 @@ Modes alternate; each time is the median of ``--repeats`` after a warm-up.
 FLOP bound (``treetrain.flops.CostModel`` of the model): decoder FLOPs per token and per allowed
 attention pair, the LM head only on scored targets (TRL and the tree both head only completions on
 GPU), x3 for forward + backward; baseline = each row alone without padding, tree = distinct tokens.
-efficiency = measured speedup / bound.
+efficiency = measured speedup / bound. On CPU, TRL's fused head scores every position (it compacts
+to the scored ones only on Triton devices) and the padding too, so CPU efficiency can exceed 1.
 
 Usage::
 

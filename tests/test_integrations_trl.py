@@ -68,8 +68,14 @@ def config(out, dtype=torch.float32, **over) -> GRPOConfig:
     return GRPOConfig(**cfg)
 
 
+_RUNS: dict = {}  # identical runs are shared between tests (the calibration reuses the grpo pair)
+
+
 def train(cls, policy, out, dtype=torch.float32, rollout=True, peft_config=None, env_mask=False, **over):
     """(logged losses [steps] float64, final weights float64, the trainer)."""
+    key = (cls.__name__, policy, str(dtype), rollout, env_mask, tuple(sorted(over.items())))
+    if peft_config is None and key in _RUNS:
+        return _RUNS[key]
     trainer = cls(
         model=policy,
         reward_funcs=reward_len_and_a,
@@ -82,6 +88,8 @@ def train(cls, policy, out, dtype=torch.float32, rollout=True, peft_config=None,
     trainer.train()
     losses = torch.tensor([h["loss"] for h in trainer.state.log_history if "loss" in h], dtype=torch.float64)
     weights = {n: p.detach().double().clone() for n, p in trainer.model.named_parameters()}
+    if peft_config is None:
+        _RUNS[key] = losses, weights, trainer
     return losses, weights, trainer
 
 
@@ -138,9 +146,9 @@ def test_more_loss_types_equal_trl(loss_type, policy, tmp_path):
 def test_tree_within_trls_own_float32_error(policy, tmp_path):
     """The tolerance's ground: against a float64 run of TRL, the tree's float32 update is no further
     off than TRL's own float32 update (a small multiple, as both round differently)."""
-    _, trl32, _ = train(GRPOTrainer, policy, tmp_path / "a")
-    _, tree32, _ = train(TreeGRPOTrainer, policy, tmp_path / "b")
-    _, trl64, _ = train(GRPOTrainer, policy, tmp_path / "c", dtype=torch.float64)
+    _, trl32, _ = train(GRPOTrainer, policy, tmp_path / "a", **CONFIGS["grpo"])
+    _, tree32, _ = train(TreeGRPOTrainer, policy, tmp_path / "b", **CONFIGS["grpo"])
+    _, trl64, _ = train(GRPOTrainer, policy, tmp_path / "c", dtype=torch.float64, **CONFIGS["grpo"])
     w0 = initial(policy)
     own = update_err(trl32, trl64, w0)
     assert 0 < own < 1e-4, own  # the float64 run really is the same training
@@ -252,3 +260,18 @@ def test_bf16_autocast_within_trls_own_error(policy, tmp_path, cast_head):
     own = (trl_lp.double() - truth).abs().max().item()
     assert 1e-5 < own < 0.1, own  # autocast really ran, and TRL is still near the truth
     assert (lp.double() - truth).abs().max().item() <= 4 * own
+
+
+def test_other_trl_versions_warn_or_refuse(policy, tmp_path, monkeypatch):
+    import trl as trl_module
+
+    monkeypatch.setattr(trl_module, "__version__", "9.9.9")
+    with pytest.warns(UserWarning, match=r"tested with trl==1\.16\.0, this is trl 9\.9\.9"):
+        TreeGRPOTrainer(
+            model=policy, reward_funcs=reward_len_and_a, args=config(tmp_path), train_dataset=dataset()
+        )
+    monkeypatch.delattr(GRPOTrainer, "_get_per_token_logps_and_entropies")
+    with pytest.raises(ImportError, match="has no GRPOTrainer._get_per_token_logps_and_entropies"):
+        TreeGRPOTrainer(
+            model=policy, reward_funcs=reward_len_and_a, args=config(tmp_path), train_dataset=dataset()
+        )

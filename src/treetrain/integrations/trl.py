@@ -19,12 +19,17 @@ signature of ``_get_per_token_logps_and_entropies`` and on its ``add_fused_lm_he
 
 from __future__ import annotations
 
+import warnings
+
+import trl
 from torch import nn
 from trl import GRPOTrainer
 
 from .wrapped import install_tree_scoring, wrapped_flat_logprobs
 
-__all__ = ["TreeGRPOTrainer"]
+__all__ = ["TESTED_TRL", "TreeGRPOTrainer"]
+
+TESTED_TRL = "1.16.0"
 
 
 def _causal_lm(model: nn.Module) -> nn.Module:
@@ -56,6 +61,17 @@ class TreeGRPOTrainer(GRPOTrainer):
     """
 
     def __init__(self, *args, tree_backend: str | None = None, tree_chunk: int | None = None, **kwargs):
+        if not hasattr(GRPOTrainer, "_get_per_token_logps_and_entropies"):  # else: silently TRL's own
+            raise ImportError(
+                f"TreeGRPOTrainer needs trl=={TESTED_TRL} (this trl {trl.__version__} has no "
+                "GRPOTrainer._get_per_token_logps_and_entropies to override): pip install 'treetrain[trl]'"
+            )
+        if trl.__version__ != TESTED_TRL:
+            warnings.warn(
+                f"TreeGRPOTrainer is tested with trl=={TESTED_TRL}, this is trl {trl.__version__}: check "
+                "that its losses match trl.GRPOTrainer's (tests/test_integrations_trl.py)",
+                stacklevel=2,
+            )
         super().__init__(*args, **kwargs)
         peft_config = getattr(self.model, "active_peft_config", None)
         if peft_config is not None and getattr(peft_config, "is_prompt_learning", False):
