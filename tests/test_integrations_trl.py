@@ -134,10 +134,15 @@ def test_losses_and_updates_equal_trl(name, policy, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loss_type", ["sapo", "luspo", "vespo"])
-def test_more_loss_types_equal_trl(loss_type, policy, tmp_path):
-    trl_loss, trl_w, _ = train(GRPOTrainer, policy, tmp_path / "trl", loss_type=loss_type)
-    tree_loss, tree_w, _ = train(TreeGRPOTrainer, policy, tmp_path / "tree", loss_type=loss_type)
+@pytest.mark.parametrize(
+    "over",
+    [dict(loss_type="sapo"), dict(loss_type="luspo"), dict(loss_type="vespo"), dict(entropy_coef=0.05)],
+    ids=["sapo", "luspo", "vespo", "entropy_bonus"],
+)
+def test_more_loss_types_equal_trl(over, policy, tmp_path):
+    """The entropy bonus differentiates through the entropies: their gradient must match too."""
+    trl_loss, trl_w, _ = train(GRPOTrainer, policy, tmp_path / "trl", **over)
+    tree_loss, tree_w, _ = train(TreeGRPOTrainer, policy, tmp_path / "tree", **over)
     assert torch.allclose(tree_loss, trl_loss, rtol=1e-6, atol=1e-6), (tree_loss, trl_loss)
     assert update_err(tree_w, trl_w, initial(policy)) < 1e-5
 
