@@ -17,8 +17,11 @@ to the scored ones only on Triton devices) and the padding too, so CPU efficienc
 
 Usage::
 
-    python benchmarks/trl_grpo.py --quick                   # small CPU check (~1 min)
-    python benchmarks/trl_grpo.py --model qwen3-0.6b --write  # the full sweep (a GPU; minutes)
+    python benchmarks/trl_grpo.py --quick                                # small CPU check (~1 min)
+    python benchmarks/trl_grpo.py --model qwen3-0.6b --generation --write  # full sweep, a GPU
+    python benchmarks/trl_grpo.py --groups 8 --completion-lens 64 256 --repeats 1 --write  # CPU
+
+``--generation`` also times sampling the completions (HF ``generate``), reported in its own column.
 """
 
 from __future__ import annotations
@@ -120,7 +123,20 @@ def timed(fn, device: str) -> float:
     return time.perf_counter() - t
 
 
-def run_case(trainer, P, G, C, prompts, repeats, device, seed=0) -> dict:
+def generation_time(model, ids, P: int, C: int, device: str) -> float:
+    """Seconds to sample ``C`` new tokens for every row from its prompt (HF generate; the same for
+    both modes, reported beside the scoring, never added to it)."""
+    with torch.no_grad():
+        return timed(
+            lambda: model.generate(
+                ids[:, :P], attention_mask=torch.ones_like(ids[:, :P]), do_sample=True, max_new_tokens=C,
+                min_new_tokens=C, pad_token_id=0, eos_token_id=None,
+            ),
+            device,
+        )  # fmt: skip
+
+
+def run_case(trainer, P, G, C, prompts, repeats, device, seed=0, generation=False) -> dict:
     from trl import GRPOTrainer
 
     model = trainer.model
@@ -162,7 +178,9 @@ def run_case(trainer, P, G, C, prompts, repeats, device, seed=0) -> dict:
     med = {k: statistics.median(v) for k, v in times.items()}
     bound, base_tok, tree_tok = flop_bound(ids.cpu(), mask.cpu(), C, model.config)
     speed = med[("trl", "step")] / med[("tree", "step")]
+    gen = generation_time(model, ids, P, C, device) if generation else None
     return {
+        "generate": gen,
         "P": P, "G": G, "C": C, "rows": ids.shape[0], "path_tokens": base_tok, "tree_tokens": tree_tok,
         "trl_step": med[("trl", "step")], "tree_step": med[("tree", "step")], "speedup": speed,
         "nograd_speedup": med[("trl", "nograd")] / med[("tree", "nograd")],
@@ -171,18 +189,21 @@ def run_case(trainer, P, G, C, prompts, repeats, device, seed=0) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| P | G | C | path tok | tree tok | TRL step s | tree step s | speedup | no-grad speedup | "
-            "FLOP bound | efficiency | peak GiB TRL / tree |\n|" + "---|" * 12 + "\n")  # fmt: skip
+    head = (
+        "| P | G | C | path tok | tree tok | TRL step s | tree step s | speedup | no-grad speedup | "
+        "FLOP bound | efficiency | peak GiB TRL / tree | generate s (apart) |\n|" + "---|" * 13 + "\n"
+    )
     lines = []
     for r in rows:
         if "oom" in r:
-            lines.append(f"| {r['P']} | {r['G']} | {r['C']} | OOM in {r['oom']} |" + " |" * 8)
+            lines.append(f"| {r['P']} | {r['G']} | {r['C']} | OOM in {r['oom']} |" + " |" * 9)
             continue
         peak = " / ".join(f"{r['peak'][m]:.1f}" for m in ("trl", "tree")) if r["peak"] else "-"
         lines.append(
             f"| {r['P']} | {r['G']} | {r['C']} | {r['path_tokens']} | {r['tree_tokens']} | "
             f"{r['trl_step']:.3f} | {r['tree_step']:.3f} | {r['speedup']:.2f}x | "
-            f"{r['nograd_speedup']:.2f}x | {r['bound']:.2f}x | {r['efficiency']:.2f} | {peak} |"
+            f"{r['nograd_speedup']:.2f}x | {r['bound']:.2f}x | {r['efficiency']:.2f} | {peak} | "
+            f"{'-' if r['generate'] is None else format(r['generate'], '.2f')} |"
         )
     return head + "\n".join(lines) + "\n"
 
@@ -220,6 +241,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true", help="one small case (P=256, G=4, C=32): a CPU check")
+    ap.add_argument("--generation", action="store_true", help="also time sampling C tokens (reported apart)")
     ap.add_argument("--write", action="store_true", help="write the table and plot to benchmarks/results/")
     args = ap.parse_args(argv)
     if args.quick:
@@ -233,7 +255,18 @@ def main(argv=None) -> list[dict]:
             trainer, _ = make_trainer(args.model, args.device, dtype, G, workdir)
             for C in args.completion_lens:
                 for P in args.prompt_lens:
-                    rows.append(run_case(trainer, P, G, C, args.prompts, args.repeats, args.device))
+                    rows.append(
+                        run_case(
+                            trainer,
+                            P,
+                            G,
+                            C,
+                            args.prompts,
+                            args.repeats,
+                            args.device,
+                            generation=args.generation,
+                        )
+                    )
                     print(table(rows[-1:]).splitlines()[-1], flush=True)
             del trainer
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else hardware()
