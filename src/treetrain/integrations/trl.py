@@ -14,7 +14,9 @@ Swap the class, change nothing else::
                               train_dataset=dataset)
 
 Tested against TRL 1.16.0 (the ``trl`` extra pins it): the override relies on that version's
-signature of ``_get_per_token_logps_and_entropies`` and on its ``add_fused_lm_head`` forward patch.
+``_get_per_token_logps_and_entropies`` (arguments, 3-value return). The tree forward is requested
+through the model TRL passes in (``treetrain.integrations.wrapped``), so accelerate's autocast,
+DDP's gradient sync and PEFT's adapter switching (the reference of a LoRA policy) stay in effect.
 """
 
 from __future__ import annotations
