@@ -65,6 +65,7 @@ class TrainConfig:
     loss: dict[str, Any] = field(default_factory=dict)  # extra treetrain.losses.Objective fields
     reference: str = "model"  # KL reference: model (frozen initial copy) | data (ref_logprobs field)
     ref_model: str | None = None  # dpo: the frozen reference model's directory; None: the initial weights
+    advantages: str | None = None  # group | batch | none: GRPO advantages from per-path rewards
     # batching
     packing: str = "tree"  # tree: shared prefixes once; sequence: every path its own sequence
     capacity: int = 8192  # tokens per micro-batch (distinct tokens in tree mode)
@@ -241,7 +242,7 @@ _SAFETY_BOOLS = ("lazy_validate", "allow_data_change", "verbose")
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Check and normalize every option; returns a new config with types coerced."""
     c = dataclasses.replace(cfg, loss=dict(cfg.loss))
-    for name in ("data", "data_format", "tokenizer", "model", "attention", "ref_model"):
+    for name in ("data", "data_format", "tokenizer", "model", "attention", "ref_model", "advantages"):
         if getattr(c, name) is not None:
             setattr(c, name, _coerce(name, getattr(c, name), str))
     for name in ("objective", "reference", "packing", "schedule", "output", "device", "dtype"):
@@ -267,6 +268,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _choice("reference", c.reference, ("model", "data"))
     if c.data_format is not None:
         _choice("data_format", c.data_format, ("paths", "messages", "tree", "preference"))
+    if c.advantages is not None:
+        _choice("advantages", c.advantages, ("group", "batch", "none"))
     _positive("capacity", c.capacity)
     _positive("batch_trees", c.batch_trees)
     _positive("lr", c.lr)
@@ -396,6 +399,11 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "--reference",
         help="KL reference when loss.kl_coef > 0: model (a frozen copy of the initial model) or data "
         "(the data's ref_logprobs); default model",
+    )
+    g.add_argument(
+        "--advantages",
+        help="compute GRPO advantages from each record's per-path rewards (a record is a group), "
+        "scaled as TRL's scale_rewards: group | batch | none",
     )
     g.add_argument(
         "--packing",

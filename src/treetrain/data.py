@@ -76,7 +76,7 @@ _FORMAT_KEY = {"paths": "paths", "messages": "messages", "tree": "nodes", "prefe
 _META_KEYS = ("id", "meta")
 _KEYS = {
     "paths": ("paths", "loss_masks", "advantages", "weights", "old_logprobs", "ref_logprobs", "rewards"),
-    "messages": ("messages", "tools", "advantages", "weights"),
+    "messages": ("messages", "tools", "advantages", "weights", "rewards"),
     "tree": ("nodes", "advantages", "weights", "old_logprobs", "ref_logprobs", "rewards"),
 }
 _LOGPROB_TOLERANCE = 1e-4  # log-probabilities above this are an error (rounding can give +1e-7)
@@ -303,6 +303,8 @@ def _path_fields(
                 j = int(np.argmax(w < 0))
                 raise _Invalid(f"weights must be >= 0, got {value[j]}", key, j)
             out[key] = w
+        elif key == "rewards":  # one number per path (GRPO advantages: train --advantages)
+            out[key] = np.array([_scalar(v, (key, i)) for i, v in enumerate(value)])
         elif key == "advantages":
             if all(not isinstance(v, list) for v in value):
                 out[key] = np.array([_scalar(v, (key, i)) for i, v in enumerate(value)])
@@ -532,7 +534,7 @@ def _parse_messages(
         raise _Invalid(
             "per-token advantages need the paths format; give one number per conversation", "advantages"
         )
-    fields = _path_fields(rec, [p.size for p in paths], ("advantages", "weights"))
+    fields = _path_fields(rec, [p.size for p in paths], ("advantages", "weights", "rewards"))
     fields["loss_masks"] = masks
     return paths, fields, wheres
 

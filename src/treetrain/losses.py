@@ -428,12 +428,13 @@ def _require(meta: PathMeta, cfg: Objective, ref_given: bool) -> None:
             "(TrajectoryTree.from_paths(..., advantages=...), one scalar or one value per token per "
             "path)"
             + (
-                "; for GRPO, compute them with treetrain.losses.group_advantages"
+                "; for GRPO, give per-path \"rewards\" and train with --advantages group (or compute "
+                "them with treetrain.losses.group_advantages)"
                 if cfg.name == "grpo"
                 else ""
             )
         )
-    if cfg.name in _RATIO and meta.old_logprobs is None:
+    if cfg.name in _RATIO and cfg.name != "grpo" and meta.old_logprobs is None:
         raise ValueError(
             f"objective {cfg.name!r} needs old_logprobs (the sampling policy's log-prob of every "
             "target, len(path) - 1 values per path): give them in the data "
@@ -491,6 +492,8 @@ def objective(
     # a huge ratio times a zero coefficient cannot become NaN
     adv = torch.where(on, meta.advantages, 0.0) if meta.advantages is not None else None
     old = torch.where(on, meta.old_logprobs, logp.detach()) if meta.old_logprobs is not None else None
+    if old is None and cfg.name == "grpo":  # no old_logprobs: on-policy, ratio 1 (TRL, one iteration)
+        old = logp.detach()
 
     metrics: dict[str, torch.Tensor] = {}
     ratio = None

@@ -421,6 +421,10 @@ def make_batches(
         trees = list(itertools.islice(stream, cfg.batch_trees))
         if not trees:  # the run's last tree was read (``--epochs``)
             return
+        if cfg.advantages is not None:  # per-path rewards -> group-normalized advantages
+            from .advantages import assign_advantages
+
+            trees = assign_advantages(trees, cfg.advantages)
         consumed += len(trees)
         if cfg.objective in ("dpo", "reward"):  # whole pairs per micro-batch
             from .objectives_preference import pair_microbatches

@@ -305,7 +305,7 @@ def _validate_fields(lengths: list[int], **given) -> dict:
         if name in PER_PATH_SCALARS:
             out[name] = np.asarray(value, dtype=np.float64)
             if out[name].shape != (P,) or not np.isfinite(out[name]).all():
-                raise ValueError(f"{name}: must be one finite number per path, got {value}")
+                raise ValueError(f"{name}: expected one finite number per path, got {value}")
             continue
         if name == "advantages" and all(np.ndim(a) == 0 for a in value):
             out[name] = np.asarray(value, dtype=np.float64)
