@@ -403,7 +403,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--advantages",
         help="compute GRPO advantages from each record's per-path rewards (a record is a group), "
-        "scaled as TRL's scale_rewards: group | batch | none",
+        "scaled as TRL's scale_rewards: group | batch | none (default: unset, the records' advantages)",
     )
     g.add_argument(
         "--packing",
