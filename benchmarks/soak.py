@@ -50,18 +50,10 @@ def write_sample(d: Path) -> int:
 
 
 def write_model(d: Path, vocab: int) -> None:
-    import transformers
+    """``treetrain train``'s embedded tiny Qwen3, with the renumbered sample's vocabulary."""
+    from treetrain.train import default_model_config
 
-    transformers.Qwen3Config(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        tie_word_embeddings=True,
-    ).save_pretrained(d / "model")
+    default_model_config(vocab).save_pretrained(d / "model")
 
 
 def cpu_name() -> str:

@@ -56,28 +56,17 @@ def recording(model: nn.Module, coef: float | None) -> Iterator[list[torch.Tenso
 def micro_batch_aux_loss(
     model: nn.Module, packed: PackedTree, packing: str, router_logits: list[torch.Tensor]
 ) -> torch.Tensor:
-    """The load-balancing loss of one micro-batch's paths, from its forwards' router logits.
+    """The load-balancing loss of one micro-batch's paths, from its forward's router logits.
 
-    ``router_logits``: ``[T, E]`` per MoE layer of one forward over the packed micro-batch (a tree,
-    or the baseline's varlen sequences), or ``[len(p), E]`` per layer of each path's own forward in
-    path order.
+    ``router_logits``: ``[T, E]`` per MoE layer of the one forward over the micro-batch: the tree
+    (each token weighted by the paths through it) or, with ``sequence`` packing, the paths as packed
+    one-path trees (every row once).
     """
     cfg = getattr(model.config, "text_config", None) or model.config
-    top_k = cfg.num_experts_per_tok
-    path_tokens = int(packed.path_lengths.sum())
-    if packing == "tree":  # one tree forward: per-token weights = paths through the token
-        chunks = [(router_logits, path_count_weights(packed))]
-    elif router_logits[0].shape[0] == path_tokens:  # one forward over the paths as packed sequences
-        chunks = [(router_logits, torch.ones(path_tokens))]
+    if packing == "tree":
+        weights = path_count_weights(packed)
     else:
-        lengths = packed.path_lengths.tolist()
-        layers, rem = divmod(len(router_logits), len(lengths))
-        assert rem == 0, f"{len(router_logits)} router outputs for {len(lengths)} paths"
-        chunks = [
-            (router_logits[i * layers : (i + 1) * layers], torch.ones(n)) for i, n in enumerate(lengths)
-        ]
-    counts = probs = rows = 0.0
-    for logits, weights in chunks:
-        c, p, r = load_balancing_stats(logits, weights, top_k)
-        counts, probs, rows = counts + c, probs + p, rows + r
+        weights = torch.ones(int(packed.path_lengths.sum()))
+    assert router_logits[0].shape[0] == weights.shape[0], (router_logits[0].shape, weights.shape)
+    counts, probs, rows = load_balancing_stats(router_logits, weights, cfg.num_experts_per_tok)
     return probs.shape[0] * ((counts / rows) * (probs / rows)).sum()
