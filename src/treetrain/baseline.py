@@ -21,6 +21,7 @@ The only difference to the tree mode is the unit: paths instead of shared prefix
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -110,7 +111,8 @@ def baseline_path_logprobs(
     """
     if isinstance(trees, TrajectoryTree):
         trees = [trees]
-    seqs = sequences(trees)
+    # shallow copies: the same tree given twice must still yield two entries (indexed by id below)
+    seqs = [dataclasses.replace(s) for s in sequences(trees)]
     total = sum(s.num_tokens for s in seqs)
     cap = capacity or total
     # number every sequence so outputs return to input order after micro-batch packing
