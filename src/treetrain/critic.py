@@ -188,7 +188,7 @@ def build_critic(policy: nn.Module, cfg, distributed: bool = False) -> Critic:
     """
     import transformers
 
-    from .train import build_optimizer, configure_model
+    from .build import build_optimizer, configure_model
 
     if distributed:
         raise ValueError(
@@ -226,7 +226,7 @@ def _load_critic(path: str, cfg, like: torch.Tensor) -> nn.Module:
     no dropout), on the policy's device and dtype."""
     from pathlib import Path
 
-    from .train import build_model
+    from .build import build_model
 
     if not (Path(path) / "config.json").is_file():
         raise ValueError(

@@ -196,7 +196,7 @@ def save_or_explain(out: Path, step: int, model, optimizer, scheduler, trees_con
     from torch.distributed.checkpoint.api import CheckpointException
 
     from . import checkpoint
-    from .train import data_path
+    from .batches import data_path
 
     state = {
         "trees_consumed": trees_consumed,
