@@ -6,14 +6,26 @@ TRL's padded layout for ``--prompts`` prompts of ``P`` tokens with ``G`` complet
 lengths uniform in ``[C/2, C]`` (left-padded prompts, right-padded completions). The same batch goes
 through ``GRPOTrainer._get_per_token_logps_and_entropies`` (TRL: one padded forward) and the
 subclass's override (one tree forward per token budget), then ``backward`` of a GRPO-shaped loss
-``-(A * logp * mask).sum() / mask.sum()``. Generation is not run: it is the same for both.
-Modes alternate; each time is the median of ``--repeats`` after a warm-up.
+``-(A * logp * mask).sum() / mask.sum()``. Generation is not run: it is the same for all.
+Modes alternate; each time is the best of ``--repeats`` after a warm-up (the step least disturbed
+by other load on a shared machine).
 
-FLOP bound (``treetrain.flops.CostModel`` of the model): decoder FLOPs per token and per allowed
-attention pair, the LM head only on scored targets (TRL and the tree both head only completions on
-GPU), x3 for forward + backward; baseline = each row alone without padding, tree = distinct tokens.
-efficiency = measured speedup / bound. On CPU, TRL's fused head scores every position (it compacts
-to the scored ones only on Triton devices) and the padding too, so CPU efficiency can exceed 1.
+Three modes, the same batch and the same GRPO-shaped loss:
+
+- ``trl``: ``trl.GRPOTrainer``'s own scoring, as shipped: one padded ``[rows, P + C]`` forward;
+- ``per-path``: the library's per-path baseline (``treetrain.baseline``): every row alone, no
+  padding, varlen-packed, the chunked head on the scored completion tokens only, entropies too;
+- ``tree``: ``TreeGRPOTrainer``'s override, each prompt once.
+
+Two bounds, each counting what its two modes compute (``treetrain.flops``: decoder FLOPs per token
+run, attention per pair computed, the LM head per target scored, x3 for forward + backward):
+
+- vs TRL: TRL runs every padded position through the decoder; its padding mask makes SDPA compute
+  the full ``L x L`` scores of every row (an explicit mask: no causal skip); its fused head scores
+  every position on CPU (it compacts to the scored ones only on Triton devices, i.e. CUDA) and the
+  scored ones on CUDA. ``efficiency = speedup / bound``;
+- vs the per-path baseline: each row alone without padding, causal pairs, the head on scored
+  targets; tree = distinct tokens.
 
 Usage::
 
@@ -29,7 +41,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -98,19 +109,41 @@ def make_batch(prompts: int, P: int, G: int, C: int, vocab: int, seed: int):
     return ids, mask, mask[:, P:].clone()
 
 
-def flop_bound(ids, mask, C, cfg) -> tuple[float, int, int]:
-    """(baseline / tree training FLOPs, baseline tokens, tree tokens); the head on scored targets only."""
+def bounds(ids, mask, C, cfg, device: str) -> dict:
+    """Work and bounds of one batch: ``{"trl", "per_path", "tree"}`` training FLOPs, the two bounds,
+    baseline and tree token counts. See the module docstring for what each mode computes."""
+    from treetrain.flops import Work
+
     tree = FlatBatch.build(ids, mask, logits_to_keep=C).tree
     cost = CostModel.from_config(cfg)
-    head = 2.0 * cfg.hidden_size * cfg.vocab_size
+    rows, L = ids.shape
     scored = int(mask[:, -C:].sum())
-    per_tok = cost.per_token - head
+    on_triton = device == "cuda"
+    trl = Work(tokens=rows * L, pairs=rows * L * L, targets=scored if on_triton else rows * (L - 1))
+    per_path = Work(tokens=tree.num_path_tokens, pairs=baseline_pairs(tree), targets=scored)
+    tree_w = Work(tokens=tree.num_tokens, pairs=tree_pairs(tree), targets=scored)
+    f = {k: w.flops(cost) for k, w in (("trl", trl), ("per_path", per_path), ("tree", tree_w))}
+    return {
+        "flops": f,
+        "bound_trl": f["trl"] / f["tree"],
+        "bound": f["per_path"] / f["tree"],
+        "path_tokens": tree.num_path_tokens,
+        "tree_tokens": tree.num_tokens,
+    }
 
-    def flops(tokens, pairs):
-        return 3.0 * (tokens * per_tok + pairs * cost.per_pair + scored * head)
 
-    base = flops(tree.num_path_tokens, baseline_pairs(tree))
-    return base / flops(tree.num_tokens, tree_pairs(tree)), tree.num_path_tokens, tree.num_tokens
+def per_path_trees(ids, mask, C: int):
+    """Every row alone as a one-path tree (its real tokens, no padding), completions trained."""
+    from treetrain import TrajectoryTree
+
+    trees = []
+    for r in range(ids.shape[0]):
+        real = mask[r].bool()
+        toks = ids[r][real].cpu().numpy()
+        loss = torch.zeros(ids.shape[1], dtype=torch.float32)
+        loss[-C:] = 1.0
+        trees.append(TrajectoryTree.from_paths([toks], loss_masks=[loss[real.cpu()].numpy()]))
+    return trees
 
 
 def timed(fn, device: str) -> float:
@@ -139,11 +172,18 @@ def generation_time(model, ids, P: int, C: int, device: str) -> float:
 def run_case(trainer, P, G, C, prompts, repeats, device, seed=0, generation=False) -> dict:
     from trl import GRPOTrainer
 
+    from treetrain.losses import Objective, compute_loss, loss_normalizer
+    from treetrain.packing import pack
+    from treetrain.strategies import get_strategy
+
     model = trainer.model
     vocab = model.config.vocab_size
     ids, mask, comp_mask = make_batch(prompts, P, G, C, vocab, seed)
     ids, mask, comp_mask = ids.to(device), mask.to(device), comp_mask.to(device)
     adv = torch.randn(ids.shape[0], 1, device=device)
+    trees = per_path_trees(ids, mask, C)
+    sft, norm = Objective("sft"), loss_normalizer(trees, Objective("sft"))
+    micro = [pack(mb) for mb in get_strategy("sequence").microbatches(trees, ids.numel())]
     modes = {
         "trl": lambda *a, **k: GRPOTrainer._get_per_token_logps_and_entropies(trainer, *a, **k),
         "tree": trainer._get_per_token_logps_and_entropies,
@@ -155,43 +195,54 @@ def run_case(trainer, P, G, C, prompts, repeats, device, seed=0, generation=Fals
         loss.backward()
         model.zero_grad(set_to_none=True)
 
+    def per_path_step():  # the same head (entropies too) on the same scored targets
+        for packed in micro:
+            compute_loss(model, packed, sft, norm, backend=trainer.tree_backend)[0].backward()
+        model.zero_grad(set_to_none=True)
+
     def nograd(score):
         with torch.no_grad():
             score(model, ids, mask, C, batch_size=G)
 
-    times = {(m, k): [] for m in modes for k in ("step", "nograd")}
+    runs = {m: (lambda s=s: step(s)) for m, s in modes.items()} | {"per_path": per_path_step}
+    times = {k: [] for k in (*runs, "trl_nograd", "tree_nograd")}
     peak = {}
     for r in range(repeats + 1):
-        for m, score in modes.items():
+        for m, run in runs.items():
             if device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             try:
-                t_step = timed(lambda score=score: step(score), device)
-                t_ng = timed(lambda score=score: nograd(score), device)
+                t_step = timed(run, device)
+                t_ng = timed(lambda m=m: nograd(modes[m]), device) if m in modes else None
             except torch.OutOfMemoryError:
                 return {"P": P, "G": G, "C": C, "oom": m}
             if device == "cuda":
                 peak[m] = torch.cuda.max_memory_allocated() / 2**30
             if r:  # the first round is the warm-up
-                times[(m, "step")].append(t_step)
-                times[(m, "nograd")].append(t_ng)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    bound, base_tok, tree_tok = flop_bound(ids.cpu(), mask.cpu(), C, model.config)
-    speed = med[("trl", "step")] / med[("tree", "step")]
+                times[m].append(t_step)
+                if t_ng is not None:
+                    times[m + "_nograd"].append(t_ng)
+    best = {k: min(v) for k, v in times.items()}
+    b = bounds(ids.cpu(), mask.cpu(), C, model.config, device)
+    speed = best["trl"] / best["tree"]
+    speed_pp = best["per_path"] / best["tree"]
     gen = generation_time(model, ids, P, C, device) if generation else None
     return {
         "generate": gen,
-        "P": P, "G": G, "C": C, "rows": ids.shape[0], "path_tokens": base_tok, "tree_tokens": tree_tok,
-        "trl_step": med[("trl", "step")], "tree_step": med[("tree", "step")], "speedup": speed,
-        "nograd_speedup": med[("trl", "nograd")] / med[("tree", "nograd")],
-        "bound": bound, "efficiency": speed / bound, "peak": peak,
+        "P": P, "G": G, "C": C, "rows": ids.shape[0], "path_tokens": b["path_tokens"],
+        "tree_tokens": b["tree_tokens"], "trl_step": best["trl"], "per_path_step": best["per_path"],
+        "tree_step": best["tree"], "speedup": speed, "bound_trl": b["bound_trl"],
+        "efficiency_trl": speed / b["bound_trl"], "speedup_per_path": speed_pp, "bound": b["bound"],
+        "efficiency": speed_pp / b["bound"], "nograd_speedup": best["trl_nograd"] / best["tree_nograd"],
+        "peak": peak,
     }  # fmt: skip
 
 
 def table(rows: list[dict]) -> str:
     head = (
-        "| P | G | C | path tok | tree tok | TRL step s | tree step s | speedup | no-grad speedup | "
-        "FLOP bound | efficiency | peak GiB TRL / tree | generate s (apart) |\n|" + "---|" * 13 + "\n"
+        "| P | G | C | path tok | tree tok | TRL step s | per-path step s | tree step s | vs TRL: speedup "
+        "/ bound / efficiency | vs per-path: speedup / bound / efficiency | no-grad speedup vs TRL "
+        "| peak GiB TRL / tree | generate s (apart) |\n|" + "---|" * 13 + "\n"
     )
     lines = []
     for r in rows:
@@ -201,8 +252,10 @@ def table(rows: list[dict]) -> str:
         peak = " / ".join(f"{r['peak'][m]:.1f}" for m in ("trl", "tree")) if r["peak"] else "-"
         lines.append(
             f"| {r['P']} | {r['G']} | {r['C']} | {r['path_tokens']} | {r['tree_tokens']} | "
-            f"{r['trl_step']:.3f} | {r['tree_step']:.3f} | {r['speedup']:.2f}x | "
-            f"{r['nograd_speedup']:.2f}x | {r['bound']:.2f}x | {r['efficiency']:.2f} | {peak} | "
+            f"{r['trl_step']:.3f} | {r['per_path_step']:.3f} | {r['tree_step']:.3f} | "
+            f"{r['speedup']:.2f}x / {r['bound_trl']:.2f}x / **{r['efficiency_trl']:.2f}** | "
+            f"{r['speedup_per_path']:.2f}x / {r['bound']:.2f}x / **{r['efficiency']:.2f}** | "
+            f"{r['nograd_speedup']:.2f}x | {peak} | "
             f"{'-' if r['generate'] is None else format(r['generate'], '.2f')} |"
         )
     return head + "\n".join(lines) + "\n"
@@ -215,18 +268,26 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     ok = [r for r in rows if "oom" not in r]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for G, C in sorted({(r["G"], r["C"]) for r in ok}):
-        sel = sorted((r for r in ok if (r["G"], r["C"]) == (G, C)), key=lambda r: r["P"])
-        P = [r["P"] for r in sel]
-        (line,) = ax.plot(P, [r["speedup"] for r in sel], "o-", label=f"G={G}, C={C}")
-        ax.plot(P, [r["bound"] for r in sel], "--", color=line.get_color(), alpha=0.6)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("prompt tokens P")
-    ax.set_ylabel("speedup over TRL (dashed: FLOP bound)")
-    ax.set_title("GRPO scoring + backward: TreeGRPOTrainer vs TRL")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, (key, bound, title) in zip(
+        axes,
+        [
+            ("speedup", "bound_trl", "vs trl.GRPOTrainer as shipped"),
+            ("speedup_per_path", "bound", "vs the per-path baseline (no padding)"),
+        ],
+    ):
+        for G, C in sorted({(r["G"], r["C"]) for r in ok}):
+            sel = sorted((r for r in ok if (r["G"], r["C"]) == (G, C)), key=lambda r: r["P"])
+            P = [r["P"] for r in sel]
+            (line,) = ax.plot(P, [r[key] for r in sel], "o-", label=f"G={G}, C={C}")
+            ax.plot(P, [r[bound] for r in sel], "--", color=line.get_color(), alpha=0.6)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("prompt tokens P")
+        ax.set_ylabel("speedup (dashed: FLOP bound)")
+        ax.set_title(f"GRPO scoring + backward: tree {title}", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

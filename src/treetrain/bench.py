@@ -109,7 +109,7 @@ def one_path_tree(length: int, vocab: int, seed: int = 0) -> TrajectoryTree:
 def _objective():
     from .losses import Objective
 
-    return Objective("sft")
+    return Objective("sft", report_entropy=False)  # as a plain HF step: no entropy metric
 
 
 def prepare(mode: str, trees: list[TrajectoryTree], capacity: int) -> list:
@@ -291,10 +291,24 @@ def case_flops(trees, capacity: int, cost: CostModel) -> tuple[float, float, int
     return baseline_work(trees).flops(cost), tree_work(parts).flops(cost), sum(p.num_tokens for p in parts)
 
 
+def case_capacity(trees: list[TrajectoryTree], capacity: int) -> int:
+    """The micro-batch budget both modes use on a case: ``capacity``, or the case's distinct tokens
+    when fewer (then the tree mode runs one forward and the baseline's forwards are no larger).
+
+    Per-token cost grows with the micro-batch on CPU (activations leave the caches: the baseline's
+    8k-token forwards ran at MFU 0.66 where 4k-token ones ran at 0.77), so a budget far above the
+    tree's size would charge the baseline for a choice a careful user would not make. Example:
+    16 paths of 256 sharing 218 tokens, ``--capacity 4096``: the tree has 826 tokens, so both modes
+    take micro-batches of at most 826 (the baseline: 3 paths, 768 tokens, per forward).
+    """
+    return max(1, min(capacity, sum(t.num_tokens for t in trees)))
+
+
 def run_case(
     name, model, model_args, trees, capacity, repeats, backend, cost: CostModel, rate: float, memory: bool
 ) -> Result:
     device = model.get_input_embeddings().weight.device
+    capacity = case_capacity(trees, capacity)
     base_flops, tree_flops, computed = case_flops(trees, capacity, cost)
     modes = ["sequence", "tree"] + (["hf"] if all(t.num_paths == 1 for t in trees) else [])
     micro = {m: prepare(m, trees, capacity) if m != "hf" else [] for m in modes}
@@ -557,7 +571,7 @@ def main(args: argparse.Namespace) -> int:
     # work of every case: both modes, warm-up + repeats, plus the untimed log-prob check (~1/3 step)
     work = [
         (args.repeats + 1.4) * (b + t)
-        for b, t, _ in (case_flops(trees, args.capacity, cost) for _, trees in cases)
+        for b, t, _ in (case_flops(trees, case_capacity(trees, args.capacity), cost) for _, trees in cases)
     ]
     results, t_start, sec_per_flop = [], time.perf_counter(), 1 / (0.3 * rate)
     for i, (name, trees) in enumerate(cases):

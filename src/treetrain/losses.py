@@ -118,6 +118,8 @@ class Objective:
     entropy_coef: entropy bonus weight (the loss subtracts ``entropy_coef * H``).
     use_token_weights: run linear objectives (sft, reinforce; no KL) as per-token weights on the
       tree log-probs instead of the expanded per-path view (same value, same gradient).
+    report_entropy: compute the entropy metric even when ``entropy_coef == 0`` (one more pass over
+      every head chunk's logits); False skips it (``treetrain bench`` does, as a plain HF step does).
     """
 
     name: str = "sft"
@@ -130,6 +132,7 @@ class Objective:
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
     use_token_weights: bool = True
+    report_entropy: bool = True
 
     def __post_init__(self) -> None:
         if self.name not in OBJECTIVES:
@@ -593,7 +596,8 @@ def _token_weight_loss(
         ent_loss = (w_ent * ent).sum()
         loss = loss - cfg.entropy_coef * ent_loss
         metrics["entropy_loss"] = ent_loss
-    metrics["entropy_sum"] = (count * ent).sum()
+    if ent is not None:
+        metrics["entropy_sum"] = (count * ent).sum()
     metrics["loss"] = loss
     metrics["logprob_sum"] = (count * logp).sum()
     metrics.update(_counts(meta))
@@ -641,7 +645,9 @@ def compute_loss(
     # Every objective and metric reads masked targets only: score just those in the LM head.
     needed = torch.zeros(packed.num_tokens, dtype=torch.bool)
     needed[packed.target_index()[meta.mask.cpu() > 0]] = True
-    logp, ent = tree_logprobs(model, packed, backend, chunk, needed=needed)
+    with_ent = cfg.entropy_coef != 0 or cfg.report_entropy
+    logp, ent = tree_logprobs(model, packed, backend, chunk, entropy=with_ent, needed=needed)
+    ent = ent if with_ent else None
     meta = meta.to(logp.device, logp.dtype)
     if objective_needs(cfg).token_weights:
         return _token_weight_loss(logp, ent, meta, packed, cfg, normalizer)
@@ -651,7 +657,9 @@ def compute_loss(
         with torch.no_grad():
             ref = tree_logprobs(ref_model, packed, backend, chunk, needed=needed)[0]
             ref = ref.to(logp.device).index_select(0, target)
-    ent_paths = ent.index_select(0, target) if cfg.entropy_coef != 0 else ent.detach().index_select(0, target)
+    ent_paths = None
+    if ent is not None:
+        ent_paths = (ent if cfg.entropy_coef != 0 else ent.detach()).index_select(0, target)
     return objective(logp.index_select(0, target), meta, cfg, normalizer, entropy=ent_paths, ref_logprobs=ref)
 
 

@@ -56,54 +56,21 @@ def _tree_attention(module, query, key, value, attention_mask, scaling=None, dro
         extra["window"] = window
     if softcap is not None:
         extra["softcap"] = softcap
-    segments = None if extra or mask.backend in ("cp", "depth_first") else chain_segments(mask)
-    if segments is not None:
-        # a forest of plain sequences (one path each, e.g. the baseline's varlen micro-batch): SDPA's
-        # causal kernel on each, as the HF model runs each alone (flash-attn varlen does the same)
+    if not extra and mask.backend not in ("cp", "depth_first") and _one_sequence(mask):
+        # one plain causal sequence (e.g. a one-path tree): SDPA's causal kernel, as the HF model runs
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         kwargs = {k: v for k, v in kwargs.items() if k not in ("tree_mask", "packed_tree", "is_causal")}
-        outs = [
-            sdpa_attention_forward(
-                module,
-                query[:, :, s:e],
-                key[:, :, s:e],
-                value[:, :, s:e],
-                None,
-                scaling=scaling,
-                is_causal=True,
-                **kwargs,
-            )[0]
-            for s, e in segments
-        ]
-        return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
+        return sdpa_attention_forward(
+            module, query, key, value, None, scaling=scaling, is_causal=True, **kwargs
+        )
     out = get_backend(mask.backend)(query[0], key[0], value[0], mask, scaling, **extra)
     return out.transpose(0, 1).unsqueeze(0), None
 
 
-def chain_segments(mask: TreeMask) -> list[tuple[int, int]] | None:
-    """``[(start, end), ...]`` when the mask is a forest of plain causal sequences (every tree one
-    path), else None (cached per forward).
-
-    A chain forest is exactly ``subtree_end[k] == subtree_end[k - 1]`` (same sequence) or
-    ``k == subtree_end[k - 1]`` (the next one starts) for every ``k >= 1``. Example: sequences
-    ``[A B C]``, ``[D E]`` have ``subtree_end = [3, 3, 3, 5, 5]`` -> ``[(0, 3), (3, 5)]``; the tree
-    ``A B C | D`` (paths ``A B C``, ``A B D``) has ``[4, 4, 3, 4]``: at ``k = 2``, ``3 != 4`` and
-    ``2 != 4``, so None.
-    """
-
-    def build():
-        se = mask.subtree_end
-        if se.numel() == 0:
-            return None
-        k = torch.arange(1, se.numel(), device=se.device)
-        same, starts = se[1:] == se[:-1], k == se[:-1]
-        if not bool((same | starts).all()):
-            return None
-        bounds = [0, *k[starts].tolist(), se.numel()]
-        return list(zip(bounds[:-1], bounds[1:]))
-
-    return mask.cached("chain_segments", build)
+def _one_sequence(mask: TreeMask) -> bool:
+    """Whether the mask is one plain causal sequence (every key visible to every later query)."""
+    return mask.cached("one_sequence", lambda: bool((mask.subtree_end == mask.num_tokens).all()))
 
 
 def _effective_window(mask: TreeMask, window: int | None) -> int | None:
