@@ -287,6 +287,23 @@ def test_token_weights_equal_expanded(cfg):
         assert abs(fast_m[k].item() - slow_m[k].item()) <= 1e-13 * max(1.0, abs(slow_m[k].item())), k
 
 
+@pytest.mark.parametrize("name", ["sft", "grpo"])
+def test_skipping_the_entropy_metric_changes_nothing_else(name):
+    """``report_entropy=False`` (what ``treetrain bench`` runs) gives the same loss and gradients as
+    the default and drops only the entropy metric; float64, so equality is to rounding (1e-13)."""
+    cfg = Objective(name)
+    quiet = Objective(name, report_entropy=False)
+    with float64_casts():
+        model = tiny_model("qwen3", seed=4)
+        lps = baseline_logprobs(reference_copy(model), GROUP)
+        tree = build_tree(GROUP, random_data(GROUP, lps, 7, per_token_adv=False))
+        N = loss_normalizer(tree, cfg)
+        loud, loud_g, loud_m = tree_loss_and_grads(model, tree, cfg, N)
+        calm, calm_g, calm_m = tree_loss_and_grads(model, tree, quiet, N)
+    assert loss_err(calm, loud) < 1e-13 and grad_err(calm_g, loud_g) < 1e-13
+    assert "entropy_sum" in loud_m and set(loud_m) - set(calm_m) == {"entropy_sum"}
+
+
 def test_token_weights_by_hand():
     """Paths [1 2 3], [1 2 4], [1 2 3]: DFS tokens 1 2 3 4; token 2 is a target in every path."""
     tree = TrajectoryTree.from_paths(

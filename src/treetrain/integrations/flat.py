@@ -232,6 +232,15 @@ def score_packed(
     return full_logp, (full_ent.index_copy(0, targets, ent) if entropy else full_ent)
 
 
+def score_parts(input_ids, attention_mask, logits_to_keep, score_mask, max_tokens, score):
+    """The rows as a :class:`FlatBatch`, its parts under ``max_tokens``, and ``score(part) ->
+    (logp [T], ent [T])`` of each: ``(batch, parts, logps, ents)``, ready for ``batch.scatter``."""
+    batch = FlatBatch.build(input_ids, attention_mask, logits_to_keep=logits_to_keep, score_mask=score_mask)
+    parts = batch.parts(max_tokens)
+    scored = [score(part) for part in parts]
+    return batch, parts, [lp for lp, _ in scored], [ent for _, ent in scored]
+
+
 def flat_logprobs(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -257,12 +266,14 @@ def flat_logprobs(
     >>> flat_logprobs(model, ids, am, logits_to_keep=2).shape  # [5, 6] runs once
     torch.Size([2, 2])
     """
-    batch = FlatBatch.build(input_ids, attention_mask, logits_to_keep=logits_to_keep, score_mask=score_mask)
     device = model.get_input_embeddings().weight.device
-    parts = batch.parts(max_tokens)
-    logps, ents = [], []
-    for part in parts:
-        lp, ent = score_packed(
+    batch, parts, logps, ents = score_parts(
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        score_mask,
+        max_tokens,
+        lambda part: score_packed(
             model,
             part.packed,
             part.needed,
@@ -270,9 +281,8 @@ def flat_logprobs(
             entropy=return_entropy,
             backend=backend,
             chunk=chunk,
-        )
-        logps.append(lp)
-        ents.append(ent)
+        ),
+    )
     dtype = _out_dtype(model)
     out = batch.scatter(parts, logps, dtype=dtype, device=device)
     return (out, batch.scatter(parts, ents, dtype=dtype, device=device)) if return_entropy else out

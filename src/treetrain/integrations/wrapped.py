@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..models import prepare_model
-from .flat import FlatBatch, FlatPart, score_packed
+from .flat import FlatPart, score_packed, score_parts
 
 __all__ = ["REQUEST_KWARG", "install_tree_scoring", "wrapped_flat_logprobs"]
 
@@ -78,15 +78,15 @@ def wrapped_flat_logprobs(
     a context-manager factory entered around each call (e.g. ``accelerator.autocast``). Same results,
     same layout; the entropies are all zeros unless ``return_entropy``.
     """
-    batch = FlatBatch.build(input_ids, attention_mask, logits_to_keep=logits_to_keep, score_mask=score_mask)
-    parts = batch.parts(max_tokens)
     options = dict(temperature=temperature, entropy=return_entropy, backend=backend, chunk=chunk,
                    head_fp32=head_fp32)  # fmt: skip
-    logps, ents = [], []
-    for part in parts:
+
+    def score(part):
         with autocast() if autocast is not None else contextlib.nullcontext():
-            lp, ent = model(**{REQUEST_KWARG: _Request(part, **options)})
-        logps.append(lp)
-        ents.append(ent)
+            return model(**{REQUEST_KWARG: _Request(part, **options)})
+
+    batch, parts, logps, ents = score_parts(
+        input_ids, attention_mask, logits_to_keep, score_mask, max_tokens, score
+    )
     out = batch.scatter(parts, logps, device=input_ids.device)
     return out, batch.scatter(parts, ents, device=input_ids.device)
