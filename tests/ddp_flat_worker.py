@@ -38,6 +38,11 @@ def main(out: str) -> None:
     logp, _ = wrapped_flat_logprobs(ddp, ids, mask, logits_to_keep=3, backend="dense")
     loss(logp, rank).backward()
     torch.save({n: p.grad for n, p in model.named_parameters()}, f"{out}.{rank}")
+    # Orderly teardown: DDP's reducer holds the process group, so release it first, and let no rank
+    # close its gloo connections while the other is still using them (a CI run once saw rank 1
+    # abort in teardown, "terminate called without an active exception", after the work was done).
+    del ddp
+    dist.barrier()
     dist.destroy_process_group()
 
 
