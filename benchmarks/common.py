@@ -7,6 +7,8 @@ import os
 import platform
 from pathlib import Path
 
+from treetrain import allocator
+
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -22,7 +24,26 @@ def cpu_name() -> str:
 
 
 def hardware() -> str:
-    return f"{cpu_name()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    return (
+        f"{cpu_name()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+        f"allocator {allocator.active()}"
+    )
+
+
+def add_allocator_flag(parser) -> None:
+    """``--allocator`` (``treetrain.allocator``): CPU runs re-execute under tcmalloc when installed."""
+    parser.add_argument(
+        "--allocator",
+        choices=allocator.CHOICES,
+        default="auto",
+        help="CPU memory allocator (auto: tcmalloc, else jemalloc, when installed; glibc malloc "
+        "page-faults every buffer over 32 MiB on each step and skews CPU timings)",
+    )
+
+
+def use_allocator(args, device: str = "cpu") -> str:
+    """Switch to ``args.allocator`` on CPU (may re-execute the script); the allocator in use."""
+    return allocator.use(args.allocator) if device == "cpu" else allocator.active()
 
 
 def result_path(name: str, device: str = "cpu") -> Path:

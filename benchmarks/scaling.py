@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import hardware, result_path  # noqa: E402
+from benchmarks.common import add_allocator_flag, hardware, result_path, use_allocator  # noqa: E402
 from treetrain import bench  # noqa: E402
 from treetrain.flops import CostModel  # noqa: E402
 
@@ -175,9 +175,11 @@ def main() -> None:
     p.add_argument("--plot", action="store_true", help="write a PNG beside the results file")
     p.add_argument("--profile", action="store_true", help="torch.profiler top ops of the largest tree step")
     p.add_argument("--write", action="store_true", help="write benchmarks/results/scaling_*.md")
+    add_allocator_flag(p)
     args = p.parse_args()
 
     device = torch.device(args.device)
+    use_allocator(args, device.type)
     dtype = (
         getattr(torch, args.dtype)
         if args.dtype

@@ -50,7 +50,7 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import hardware, result_path  # noqa: E402
+from common import add_allocator_flag, hardware, result_path, use_allocator  # noqa: E402
 
 from treetrain.flops import CostModel, baseline_pairs, tree_pairs  # noqa: E402
 from treetrain.integrations.flat import FlatBatch  # noqa: E402
@@ -304,7 +304,10 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--quick", action="store_true", help="one small case (P=256, G=4, C=32): a CPU check")
     ap.add_argument("--generation", action="store_true", help="also time sampling C tokens (reported apart)")
     ap.add_argument("--write", action="store_true", help="write the table and plot to benchmarks/results/")
+    add_allocator_flag(ap)
     args = ap.parse_args(argv)
+    if argv is None:  # this process is the command: it may re-execute itself under tcmalloc
+        use_allocator(args, args.device)
     if args.quick:
         args.prompt_lens, args.groups, args.completion_lens, args.repeats = [256], [4], [32], 2
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32

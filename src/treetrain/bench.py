@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from . import allocator
 from .flops import CostModel, baseline_work, tree_work
 from .packing import pack
 from .tree import TrajectoryTree
@@ -438,6 +439,14 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument(
         "--memory", action="store_true", help="also peak memory per mode (CPU: a fresh process each)"
     )
+    p.add_argument(
+        "--allocator",
+        choices=allocator.CHOICES,
+        default="auto",
+        help="CPU memory allocator: auto re-runs the command under tcmalloc (else jemalloc) when "
+        "installed, since glibc malloc page-faults every buffer over 32 MiB on each step and skews CPU "
+        "timings (apt-get install libtcmalloc-minimal4); recorded with the results",
+    )
     p.add_argument("--backend", default=None, help="tree attention backend (default: by device)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="device")
     p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA default)")
@@ -552,6 +561,9 @@ def plot(results: list[Result], out: str) -> None:
 def main(args: argparse.Namespace) -> int:
     args = resolve(args)
     device = torch.device(args.device)
+    if device.type == "cpu" and getattr(args, "from_command_line", False):
+        allocator.use(args.allocator)  # may re-execute this command under tcmalloc
+    args.allocator_used = allocator.active()
     dtype = (
         getattr(torch, args.dtype)
         if args.dtype
@@ -564,7 +576,7 @@ def main(args: argparse.Namespace) -> int:
     print(
         f"treetrain bench: preset {args.preset}, hidden {args.hidden}, {args.layers} layers, "
         f"vocab {args.vocab}, "
-        f"{dtype}, {device}; dense matmul rate {rate / 1e9:,.1f} GFLOP/s",
+        f"{dtype}, {device}; dense matmul rate {rate / 1e9:,.1f} GFLOP/s; allocator {args.allocator_used}",
         flush=True,
     )
     cases = _cases(args, args.vocab)
@@ -595,7 +607,11 @@ def main(args: argparse.Namespace) -> int:
         results.append(r)
     print(f"\ndone in {time.perf_counter() - t_start:.0f} s\n")
     print(format_table(results))
-    report = {"matmul_gflops": rate / 1e9, "results": [asdict(r) for r in results]}
+    report = {
+        "matmul_gflops": rate / 1e9,
+        "allocator": args.allocator_used,
+        "results": [asdict(r) for r in results],
+    }
     if args.out:
         stem = os.path.join(
             args.out, f"treetrain_bench_{args.preset}_{hardware_slug(device)}_{time.strftime('%Y-%m-%d')}"
@@ -635,7 +651,8 @@ def results_header(args, rate: float, dtype, device) -> str:
         f"# treetrain bench, preset {args.preset}\n\n"
         f"- command: `treetrain {' '.join(sys.argv[1:]) or 'bench'}`\n"
         f"- hardware: {hardware_slug(device)} ({platform.processor() or platform.machine()}), torch "
-        f"{torch.__version__}, {torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d %H:%M')}\n"
+        f"{torch.__version__}, {torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d %H:%M')}, "
+        f"allocator {getattr(args, 'allocator_used', allocator.active())}\n"
         f"- model: Qwen3-shaped, hidden {args.hidden}, {args.layers} layers, {args.heads} heads, vocab "
         f"{args.vocab}, {dtype}; dense matmul rate {rate / 1e9:,.1f} GFLOP/s\n"
         "- baseline: treetrain.baseline, every path its own sequence, packed padding-free (varlen) "

@@ -79,6 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``treetrain`` script. Bad options exit with status 2 and one message."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.from_command_line = argv is None  # the process is this command: it may re-execute itself
     if args.command is None:
         parser.print_help()
         return 2

@@ -1,0 +1,100 @@
+"""Which memory allocator a CPU benchmark runs under, and re-running it under a better one.
+
+glibc's malloc serves every buffer above 32 MiB with a fresh ``mmap`` and gives it back on free, so
+each large activation is page-faulted (and zeroed by the kernel) again on every step. On a 2-core
+CPU that made elementwise ops 2-10x slower per element than under tcmalloc (``aten::sub`` in the LM
+head: 295-613 ms vs 28-34 ms per step, hidden 1024, 4k tokens) and, worse for a comparison, by a
+different factor in each mode: their buffers differ in size and count. FLOPs cannot price that, so
+CPU benchmarks run under tcmalloc (or jemalloc) when one is installed (Debian:
+``apt-get install libtcmalloc-minimal4``), and every result records the allocator it ran under.
+
+Example: ``use("auto")`` in a process on glibc malloc, with tcmalloc installed, replaces the process
+by the same command with ``LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4``; in the
+new process ``active()`` returns ``"tcmalloc"`` and ``use("auto")`` returns it at once.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import glob
+import os
+import sys
+
+__all__ = ["CHOICES", "active", "find", "use"]
+
+CHOICES = ("auto", "tcmalloc", "jemalloc", "system")
+_LIBS = {"tcmalloc": ("tcmalloc_minimal", "tcmalloc"), "jemalloc": ("jemalloc",)}
+_MARK = "TREETRAIN_ALLOCATOR_REEXEC"  # set in the re-executed process: never re-execute twice
+
+
+def active() -> str:
+    """``"tcmalloc"``, ``"jemalloc"`` or ``"system"``: the allocator mapped into this process."""
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+    except OSError:  # not Linux: nothing is preloaded by us
+        return "system"
+    return next((name for name in ("tcmalloc", "jemalloc") if f"lib{name}" in maps), "system")
+
+
+def find(name: str) -> str | None:
+    """The path of an installed ``name`` library (``tcmalloc`` | ``jemalloc``), or None."""
+    for lib in _LIBS[name]:
+        for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib"):
+            hits = sorted(glob.glob(f"{d}/lib{lib}.so*"))
+            if hits:
+                return hits[0]
+        so = ctypes.util.find_library(lib)
+        if so:
+            return so
+    return None
+
+
+def _command() -> list[str]:
+    """This process's command line, runnable again (``python -m pkg`` comes back as such)."""
+    if sys.argv[0].endswith("__main__.py"):
+        return [sys.executable, "-m", os.path.basename(os.path.dirname(sys.argv[0])), *sys.argv[1:]]
+    return [sys.executable, *sys.argv]
+
+
+def use(choice: str = "auto", quiet: bool = False) -> str:
+    """Make sure this process runs under ``choice``; returns the allocator in use.
+
+    ``auto``: tcmalloc, else jemalloc, when installed, else the system's (with a note how to get
+    tcmalloc). ``tcmalloc`` / ``jemalloc``: that one, or ``ValueError`` if it is not installed.
+    ``system``: whatever runs now. Switching re-executes the process (``os.execve``) with the
+    library in ``LD_PRELOAD``: call this first thing in a program's ``main``, never in a library call.
+    """
+    if choice not in CHOICES:
+        raise ValueError(f"--allocator {choice!r}: choose one of {', '.join(CHOICES)}")
+    now = active()
+    if choice == "system" or now != "system" or os.environ.get(_MARK):
+        if choice not in ("auto", "system", now):
+            raise ValueError(f"--allocator {choice}: preloading it did not take effect (running: {now})")
+        return now
+    wanted = ("tcmalloc", "jemalloc") if choice == "auto" else (choice,)
+    path = next((p for p in map(find, wanted) if p), None)
+    if path is None:
+        if choice != "auto":
+            package = "libtcmalloc-minimal4" if choice == "tcmalloc" else "libjemalloc2"
+            raise ValueError(
+                f"--allocator {choice}: no lib{_LIBS[choice][0]} found (Debian/Ubuntu: apt-get install "
+                f"{package}), or --allocator system"
+            )
+        if not quiet:
+            print(
+                "note: running on glibc malloc, which page-faults every buffer over 32 MiB again on each "
+                "step and skews CPU timings; install tcmalloc (apt-get install libtcmalloc-minimal4) and "
+                "run again, or pass --allocator system to silence this",
+                file=sys.stderr,
+                flush=True,
+            )
+        return now
+    env = dict(os.environ, **{_MARK: "1"})
+    env["LD_PRELOAD"] = ":".join(filter(None, [path, env.get("LD_PRELOAD", "")]))
+    if not quiet:
+        print(f"re-running under {os.path.basename(path)} (--allocator system keeps glibc malloc)")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, _command(), env)
+    raise AssertionError("unreachable")  # pragma: no cover
