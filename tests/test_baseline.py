@@ -127,19 +127,42 @@ def test_one_sequence_runs_sdpa_causal_and_a_forest_the_tree_backend_alike():
 
 
 @pytest.mark.parametrize("with_entropy", [True, False])
-def test_single_chunk_head_keeps_its_logits_and_matches_autograd(with_entropy):
-    """All rows in one chunk: backward reuses the forward's logits (no recomputed head matmul); the
-    gradients still equal autograd through a full log-softmax, also on a second backward."""
-    from treetrain.logprobs import target_logprobs
+@pytest.mark.parametrize(
+    "chunk, keep_bytes, kept",
+    [
+        (16, None, True),  # one chunk, within the default budget: kept
+        (4, None, True),  # 3 chunks (4 + 4 + 1 rows), 792 bytes of logits: all kept
+        (4, 9 * 11 * 8, True),  # exactly the budget
+        (4, 9 * 11 * 8 - 1, False),  # a byte short: every chunk recomputed in backward
+        (16, 0, False),
+    ],
+)
+def test_head_keeps_logits_within_budget_and_matches_autograd(
+    monkeypatch, with_entropy, chunk, keep_bytes, kept
+):
+    """Backward reuses the forward's logits when all ``N x V`` of them fit ``keep_bytes`` (no
+    recomputed head matmul), else recomputes each chunk; either way the gradients equal autograd
+    through a full log-softmax, also on a second backward (which recomputes: kept logits are
+    released by the first)."""
+    from torch.nn import functional as F
+
+    from treetrain.logprobs import _TargetLogprobs
 
     torch.manual_seed(1)
     head = torch.nn.Linear(6, 11, bias=True, dtype=torch.float64)
     h = torch.randn(9, 6, dtype=torch.float64, requires_grad=True)
     tgt = torch.randint(0, 11, (9,))
     gl, ge = torch.randn(9, dtype=torch.float64), torch.randn(9, dtype=torch.float64)
-    lp, ent = target_logprobs(h, head, tgt, chunk=16, entropy=with_entropy)
+    calls, linear = [], F.linear
+    monkeypatch.setattr(F, "linear", lambda *a: calls.append(1) or linear(*a))  # counts head matmuls
+    lp, ent = _TargetLogprobs.apply(h, head.weight, head.bias, tgt, chunk, with_entropy, None, keep_bytes)
+    forward_calls = len(calls)
     loss = (lp * gl).sum() + ((ent * ge).sum() if with_entropy else 0.0)
     loss.backward(retain_graph=True)
+    first_backward_calls = len(calls) - forward_calls
+    monkeypatch.undo()
+    assert forward_calls == -(-9 // chunk)
+    assert first_backward_calls == (0 if kept else forward_calls)  # recomputed head matmuls
     first = [h.grad.clone(), head.weight.grad.clone(), head.bias.grad.clone()]
     loss.backward()  # the second backward recomputes: the kept logits were released
     second = [h.grad - first[0], head.weight.grad - first[1], head.bias.grad - first[2]]

@@ -5,8 +5,10 @@ predicted from the hidden state at ``prev[t]``. The scores are then *expanded* t
 layout with an index gather, so any per-path loss runs unchanged and autograd sums each shared
 token's gradient over the paths through it.
 
-The LM head never materializes ``[T, vocab]``: rows go through it in chunks inside one autograd
-function that keeps only the hidden rows and recomputes each chunk's logits in backward.
+The LM head never materializes ``[T, vocab]`` in one piece: rows go through it in chunks inside one
+autograd function. Backward needs each chunk's logits again: they are kept from forward while all of
+them fit :data:`LOGITS_KEEP_BYTES` (what an unchunked head holds, without its full-size temporaries),
+and recomputed beyond it, one extra head matmul for bounded memory.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from .tree import TrajectoryTree
 __all__ = ["expand_to_paths", "path_logprobs", "target_logprobs", "tree_logprobs"]
 
 DEFAULT_CHUNK: int | None = None  # None: rows for about 64 MiB of logits (auto_chunk)
+# Logits kept from forward for backward (all chunks or none): 1 GiB is 4,096 rows at vocab 65k in
+# float32. A plain HF step holds [rows, vocab] logits plus their log-softmax at any size.
+LOGITS_KEEP_BYTES = 2**30
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -34,19 +39,36 @@ class _TargetLogprobs(torch.autograd.Function):
     """``logp[n] = log_softmax(h[n] @ W.T + b)[target[n]]`` (and the entropy), chunked over rows.
 
     hidden ``[N, H]``, weight ``[V, H]``, bias ``[V]`` or None, targets ``[N]`` -> ``[N]``, ``[N]``
-    (the entropy is empty unless ``entropy`` is set). Saves only the inputs; backward recomputes
-    each chunk's logits, so at most ``[chunk, V]`` logits exist at a time. When all rows fit one
-    chunk, that chunk's logits are kept for backward instead (the same ``[chunk, V]`` bound, no
-    recomputed head matmul: what an unchunked head costs). ``softcap`` (Gemma 2's
-    ``final_logit_softcapping``): the logits are ``softcap * tanh(z / softcap)``.
+    (the entropy is empty unless ``entropy`` is set). Forward runs ``[chunk, V]`` logits at a
+    time. If all ``N x V`` logits fit ``keep_bytes`` they are kept for backward (no recomputed head
+    matmul: an unchunked head's cost, and the logits an unchunked head holds); otherwise only the
+    inputs are saved and backward recomputes each chunk's logits (one more head matmul, at most
+    ``[chunk, V]`` logits at a time). ``softcap`` (Gemma 2's ``final_logit_softcapping``): the logits
+    are ``softcap * tanh(z / softcap)`` (always recomputed: backward needs the tanh).
+
+    Example: N = 4,096 targets, V = 32,000, float32, chunk 524: 8 chunks, 524 MB of logits, kept
+    under the default 1 GiB; at N = 16,384 (2.1 GB) backward recomputes them chunk by chunk.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk: int, entropy: bool, softcap: float | None = None):
+    def forward(
+        ctx,
+        hidden,
+        weight,
+        bias,
+        targets,
+        chunk: int,
+        entropy: bool,
+        softcap: float | None = None,
+        keep_bytes: int | None = None,
+    ):
         acc = _acc_dtype(hidden.dtype)
         N = hidden.shape[0]
+        budget = LOGITS_KEEP_BYTES if keep_bytes is None else keep_bytes
+        keep = softcap is None and N * weight.shape[0] * torch.finfo(acc).bits // 8 <= budget
         logp = hidden.new_empty(N, dtype=acc)
         ent = hidden.new_empty(N if entropy else 0, dtype=acc)
+        kept = []
         for s in range(0, N, chunk):
             z = nn.functional.linear(hidden[s : s + chunk], weight, bias).to(acc)
             if softcap is not None:
@@ -55,10 +77,11 @@ class _TargetLogprobs(torch.autograd.Function):
             logp[s : s + chunk] = z.gather(1, targets[s : s + chunk, None])[:, 0] - lse
             if entropy:  # H = lse - sum_v p_v z_v
                 ent[s : s + chunk] = lse - torch.einsum("nv,nv->n", torch.softmax(z, -1), z)
+            if keep:
+                kept.append(z)
         ctx.save_for_backward(hidden, weight, bias, targets)
         ctx.chunk, ctx.entropy, ctx.softcap = chunk, entropy, softcap
-        # one chunk: keep its logits, skip the recompute (softcap recomputes: backward needs tanh)
-        ctx.logits = z if 0 < N <= chunk and softcap is None else None
+        ctx.logits = kept or None  # released chunk by chunk in the first backward
         return logp, ent
 
     @staticmethod
@@ -72,11 +95,12 @@ class _TargetLogprobs(torch.autograd.Function):
         g_b = torch.zeros_like(bias, dtype=acc) if (need_b and bias is not None) else None
         if g_logp is None:
             g_logp = hidden.new_zeros(hidden.shape[0], dtype=acc)
-        for s in range(0, hidden.shape[0], ctx.chunk):
+        kept, ctx.logits = ctx.logits, None  # a second backward (retain_graph) recomputes
+        for i, s in enumerate(range(0, hidden.shape[0], ctx.chunk)):
             rows = slice(s, s + ctx.chunk)
             h, gl = hidden[rows], g_logp[rows, None]
-            if ctx.logits is not None:  # the single chunk's logits from forward
-                z = ctx.logits.clone() if with_ent else ctx.logits
+            if kept is not None:  # this chunk's logits from forward, freed once used
+                z, kept[i] = kept[i], None
             else:
                 z = nn.functional.linear(h, weight, bias).to(acc)
             if ctx.softcap is not None:  # d capped / dz = 1 - tanh^2, applied to g_z below
@@ -101,10 +125,9 @@ class _TargetLogprobs(torch.autograd.Function):
                 g_w += (g_z.T @ h).to(acc)
             if g_b is not None:
                 g_b += g_z.sum(0).to(acc)
-        ctx.logits = None
         g_w = g_w.to(weight.dtype) if g_w is not None else None
         g_b = g_b.to(bias.dtype) if g_b is not None else None
-        return g_h, g_w, g_b, None, None, None, None
+        return g_h, g_w, g_b, None, None, None, None, None
 
 
 def auto_chunk(vocab: int, budget_bytes: int = 64 * 2**20) -> int:
@@ -119,17 +142,20 @@ def target_logprobs(
     chunk: int | None = DEFAULT_CHUNK,
     entropy: bool = True,
     softcap: float | None = None,
+    keep_bytes: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of ``targets [N]`` under ``head(hidden [N, H])`` and the entropy, each ``[N]``.
 
-    ``head`` is the model's output ``nn.Linear``. Peak extra memory is a few ``chunk x vocab``
-    blocks (default chunk: about 64 MiB of float32 logits). With ``entropy=False`` the entropy is
-    an empty tensor and costs nothing.
+    ``head`` is the model's output ``nn.Linear``. The ``N x vocab`` logits are kept for backward
+    when they fit ``keep_bytes`` (default :data:`LOGITS_KEEP_BYTES`, 1 GiB); beyond that, peak
+    extra memory is a few ``chunk x vocab`` blocks (default chunk: about 64 MiB of float32 logits)
+    and backward recomputes them. With ``entropy=False`` the entropy is an empty tensor and costs
+    nothing.
     """
     if not isinstance(head, nn.Linear):
         raise ValueError(f"output head must be an nn.Linear, got {type(head).__name__}")
     chunk = chunk or auto_chunk(head.out_features)
-    return _TargetLogprobs.apply(hidden, head.weight, head.bias, targets, chunk, entropy, softcap)
+    return _TargetLogprobs.apply(hidden, head.weight, head.bias, targets, chunk, entropy, softcap, keep_bytes)
 
 
 def logit_softcap(model: nn.Module) -> float | None:

@@ -181,7 +181,10 @@ def depth_first_backward(
         rows = packed.prev[targets] - s
         loss = packed.input_ids.new_zeros((), dtype=hidden.dtype)
         if targets.numel():
-            logp, _ = target_logprobs(hidden[rows], head, packed.input_ids[targets], chunk, entropy=False)
+            # every node on the stack holds its graph: keep at most one chunk's logits (~64 MiB) each
+            logp, _ = target_logprobs(
+                hidden[rows], head, packed.input_ids[targets], chunk, entropy=False, keep_bytes=64 * 2**20
+            )
             all_logp[targets.cpu()] = logp.detach().to(all_logp.dtype).cpu()
             loss = token_loss(logp, targets)
         leaves = [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in own]
