@@ -72,15 +72,17 @@ def measure(model, model_args, tree, args, cost, rate) -> dict:
         )
         row[mode] = {"s": t, "mfu": flops / t / rate, "peak_mb": None if peak is None else peak / 2**20}
     row["bound"] = base_flops / tree_flops
+    row["flops"] = {"sequence": base_flops, "tree": tree_flops}
     row["speedup"] = row["sequence"]["s"] / row["tree"]["s"]
     return row
 
 
-def exponent(rows: list[dict], mode: str) -> float:
-    """Log-log slope of step time vs tree tokens (least squares)."""
+def exponent(rows: list[dict], mode: str, per: str = "tokens") -> float:
+    """Log-log slope of step time vs tree tokens, or vs the mode's FLOPs (``per="flops"``: 1.0
+    when time grows exactly as the work, linear layers per token plus attention per pair)."""
     if len(rows) < 2:
         return float("nan")
-    x = np.log([r["tree_tokens"] for r in rows])
+    x = np.log([r["tree_tokens"] if per == "tokens" else r["flops"][mode] for r in rows])
     y = np.log([r[mode]["s"] for r in rows])
     return float(np.polyfit(x, y, 1)[0])
 
@@ -101,10 +103,16 @@ def table(results: dict[str, list[dict]]) -> str:
                 f"| {r['speedup'] / r['bound']:.2f} | {t['mfu']:.2f}/{b['mfu']:.2f} | {mem} |"
             )
     out.append("")
-    out.append("| shape | time exponent tree | time exponent baseline |")
+    out.append(
+        "| shape | time vs tokens: exponent tree / baseline | time vs FLOPs (tokens + pairs): exponent "
+        "tree / baseline |"
+    )
     out.append("|---|---|---|")
     for shape, rows in results.items():
-        out.append(f"| {shape} | {exponent(rows, 'tree'):.2f} | {exponent(rows, 'sequence'):.2f} |")
+        out.append(
+            f"| {shape} | {exponent(rows, 'tree'):.2f} / {exponent(rows, 'sequence'):.2f} "
+            f"| {exponent(rows, 'tree', 'flops'):.2f} / {exponent(rows, 'sequence', 'flops'):.2f} |"
+        )
     return "\n".join(out)
 
 
@@ -160,6 +168,13 @@ def main() -> None:
     )
     p.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048, 4096], help="tree tokens per step")
     p.add_argument("--shapes", nargs="+", default=["per-turn", "group"], choices=["per-turn", "group"])
+    p.add_argument(
+        "--per-turn-max",
+        type=int,
+        default=None,
+        help="largest per-turn size (its baseline's attention grows as turns x path length^2: on a "
+        "2-core CPU 16k tokens took 7 minutes); default: all --sizes",
+    )
     p.add_argument("--turns", type=int, default=8, help="per-turn trees: turns (POR 1 - 2/(turns+1))")
     p.add_argument("--paths", type=int, default=8, help="group trees: paths")
     p.add_argument("--por", type=float, default=0.5, help="group trees: POR")
@@ -193,6 +208,8 @@ def main() -> None:
     results: dict[str, list[dict]] = {}
     for shape in args.shapes:
         for size in sorted(args.sizes):
+            if shape == "per-turn" and args.per_turn_max and size > args.per_turn_max:
+                continue
             tree = make_tree(shape, size, args, args.vocab)
             t0 = time.perf_counter()
             row = measure(model, model_args, tree, args, cost, rate)
@@ -206,7 +223,7 @@ def main() -> None:
     text = table(results)
     prof = None
     if args.profile:
-        largest = make_tree(args.shapes[0], max(args.sizes), args, args.vocab)
+        largest = make_tree(args.shapes[-1], max(args.sizes), args, args.vocab)
         prof = profile(model, largest, args)
     head = (
         f"## Scaling: time per step and peak memory vs tree size\n\n"
@@ -220,7 +237,7 @@ def main() -> None:
     )
     report = head + text + "\n"
     if prof is not None:
-        title = f"torch.profiler: tree step, {args.shapes[0]} {max(args.sizes):,} tokens"
+        title = f"torch.profiler: tree step, {args.shapes[-1]} {max(args.sizes):,} tokens"
         report += f"\n### {title}\n\n```\n{prof}\n```\n"
     print("\n" + report)
     if args.write or args.plot:

@@ -38,11 +38,17 @@ import datetime
 import os
 import platform
 import re
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import add_allocator_flag, use_allocator  # noqa: E402
+
+from treetrain import allocator  # noqa: E402
 from treetrain.config import TrainConfig
 from treetrain.data import iter_trees, sample_path
 from treetrain.flops import CostModel, baseline_work, tree_work
@@ -191,7 +197,9 @@ def main() -> None:
     p.add_argument(
         "--write", action="store_true", help="write benchmarks/results/train_tree_vs_sequence_*.md"
     )
+    add_allocator_flag(p)
     args = p.parse_args()
+    use_allocator(args)
 
     named = load_trees(args.lines)
     names, trees = [n for n, _ in named], [t for _, t in named]
@@ -208,7 +216,8 @@ def main() -> None:
     hw = cpu_name()
     head = (
         f"## Training step, tree packing vs per-path sequences: vocab {args.vocab}\n\n"
-        f"- hardware: {hw}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
+        f"- hardware: {hw}; torch {torch.__version__}, {torch.get_num_threads()} threads, allocator "
+        f"{allocator.active()}; "
         f"date {datetime.date.today()}\n"
         f"- model: the embedded tiny Qwen3 (hidden {config.hidden_size}, {config.num_hidden_layers} layers, "
         f"{config.num_attention_heads} heads, vocab {vocab:,} ({args.vocab})), float32, random init\n"
