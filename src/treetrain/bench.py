@@ -550,6 +550,13 @@ def plot(results: list[Result], out: str) -> None:
     ax.set_xlabel("POR (%)")
     ax.set_ylabel("speedup over per-path baseline (x)")
     ax.set_yscale("log")
+    ticks = [
+        t
+        for t in (1, 1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+        if t <= 1.3 * max(max(r.speedup, r.flop_bound) for r in results)
+    ]
+    ax.set_yticks(ticks, [f"{t:g}x" for t in ticks])
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_title("tree vs per-path baseline (numbers: efficiency = speedup / bound)", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
