@@ -182,8 +182,13 @@ def run_case(trainer, P, G, C, prompts, repeats, device, seed=0, generation=Fals
     ids, mask, comp_mask = ids.to(device), mask.to(device), comp_mask.to(device)
     adv = torch.randn(ids.shape[0], 1, device=device)
     trees = per_path_trees(ids, mask, C)
+    b = bounds(ids.cpu(), mask.cpu(), C, model.config, device)
     sft, norm = Objective("sft"), loss_normalizer(trees, Objective("sft"))
-    micro = [pack(mb) for mb in get_strategy("sequence").microbatches(trees, ids.numel())]
+    # micro-batches no larger than the tree's one forward (treetrain.bench.case_capacity: on CPU the
+    # cost per token grows with the forward's size, so a budget far above the tree's would charge the
+    # baseline for a choice a careful user would not make)
+    capacity = max(b["tree_tokens"], max(t.num_tokens for t in trees))
+    micro = [pack(mb) for mb in get_strategy("sequence").microbatches(trees, capacity)]
     modes = {
         "trl": lambda *a, **k: GRPOTrainer._get_per_token_logps_and_entropies(trainer, *a, **k),
         "tree": trainer._get_per_token_logps_and_entropies,
@@ -223,7 +228,6 @@ def run_case(trainer, P, G, C, prompts, repeats, device, seed=0, generation=Fals
                 if t_ng is not None:
                     times[m + "_nograd"].append(t_ng)
     best = {k: min(v) for k, v in times.items()}
-    b = bounds(ids.cpu(), mask.cpu(), C, model.config, device)
     speed = best["trl"] / best["tree"]
     speed_pp = best["per_path"] / best["tree"]
     gen = generation_time(model, ids, P, C, device) if generation else None
