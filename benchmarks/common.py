@@ -32,13 +32,7 @@ def hardware() -> str:
 
 def add_allocator_flag(parser) -> None:
     """``--allocator`` (``treetrain.allocator``): CPU runs re-execute under tcmalloc when installed."""
-    parser.add_argument(
-        "--allocator",
-        choices=allocator.CHOICES,
-        default="auto",
-        help="CPU memory allocator (auto: tcmalloc, else jemalloc, when installed; glibc malloc "
-        "page-faults every buffer over 32 MiB on each step and skews CPU timings)",
-    )
+    allocator.add_flag(parser)
 
 
 def use_allocator(args, device: str = "cpu") -> str:

@@ -20,7 +20,7 @@ import glob
 import os
 import sys
 
-__all__ = ["CHOICES", "active", "find", "use"]
+__all__ = ["CHOICES", "active", "add_flag", "find", "use"]
 
 CHOICES = ("auto", "tcmalloc", "jemalloc", "system")
 _LIBS = {"tcmalloc": ("tcmalloc_minimal", "tcmalloc"), "jemalloc": ("jemalloc",)}
@@ -48,6 +48,18 @@ def find(name: str) -> str | None:
         if so:
             return so
     return None
+
+
+def add_flag(parser) -> None:
+    """``--allocator`` on an ``argparse`` parser, for a program's ``main`` to pass to :func:`use`."""
+    parser.add_argument(
+        "--allocator",
+        choices=CHOICES,
+        default="auto",
+        help="CPU memory allocator: auto re-runs the command under tcmalloc (else jemalloc) when "
+        "installed, since glibc malloc page-faults every buffer over 32 MiB on each step and skews CPU "
+        "timings (apt-get install libtcmalloc-minimal4); recorded with the results",
+    )
 
 
 def _command() -> list[str]:

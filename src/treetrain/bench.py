@@ -439,14 +439,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument(
         "--memory", action="store_true", help="also peak memory per mode (CPU: a fresh process each)"
     )
-    p.add_argument(
-        "--allocator",
-        choices=allocator.CHOICES,
-        default="auto",
-        help="CPU memory allocator: auto re-runs the command under tcmalloc (else jemalloc) when "
-        "installed, since glibc malloc page-faults every buffer over 32 MiB on each step and skews CPU "
-        "timings (apt-get install libtcmalloc-minimal4); recorded with the results",
-    )
+    allocator.add_flag(p)
     p.add_argument("--backend", default=None, help="tree attention backend (default: by device)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="device")
     p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA default)")
