@@ -7,7 +7,7 @@ import os
 import platform
 from pathlib import Path
 
-from treetrain import allocator
+from treetrain.bench import allocator
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -31,7 +31,7 @@ def hardware() -> str:
 
 
 def add_allocator_flag(parser) -> None:
-    """``--allocator`` (``treetrain.allocator``): CPU runs re-execute under tcmalloc when installed."""
+    """``--allocator`` (``treetrain.bench.allocator``): CPU runs re-execute under tcmalloc when installed."""
     allocator.add_flag(parser)
 
 

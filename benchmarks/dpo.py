@@ -10,7 +10,7 @@ step of each mode is the warm-up; then modes alternate and each time is the mini
 ``--repeats`` steps (the least disturbed by other load).
 
 Beside the measured speedup: the token ratio (path tokens / tree tokens) and the FLOP bound
-(``treetrain.flops``: linear layers and LM head per token, attention per allowed query-key pair;
+(``treetrain.trees.flops``: linear layers and LM head per token, attention per allowed query-key pair;
 the reference forward scales both modes alike, so the bound is the training-FLOP ratio).
 
 Usage::
@@ -33,11 +33,11 @@ import torch
 import transformers
 from common import hardware, result_path
 
-from treetrain.data import parse_record
-from treetrain.flops import CostModel, flop_bound, token_bound
-from treetrain.objectives_preference import PreferenceObjective, pair_microbatches
-from treetrain.packing import pack
-from treetrain.train import StepBatch, build_optimizer, configure_model, train_step
+from treetrain.data.records import parse_record
+from treetrain.objectives.preference import PreferenceObjective, pair_microbatches
+from treetrain.train.loop import StepBatch, build_optimizer, configure_model, train_step
+from treetrain.trees.flops import CostModel, flop_bound, token_bound
+from treetrain.trees.packing import pack
 
 
 def make_pairs(n: int, prompt_len: int, response_len: int, vocab: int, seed: int):

@@ -20,8 +20,8 @@ import torch
 from common import hardware
 
 from treetrain.models.gdn import build_levels, tree_gated_delta_rule, tree_gated_delta_rule_nodewise
-from treetrain.packing import pack
-from treetrain.tree import TrajectoryTree
+from treetrain.trees.packing import pack
+from treetrain.trees.tree import TrajectoryTree
 
 OUT = Path(__file__).parent / "results" / "gdn_routing_cpu_2026-11-22.md"
 

@@ -38,7 +38,7 @@ from treetrain import TrajectoryTree, pack  # noqa: E402
 from treetrain.logprobs import tree_logprobs  # noqa: E402
 from treetrain.parallel.depth_first import depth_first_backward, weighted_token_loss  # noqa: E402
 from treetrain.parallel.memory import SavedTensorMeter  # noqa: E402
-from treetrain.partition import partition  # noqa: E402
+from treetrain.trees.partition import partition  # noqa: E402
 
 MODES = ("packed", "partitioned", "depth-first")
 

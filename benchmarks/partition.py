@@ -21,7 +21,7 @@ from collections.abc import Callable
 import numpy as np
 
 from treetrain import TrajectoryTree
-from treetrain.partition import lower_bound, partition, plan
+from treetrain.trees.partition import lower_bound, partition, plan
 
 VOCAB = 150_000
 CAPACITIES = (4096, 8192, 16384)

@@ -6,8 +6,8 @@ Two tree shapes, each at a fixed POR while the size grows (so only the size chan
   the turn length grows with the size;
 - ``group``: ``--paths`` paths sharing a prompt at ``--por``, the path length grows with the size.
 
-Both modes run one SFT training step through the library (``treetrain.bench``: the same model,
-loss and :mod:`treetrain.strategies`), each in a single micro-batch (capacity = the largest of the
+Both modes run one SFT training step through the library (``treetrain.bench.command``: the same model,
+loss and :mod:`treetrain.train.strategies`), each in a single micro-batch (capacity = the largest of the
 step's tree and path lengths). Time: median of ``--repeats`` steps after a warm-up, modes
 alternating; peak memory: the RSS high-water mark of one step in a fresh process (CPU) or the
 allocator's peak (CUDA). The fitted exponent is the log-log slope of time vs tree tokens: ~1 when
@@ -35,8 +35,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import add_allocator_flag, hardware, result_path, use_allocator  # noqa: E402
-from treetrain import bench  # noqa: E402
-from treetrain.flops import CostModel  # noqa: E402
+from treetrain.bench import command as bench  # noqa: E402
+from treetrain.trees.flops import CostModel  # noqa: E402
 
 
 def make_tree(shape: str, tokens: int, args, vocab: int):

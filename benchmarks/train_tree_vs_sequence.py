@@ -3,7 +3,7 @@
 Each selected tree of the bundled ``agent-dialogues`` sample is one optimizer step (SFT on its
 loss masks) through the same functions ``treetrain train`` uses (``make_microbatches`` +
 ``train_step``): ``--packing tree`` (every shared prefix once, tree attention: the CPU default
-backend) and ``--packing sequence`` (the baseline of ``treetrain.baseline``: every path its own
+backend) and ``--packing sequence`` (the baseline of ``treetrain.objectives.baseline``: every path its own
 sequence, packed padding-free under the same token budget, the same attention backend family, the
 same chunked LM head on trained targets only, the same ``compute_loss``). Both
 start from the same weights, so their first-step losses must agree; that first step is also the
@@ -15,7 +15,7 @@ Theoretical ratios beside the measured speedup:
 
 - tokens: baseline path tokens / tokens the tree micro-batches compute (partitioning a tree
   larger than ``--capacity`` recomputes some prefixes);
-- FLOPs: ``treetrain.flops`` training-FLOP model of what each mode computes (linear layers per
+- FLOPs: ``treetrain.trees.flops`` training-FLOP model of what each mode computes (linear layers per
   token run, attention per allowed query-key pair, LM head per trained target scored), baseline /
   tree: the bound on the speedup; efficiency = speedup / bound.
 
@@ -48,13 +48,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import add_allocator_flag, use_allocator  # noqa: E402
 
-from treetrain import allocator  # noqa: E402
-from treetrain.config import TrainConfig
-from treetrain.data import iter_trees, sample_path
-from treetrain.flops import CostModel, baseline_work, tree_work
-from treetrain.losses import Objective
-from treetrain.packing import pack
-from treetrain.train import (
+from treetrain.bench import allocator  # noqa: E402
+from treetrain.data.records import iter_trees, sample_path
+from treetrain.objectives.policy import Objective
+from treetrain.train.config import TrainConfig
+from treetrain.train.loop import (
     StepBatch,
     build_optimizer,
     configure_model,
@@ -62,7 +60,9 @@ from treetrain.train import (
     make_microbatches,
     train_step,
 )
-from treetrain.tree import TrajectoryTree
+from treetrain.trees.flops import CostModel, baseline_work, tree_work
+from treetrain.trees.packing import pack
+from treetrain.trees.tree import TrajectoryTree
 
 TITLE = (
     "# Training step: tree packing vs per-path sequences, bundled sample (CPU)\n\n"
@@ -224,9 +224,10 @@ def main() -> None:
         f"- one optimizer step (SFT on the loss masks, AdamW) per sample tree, capacity {args.capacity}; "
         f"a warm-up step, then the minimum of {args.repeats} steps per mode, modes alternating\n"
         "- token ratio: path tokens / tokens the tree micro-batches compute; FLOP bound: "
-        "treetrain.flops training FLOPs of what each mode computes (head on trained targets only), "
+        "treetrain.trees.flops training FLOPs of what each mode computes (head on trained targets only), "
         "baseline / tree; efficiency: speedup / bound\n"
-        "- baseline: treetrain.baseline (every path alone, packed padding-free, same backend family, "
+        "- baseline: treetrain.objectives.baseline (every path alone, packed padding-free, same backend "
+        "family, "
         "chunked head on trained targets, same compute_loss)\n"
         "- speedup (wall): sequence time / tree time; CPU time: process user+system time, less "
         "sensitive to other load on the machine\n\n"

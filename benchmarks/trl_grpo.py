@@ -13,11 +13,11 @@ by other load on a shared machine).
 Three modes, the same batch and the same GRPO-shaped loss:
 
 - ``trl``: ``trl.GRPOTrainer``'s own scoring, as shipped: one padded ``[rows, P + C]`` forward;
-- ``per-path``: the library's per-path baseline (``treetrain.baseline``): every row alone, no
+- ``per-path``: the library's per-path baseline (``treetrain.objectives.baseline``): every row alone, no
   padding, varlen-packed, the chunked head on the scored completion tokens only, entropies too;
 - ``tree``: ``TreeGRPOTrainer``'s override, each prompt once.
 
-Two bounds, each counting what its two modes compute (``treetrain.flops``: decoder FLOPs per token
+Two bounds, each counting what its two modes compute (``treetrain.trees.flops``: decoder FLOPs per token
 run, attention per pair computed, the LM head per target scored, x3 for forward + backward):
 
 - vs TRL: TRL runs every padded position through the decoder; its padding mask makes SDPA compute
@@ -52,8 +52,8 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import add_allocator_flag, hardware, result_path, use_allocator  # noqa: E402
 
-from treetrain.flops import CostModel, baseline_pairs, tree_pairs  # noqa: E402
 from treetrain.integrations.flat import FlatBatch  # noqa: E402
+from treetrain.trees.flops import CostModel, baseline_pairs, tree_pairs  # noqa: E402
 
 MODELS = {
     "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
@@ -112,7 +112,7 @@ def make_batch(prompts: int, P: int, G: int, C: int, vocab: int, seed: int):
 def bounds(ids, mask, C, cfg, device: str) -> dict:
     """Work and bounds of one batch: ``{"trl", "per_path", "tree"}`` training FLOPs, the two bounds,
     baseline and tree token counts. See the module docstring for what each mode computes."""
-    from treetrain.flops import Work
+    from treetrain.trees.flops import Work
 
     tree = FlatBatch.build(ids, mask, logits_to_keep=C).tree
     cost = CostModel.from_config(cfg)
@@ -172,9 +172,9 @@ def generation_time(model, ids, P: int, C: int, device: str) -> float:
 def run_case(trainer, P, G, C, prompts, repeats, device, seed=0, generation=False) -> dict:
     from trl import GRPOTrainer
 
-    from treetrain.losses import Objective, compute_loss, loss_normalizer
-    from treetrain.packing import pack
-    from treetrain.strategies import get_strategy
+    from treetrain.objectives.policy import Objective, compute_loss, loss_normalizer
+    from treetrain.train.strategies import get_strategy
+    from treetrain.trees.packing import pack
 
     model = trainer.model
     vocab = model.config.vocab_size
@@ -184,7 +184,7 @@ def run_case(trainer, P, G, C, prompts, repeats, device, seed=0, generation=Fals
     trees = per_path_trees(ids, mask, C)
     b = bounds(ids.cpu(), mask.cpu(), C, model.config, device)
     sft, norm = Objective("sft"), loss_normalizer(trees, Objective("sft"))
-    # micro-batches no larger than the tree's one forward (treetrain.bench.case_capacity: on CPU the
+    # micro-batches no larger than the tree's one forward (treetrain.bench.command.case_capacity: on CPU the
     # cost per token grows with the forward's size, so a budget far above the tree's would charge the
     # baseline for a choice a careful user would not make)
     capacity = max(b["tree_tokens"], max(t.num_tokens for t in trees))

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from soak import cpu_name
 
-from treetrain import data
-from treetrain.guards import validate_data
+from treetrain.data import records as data
+from treetrain.train.guards import validate_data
 
 ROOT = Path(__file__).resolve().parents[1]
 

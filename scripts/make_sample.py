@@ -4,7 +4,7 @@ Usage::
 
     python scripts/make_sample.py [--src /work/shared/data/tau-bench-few-shot] [--out src/treetrain/samples]
 
-Deterministic: the same dialogues, the same tokenizer (:func:`treetrain.chat.qwen_tokenizer_dir`),
+Deterministic: the same dialogues, the same tokenizer (:func:`treetrain.data.chat.qwen_tokenizer_dir`),
 the same bytes. See the README written next to the samples for what each line holds.
 """
 
@@ -16,8 +16,8 @@ import json
 import shutil
 from pathlib import Path
 
-from treetrain.chat import load_tokenizer, per_turn
-from treetrain.data import parse_record
+from treetrain.data.chat import load_tokenizer, per_turn
+from treetrain.data.records import parse_record
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SRC = Path("/work/shared/data/tau-bench-few-shot")
@@ -200,7 +200,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args()
     build(args.src, args.out)
-    from treetrain.data import iter_trees
+    from treetrain.data.records import iter_trees
 
     for name in ("agent-dialogues.jsonl.gz", "agent-dialogues-messages.jsonl"):
         path = args.out / name

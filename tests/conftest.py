@@ -14,6 +14,6 @@ if not torch.cuda.is_available():
 
 # torch.distributed.checkpoint logs every save/load at DEBUG (loggers it sets to DEBUG itself), which
 # buries a failing test's output; treetrain's CLI quiets them the same way unless --verbose
-from treetrain.logs import quiet_library_loggers  # noqa: E402
+from treetrain.train.logs import quiet_library_loggers  # noqa: E402
 
 quiet_library_loggers()

@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tests.reference
 
 from tests.reference import tiny_model  # noqa: E402
 from treetrain import TrajectoryTree, path_logprobs  # noqa: E402
-from treetrain import distributed as D  # noqa: E402
-from treetrain.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from treetrain.parallel import fsdp as D  # noqa: E402
+from treetrain.train.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 
 STEP_TREES = [[0, 1, 2], [3, 4], [5], [6, 0, 3]]  # tree indices of each step; step 3 idles a rank
 CKPT_STEP = 2

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from treetrain import TrajectoryTree, path_logprobs
-from treetrain.advantages import assign_advantages
 from treetrain.cli import main
-from treetrain.data import parse_record
-from treetrain.losses import Objective, PathMeta, objective
+from treetrain.data.records import parse_record
+from treetrain.objectives.advantages import assign_advantages
+from treetrain.objectives.policy import Objective, PathMeta, objective
 
 from .reference import tiny_config, tiny_model
 

@@ -7,11 +7,11 @@ import sys
 
 import pytest
 
-from treetrain import allocator
+from treetrain.bench import allocator
 
 SCRIPT = """
 import sys
-from treetrain import allocator
+from treetrain.bench import allocator
 print("start", flush=True)
 print("use", allocator.use(sys.argv[1], quiet=True), "active", allocator.active())
 """

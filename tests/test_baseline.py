@@ -1,4 +1,5 @@
-"""The per-path baseline (``treetrain.baseline``) == every path alone through the unmodified HF model.
+"""The per-path baseline (``treetrain.objectives.baseline``) == every path alone through the unmodified
+HF model.
 
 float64 with the models' float32 casts lifted (``float64_casts``): log-probs, losses and every
 parameter gradient agree to summation-order rounding. The tolerance 1e-11 is the one
@@ -12,15 +13,15 @@ import pytest
 import torch
 
 from treetrain import TrajectoryTree, pack
-from treetrain.baseline import (
+from treetrain.objectives.baseline import (
     baseline_path_logprobs,
     is_sequences,
     sequence_loss,
     sequence_microbatches,
     sequence_parts,
 )
-from treetrain.losses import loss_normalizer
-from treetrain.strategies import SequencePacking, TreePacking, get_strategy
+from treetrain.objectives.policy import loss_normalizer
+from treetrain.train.strategies import SequencePacking, TreePacking, get_strategy
 
 from .reference import float64_casts, grad_err, reference_copy, rel_err, tiny_model
 from .reference import reference_logprobs as hf_logprobs

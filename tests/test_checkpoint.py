@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from treetrain import path_logprobs
-from treetrain.checkpoint import (
+from treetrain.train.checkpoint import (
     FAULT_ENV,
     CheckpointError,
     export_pretrained,
@@ -142,7 +142,7 @@ def test_export_pretrained_loads_with_transformers(tmp_path):
 CRASH_SCRIPT = textwrap.dedent(
     """
     import sys, torch
-    from treetrain.checkpoint import save_checkpoint
+    from treetrain.train.checkpoint import save_checkpoint
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

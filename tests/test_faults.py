@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from treetrain.checkpoint import latest_checkpoint, verify_checkpoint
+from treetrain.train.checkpoint import latest_checkpoint, verify_checkpoint
 
 from .reference import tiny_config
 
@@ -379,7 +379,7 @@ def test_api_errors_are_value_errors(workdir):
     import torch
 
     from treetrain import path_logprobs
-    from treetrain.train import train
+    from treetrain.train.loop import train
 
     from .reference import tiny_model
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from treetrain.checkpoint import latest_checkpoint, verify_checkpoint
+from treetrain.train.checkpoint import latest_checkpoint, verify_checkpoint
 
 from .reference import tiny_config
 from .test_faults import STEPS, finish, launch, metrics, train_args, wait_for_step, write_trees

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from treetrain import TrajectoryTree
-from treetrain.flops import CostModel, Work, baseline_work, flop_bound, tree_work
+from treetrain.trees.flops import CostModel, Work, baseline_work, flop_bound, tree_work
 
 from .reference import tiny_model
 

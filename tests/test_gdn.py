@@ -24,8 +24,8 @@ from treetrain.models.gdn import (
     tree_gated_delta_rule_nodewise,
 )
 from treetrain.models.recurrent import patch_recurrent_layers
-from treetrain.packing import pack
-from treetrain.tree import TrajectoryTree
+from treetrain.trees.packing import pack
+from treetrain.trees.tree import TrajectoryTree
 
 from .hybrid_models import HYBRID_ARCHS, float64_everywhere, tiny_hybrid_model
 from .reference import grads, random_coeffs, reference_copy, reference_logprobs, rel_err

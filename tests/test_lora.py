@@ -15,9 +15,9 @@ import torch
 
 from treetrain import path_logprobs
 from treetrain.cli import main
-from treetrain.config import TrainConfig, validate
-from treetrain.lora import apply_lora, lora_config
-from treetrain.train import build_model, train
+from treetrain.models.lora import apply_lora, lora_config
+from treetrain.train.config import TrainConfig, validate
+from treetrain.train.loop import build_model, train
 
 from .hybrid_models import float64_everywhere, tiny_hybrid_model
 from .reference import (

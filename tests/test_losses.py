@@ -1,6 +1,7 @@
 """Objectives on the tree's per-path view == the same formulas on per-path baseline forwards.
 
-The baseline (``baseline_loss``) is written here independently of ``treetrain.losses``: a plain loop
+The baseline (``baseline_loss``) is written here independently of ``treetrain.objectives.policy``: a plain
+loop
 over paths on the log-probs of each path run alone through the unmodified model
 (``tests/reference.py``). Everything runs in float64 with the models' float32 casts lifted
 (``float64_casts``), so the only differences left are summation orders (tree attention over T keys
@@ -26,7 +27,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from treetrain import TrajectoryTree, pack
-from treetrain.losses import (
+from treetrain.objectives.policy import (
     Objective,
     PathMeta,
     compute_loss,

@@ -15,8 +15,8 @@ from treetrain.models.moe import (
     tree_router_aux_loss,
     weighted_load_balancing_loss,
 )
-from treetrain.packing import pack
-from treetrain.tree import TrajectoryTree
+from treetrain.trees.packing import pack
+from treetrain.trees.tree import TrajectoryTree
 
 from .hybrid_models import MOE_ARCHS, float64_everywhere, tiny_hybrid_model
 from .reference import grads, random_coeffs, reference_copy, rel_err

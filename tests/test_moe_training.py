@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from treetrain import TrajectoryTree, pack
-from treetrain.config import TrainConfig
-from treetrain.moe_aux import aux_coef, micro_batch_aux_loss, recording
-from treetrain.path_outputs import path_target_logprobs
-from treetrain.train import train
+from treetrain.objectives.moe_aux import aux_coef, micro_batch_aux_loss, recording
+from treetrain.objectives.path_outputs import path_target_logprobs
+from treetrain.train.config import TrainConfig
+from treetrain.train.loop import train
 
 from .hybrid_models import float64_everywhere, tiny_hybrid_config, tiny_hybrid_model
 from .reference import grads, reference_copy, rel_err, tiny_model

@@ -1,7 +1,7 @@
 """DPO family and Bradley-Terry reward models on pair trees == the per-path HF reference.
 
 The reference (``baseline_*`` below) is written here from TRL's formulas, independently of
-``treetrain.objectives_preference``, on the log-probs (or scores) of every path run alone through
+``treetrain.objectives.preference``, on the log-probs (or scores) of every path run alone through
 the unmodified model (``tests/reference.py``), in float64 with the models' float32 casts lifted.
 What is left is summation order (tree attention over T keys vs len(p) keys): losses agree to
 ~1e-15 and gradients to ~1e-13; the bound 1e-10 leaves a wide margin, while a wrong mask, a swapped
@@ -21,8 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from treetrain import TrajectoryTree, pack
-from treetrain.data import DataError, iter_trees, parse_record
-from treetrain.objectives_preference import (
+from treetrain.data.records import DataError, iter_trees, parse_record
+from treetrain.objectives.preference import (
     PreferenceObjective,
     compute_preference_loss,
     pair_layout,
@@ -166,7 +166,7 @@ def test_dpo_first_loss_is_ln2_and_metrics():
 
 def test_dpo_metrics_by_hand():
     """rewards/* from per-path sums spelled out: two pairs, beta 0.5."""
-    from treetrain.objectives_preference import PairLayout, dpo_loss
+    from treetrain.objectives.preference import PairLayout, dpo_loss
 
     logps = torch.tensor([-1.0, -3.0, -2.0, -1.5], dtype=torch.float64)
     ref = torch.tensor([-2.0, -2.0, -2.0, -2.0], dtype=torch.float64)
@@ -263,10 +263,10 @@ def test_reward_matches_per_path_reference(packing):
 
 def test_reward_model_reloads_with_auto_class(tmp_path):
     """What training saves loads with AutoModelForSequenceClassification and scores like the tree."""
-    from treetrain.checkpoint import export_pretrained
     from treetrain.models import prepare_model
-    from treetrain.objectives_preference import reward_head
-    from treetrain.path_outputs import path_last_hidden
+    from treetrain.objectives.path_outputs import path_last_hidden
+    from treetrain.objectives.preference import reward_head
+    from treetrain.train.checkpoint import export_pretrained
 
     model = prepare_model(tiny_reward_model().float())
     tree = pair_tree(*PAIRS[0])
@@ -338,7 +338,7 @@ def test_bad_records_name_file_line_field(tmp_path, record, field, reason):
 
 
 def test_conversational_pairs_render_with_the_chat_template():
-    tok = pytest.importorskip("treetrain.chat").load_tokenizer("qwen")
+    tok = pytest.importorskip("treetrain.data.chat").load_tokenizer("qwen")
     rec = {
         "prompt": [
             {"role": "user", "content": "What is 2+2?"},
@@ -350,7 +350,7 @@ def test_conversational_pairs_render_with_the_chat_template():
     }
     tree, fmt = parse_record(rec, tokenizer=tok)
     assert fmt == "preference" and tree.num_paths == 2
-    from treetrain.chat import render_chat
+    from treetrain.data.chat import render_chat
 
     for i, key in enumerate(("chosen", "rejected")):
         full = render_chat(tok, [*rec["prompt"], *rec[key]])

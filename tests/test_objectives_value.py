@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from treetrain import TrajectoryTree, pack
-from treetrain.losses import Objective, PathMeta
-from treetrain.objectives_value import compute_ppo_critic_loss, gae_per_path, path_values
+from treetrain.objectives.policy import Objective, PathMeta
+from treetrain.objectives.value import compute_ppo_critic_loss, gae_per_path, path_values
 
 from .reference import float64_casts, grad_err, reference_copy, tiny_config, tiny_model
 from .reference import reference_logprobs as baseline_logprobs

@@ -7,8 +7,8 @@ import random
 import pytest
 
 from treetrain import TrajectoryTree
-from treetrain.flops import tree_cost
 from treetrain.parallel.balance import balanced_plan, imbalance, makespan, rank_loads, split_in_two
+from treetrain.trees.flops import tree_cost
 
 
 def test_imbalance_and_loads():
@@ -61,6 +61,6 @@ def test_balanced_trees_are_not_split():
 
 
 def _lpt(pieces, world):
-    from treetrain.distributed import assign_to_ranks
+    from treetrain.parallel.fsdp import assign_to_ranks
 
     return assign_to_ranks([tree_cost(p) for p in pieces], world)

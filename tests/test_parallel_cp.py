@@ -69,7 +69,7 @@ def _worker(rank: int, world: int, port: int, out: str, arch: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        from treetrain.losses import Objective, compute_loss, loss_normalizer
+        from treetrain.objectives.policy import Objective, compute_loss, loss_normalizer
 
         model = _model(arch)
         trees = make_trees(3, seed=1)
@@ -94,7 +94,7 @@ def _worker(rank: int, world: int, port: int, out: str, arch: str) -> None:
 
 
 def _one_process(arch: str):
-    from treetrain.losses import Objective, compute_loss, loss_normalizer
+    from treetrain.objectives.policy import Objective, compute_loss, loss_normalizer
 
     model = _model(arch)
     trees = make_trees(3, seed=1)

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from treetrain.config import TrainConfig, validate
 from treetrain.parallel.cp import init_cp
+from treetrain.train.config import TrainConfig, validate
 
 from .reference import tiny_config
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from benchmarks.partition import SHAPES, err, plan_tokens, small_tree
 from treetrain import TrajectoryTree, path_logprobs
-from treetrain.partition import (
+from treetrain.trees.partition import (
     MAX_OPTIMAL_LEAVES,
     METHODS,
     lower_bound,

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from treetrain.cli import main
-from treetrain.config import TrainConfig
-from treetrain.rundir import check_output, clear_run, run_entries
+from treetrain.train.config import TrainConfig
+from treetrain.train.rundir import check_output, clear_run, run_entries
 
 from .reference import tiny_config
 from .test_train import VOCAB, write_trees

@@ -11,8 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from treetrain.data import DataError, iter_trees, validate_file
-from treetrain.sources import iter_rows, parse_columns, to_record
+from treetrain.data.records import DataError, iter_trees, validate_file
+from treetrain.data.sources import iter_rows, parse_columns, to_record
 
 ROWS = [
     {"paths": [[1, 2, 3], [1, 2, 4, 5]], "loss_masks": [[0, 1, 1], [0, 1, 1, 1]], "advantages": [1.0, -0.5]},
@@ -152,8 +152,8 @@ def test_streaming_memory_is_bounded_by_a_batch(tmp_path):
 
 
 def test_train_reads_parquet(tmp_path):
-    from treetrain.config import TrainConfig
-    from treetrain.train import train
+    from treetrain.train.config import TrainConfig
+    from treetrain.train.loop import train
 
     from .reference import tiny_config
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from treetrain.trackers import TRACKERS, parse_report_to, scalars
+from treetrain.train.trackers import TRACKERS, parse_report_to, scalars
 
 from .reference import tiny_config
 from .test_train import write_trees

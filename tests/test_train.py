@@ -11,10 +11,10 @@ import pytest
 import torch
 import transformers
 
-from treetrain.checkpoint import latest_checkpoint
 from treetrain.cli import build_parser, main
-from treetrain.config import TrainConfig, config_from_args, validate
-from treetrain.train import METRIC_FIELDS, build_model, lr_factor, train
+from treetrain.train.checkpoint import latest_checkpoint
+from treetrain.train.config import TrainConfig, config_from_args, validate
+from treetrain.train.loop import METRIC_FIELDS, build_model, lr_factor, train
 
 from .reference import float64_casts, tiny_config
 

@@ -21,9 +21,9 @@ import pytest
 import torch
 import transformers
 
-from treetrain.config import TrainConfig
-from treetrain.critic import build_critic
-from treetrain.train import NonFiniteError, build_model, train
+from treetrain.train.config import TrainConfig
+from treetrain.train.critic import build_critic
+from treetrain.train.loop import NonFiniteError, build_model, train
 
 from .reference import tiny_config
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from treetrain.checkpoint import FAULT_ENV, latest_checkpoint, list_checkpoints, verify_checkpoint
+from treetrain.train.checkpoint import FAULT_ENV, latest_checkpoint, list_checkpoints, verify_checkpoint
 
 from .reference import tiny_config
 

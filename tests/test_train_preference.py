@@ -18,8 +18,8 @@ import pytest
 import torch
 import transformers
 
-from treetrain.config import TrainConfig
-from treetrain.train import build_model, train
+from treetrain.train.config import TrainConfig
+from treetrain.train.loop import build_model, train
 
 from .reference import tiny_config
 

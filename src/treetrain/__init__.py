@@ -1,8 +1,8 @@
 """treetrain: train LLMs on tree-structured agent trajectories."""
 
-from .logprobs import expand_to_paths, path_logprobs, tree_logprobs
-from .packing import PackedTree, pack
-from .tree import TrajectoryTree
+from treetrain.logprobs import expand_to_paths, path_logprobs, tree_logprobs
+from treetrain.trees.packing import PackedTree, pack
+from treetrain.trees.tree import TrajectoryTree
 
 __version__ = "0.1.0"
 

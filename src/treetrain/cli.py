@@ -14,30 +14,30 @@ from collections.abc import Sequence
 __all__ = ["build_parser", "main"]
 
 
-# ---- train: treetrain.train (flags in treetrain.config) ---------------------------------------
+# ---- train: treetrain.train.loop (flags in treetrain.train.config) ---------------------------------------
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
-    from .train import add_parser
+    from treetrain.train.loop import add_parser
 
     add_parser(sub)
 
 
-# ---- stats: treetrain.stats, tree statistics of a data file -------------------------------------
+# ---- stats: treetrain.bench.stats, tree statistics of a data file -------------------------------------
 # (to wire: ``from .stats import add_parser; add_parser(sub)``)
 
 
 def _add_stats(sub: argparse._SubParsersAction) -> None:
-    from .stats import add_parser
+    from treetrain.bench.stats import add_parser
 
     add_parser(sub)
 
 
-# ---- bench (treetrain.bench: baseline vs tree throughput) --------------------------------------
+# ---- bench (treetrain.bench.command: baseline vs tree throughput) --------------------------------------
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    from .bench import add_parser
+    from treetrain.bench.command import add_parser
 
     add_parser(sub)
 
@@ -46,7 +46,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from treetrain import __version__
 
     parser = argparse.ArgumentParser(
         prog="treetrain", description="Train LLMs on tree-structured agent trajectories."

@@ -18,9 +18,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .models import tree_forward
-from .packing import PackedTree, pack
-from .tree import TrajectoryTree
+from treetrain.models import tree_forward
+from treetrain.trees.packing import PackedTree, pack
+from treetrain.trees.tree import TrajectoryTree
 
 __all__ = ["expand_to_paths", "path_logprobs", "target_logprobs", "tree_logprobs"]
 
@@ -177,7 +177,7 @@ def tree_logprobs(
     are not computed (zeros are returned). ``needed [T]`` (bool) limits the LM head to those
     targets (e.g. tokens some path trains on); the others are 0 and carry no gradient.
     """
-    from .parallel.cp import active_group, cp_tree_logprobs
+    from treetrain.parallel.cp import active_group, cp_tree_logprobs
 
     cp_on, group = active_group()
     if cp_on:  # inside parallel.cp.context_parallel: this rank's chunk only

@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import torch
 
-from .dense import dense_attention
-from .mask import TreeMask, block_classes, dense_tree_mask
+from treetrain.attention.dense import dense_attention
+from treetrain.attention.mask import TreeMask, block_classes, dense_tree_mask
 
 __all__ = [
     "BACKENDS",
@@ -49,7 +49,7 @@ def _unavailable(name: str) -> str | None:
     """Why backend ``name`` cannot run here (None: it can)."""
     if name == "triton":
         try:
-            from .triton_kernel import triton_available
+            from treetrain.attention.triton_kernel import triton_available
         except ImportError as e:
             return str(e)
         return None if triton_available() else "triton is not installed or has no CUDA device here"

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .mask import TreeMask, check_inputs
+from treetrain.attention.mask import TreeMask, check_inputs
 
 try:  # the CPU flash kernel behind SDPA, called directly for its log-sum-exp and backward
     _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .mask import TreeMask, check_inputs, dense_tree_mask
+from treetrain.attention.mask import TreeMask, check_inputs, dense_tree_mask
 
 
 def dense_attention(

@@ -12,7 +12,7 @@ import warnings
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from .mask import TreeMask, block_classes, check_inputs
+from treetrain.attention.mask import TreeMask, block_classes, check_inputs
 
 FLEX_BLOCK = 128
 

@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from .mask import TreeMask, block_bounds, check_inputs
+from treetrain.attention.mask import TreeMask, block_bounds, check_inputs
 
 try:
     import triton

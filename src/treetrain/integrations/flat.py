@@ -29,10 +29,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..logprobs import _TargetLogprobs, auto_chunk
-from ..models import tree_forward
-from ..packing import PackedTree, pack
-from ..tree import TrajectoryTree
+from treetrain.logprobs import _TargetLogprobs, auto_chunk
+from treetrain.models import tree_forward
+from treetrain.trees.packing import PackedTree, pack
+from treetrain.trees.tree import TrajectoryTree
 
 __all__ = ["FlatBatch", "FlatPart", "flat_logprobs", "score_packed"]
 

@@ -27,7 +27,7 @@ import trl
 from torch import nn
 from trl import GRPOTrainer
 
-from .wrapped import install_tree_scoring, wrapped_flat_logprobs
+from treetrain.integrations.wrapped import install_tree_scoring, wrapped_flat_logprobs
 
 __all__ = ["TESTED_TRL", "TreeGRPOTrainer"]
 

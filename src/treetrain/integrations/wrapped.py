@@ -21,8 +21,8 @@ import types
 import torch
 from torch import nn
 
-from ..models import prepare_model
-from .flat import FlatPart, score_packed, score_parts
+from treetrain.integrations.flat import FlatPart, score_packed, score_parts
+from treetrain.models import prepare_model
 
 __all__ = ["REQUEST_KWARG", "install_tree_scoring", "wrapped_flat_logprobs"]
 

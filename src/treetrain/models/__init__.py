@@ -1,5 +1,5 @@
 """Hugging Face integration: tree attention through the public registry, recurrent-layer routing."""
 
-from .hf import ATTN_NAME, prepare_model, tree_forward
+from treetrain.models.hf import ATTN_NAME, prepare_model, tree_forward
 
 __all__ = ["ATTN_NAME", "prepare_model", "tree_forward"]

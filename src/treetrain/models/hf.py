@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..attention import TreeMask, default_backend, get_backend
-from ..packing import PackedTree
+from treetrain.attention import TreeMask, default_backend, get_backend
+from treetrain.trees.packing import PackedTree
 
 ATTN_NAME = "treetrain"
 _registered = False
@@ -131,7 +131,7 @@ def prepare_model(model: nn.Module) -> nn.Module:
     register()
     if model.config._attn_implementation != ATTN_NAME:
         model.set_attn_implementation(ATTN_NAME)
-    from .recurrent import patch_recurrent_layers
+    from treetrain.models.recurrent import patch_recurrent_layers
 
     patch_recurrent_layers(model)
     return model
@@ -158,7 +158,7 @@ def tree_forward(model: nn.Module, packed: PackedTree, backend: str | None = Non
 
     ``model`` is a ``...ForCausalLM``; its decoder (``model.base_model``) runs once over all distinct
     tokens. ``backend`` picks the attention kernel (default: by device). A model sharded by
-    ``treetrain.distributed.shard_model`` has a root-level ``treetrain_decoder`` entry point that
+    ``treetrain.parallel.fsdp.shard_model`` has a root-level ``treetrain_decoder`` entry point that
     runs the same decoder inside FSDP's root hooks; it is used when present.
     """
     prepare_model(model)

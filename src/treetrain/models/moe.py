@@ -31,7 +31,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
-from ..packing import PackedTree
+from treetrain.trees.packing import PackedTree
 
 __all__ = [
     "load_balancing_stats",

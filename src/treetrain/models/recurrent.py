@@ -23,8 +23,14 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from ..packing import PackedTree
-from .gdn import TreeLevels, build_levels, conv_window_index, tree_causal_conv1d, tree_gated_delta_rule
+from treetrain.models.gdn import (
+    TreeLevels,
+    build_levels,
+    conv_window_index,
+    tree_causal_conv1d,
+    tree_gated_delta_rule,
+)
+from treetrain.trees.packing import PackedTree
 
 __all__ = ["patch_recurrent_layers", "tree_gdn_forward"]
 
@@ -134,7 +140,7 @@ def _tree_aware_forward(
         raise ValueError("a tree forward takes no cache (use_cache=False): states are routed per node")
     mask = kwargs.get("tree_mask")
     if mask is not None and "cp" in mask.cache:  # context parallel: this rank holds a chunk of the tree
-        from ..parallel.cp import cp_recurrent_forward
+        from treetrain.parallel.cp import cp_recurrent_forward
 
         return cp_recurrent_forward(self, hidden_states, packed, mask)
     return tree_gdn_forward(self, hidden_states, packed, mask)

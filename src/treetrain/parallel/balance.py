@@ -1,6 +1,6 @@
 """Tree-aware data parallelism: trees and subtrees to ranks by FLOP cost, and the imbalance.
 
-``treetrain.distributed.assign_to_ranks`` places whole pieces (trees, or capacity-sized parts of
+``treetrain.parallel.fsdp.assign_to_ranks`` places whole pieces (trees, or capacity-sized parts of
 whole paths) by LPT on their training FLOPs (``flops.tree_cost``: tokens + attention pairs). A
 single tree costlier than a rank's fair share still makes every other rank wait, so
 :func:`balanced_plan` also splits such a piece into two parts of whole paths (recomputing their
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from ..distributed import assign_to_ranks
-from ..tree import TrajectoryTree
+from treetrain.parallel.fsdp import assign_to_ranks
+from treetrain.trees.tree import TrajectoryTree
 
 __all__ = ["balanced_plan", "imbalance", "makespan", "rank_loads", "split_in_two"]
 
@@ -36,14 +36,14 @@ def imbalance(loads: Sequence[float]) -> float:
 
 
 def makespan(costs: Sequence[float], world_size: int) -> float:
-    """The busiest rank's load under :func:`treetrain.distributed.assign_to_ranks`."""
+    """The busiest rank's load under :func:`treetrain.parallel.fsdp.assign_to_ranks`."""
     return max(rank_loads(costs, assign_to_ranks(costs, world_size)))
 
 
 def split_in_two(tree: TrajectoryTree) -> list[TrajectoryTree]:
     """Two (or a few) parts of whole paths of about half the tree's distinct tokens each, by Tree
     Partitioning; ``[tree]`` when it cannot be split (one path, or one path as long as the tree)."""
-    from ..partition import partition
+    from treetrain.trees.partition import partition
 
     longest = int(tree.path_lengths.max())
     half = max(longest, -(-tree.num_tokens // 2))

@@ -13,7 +13,7 @@ that holds its context row ``prev[t]`` (which may be any earlier rank, not only 
 and the per-token log-probs are summed over ranks (disjoint supports, so every rank gets the same
 ``[T]`` vector bit for bit). Every rank then computes the same full loss; the all-reduce's backward
 is the identity, so each rank's parameter gradients are exactly its share and their SUM over the
-group is the 1-rank gradient (FSDP's summed reduction, :func:`treetrain.distributed.shard_model`).
+group is the 1-rank gradient (FSDP's summed reduction, :func:`treetrain.parallel.fsdp.shard_model`).
 
 Example, 2 ranks, ``A B C D E F G H`` with ``subtree_end = [8 6 4 4 6 6 8 8]``: rank 1 holds
 ``E F G H`` and attends keys ``A..H``; ``prev[E] = B`` sits on rank 0, so rank 0 scores ``E``.
@@ -36,8 +36,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention import TreeMask
-from ..packing import PackedTree
+from treetrain.attention import TreeMask
+from treetrain.trees.packing import PackedTree
 
 __all__ = [
     "CPChunk",
@@ -186,7 +186,7 @@ def cp_recurrent_forward(
     inputs' gradients are summed over ranks by the gather's backward, their parameters' gradients
     come from each rank's own chunk, so the group's sum is exact).
     """
-    from ..models.recurrent import tree_gdn_forward
+    from treetrain.models.recurrent import tree_gdn_forward
 
     chunk: CPChunk = mask.cache["cp"]
     full = _GatherChunks.apply(hidden_states, chunk)  # [1, T, hidden]
@@ -201,7 +201,7 @@ def make_chunk(packed: PackedTree, group: dist.ProcessGroup | None, per_token: f
 
 def cp_tree_forward(model: nn.Module, packed: PackedTree, chunk: CPChunk) -> torch.Tensor:
     """Final hidden states of this rank's chunk: ``[end - start, hidden]`` (the decoder, unchanged)."""
-    from ..models import prepare_model
+    from treetrain.models import prepare_model
 
     prepare_model(model)
     device = model.get_input_embeddings().weight.device
@@ -231,7 +231,7 @@ def cp_tree_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`treetrain.logprobs.tree_logprobs` over the ranks of ``group``: the same ``[T]`` log-probs
     and entropies on every rank (each rank scores the targets whose context row it holds)."""
-    from ..logprobs import target_logprobs
+    from treetrain.logprobs import target_logprobs
 
     part = make_chunk(packed, group, per_token)
     hidden = cp_tree_forward(model, packed, part)
@@ -305,7 +305,7 @@ def init_cp(cp: int) -> CPLayout:
         )
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ..distributed import init_distributed
+    from treetrain.parallel.fsdp import init_distributed
 
     mesh = init_device_mesh(init_distributed().device.type, (world // cp, cp), mesh_dim_names=("dp", "cp"))
     return CPLayout(mesh.get_local_rank("dp"), world // cp, cp, mesh.get_group("cp"))

@@ -31,9 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention import TreeMask
-from ..packing import PackedTree, pack
-from ..tree import TrajectoryTree
+from treetrain.attention import TreeMask
+from treetrain.trees.packing import PackedTree, pack
+from treetrain.trees.tree import TrajectoryTree
 
 __all__ = ["depth_first_backward", "node_children", "stack_attention", "weighted_token_loss"]
 
@@ -62,7 +62,7 @@ def weighted_token_loss(weights: torch.Tensor) -> TokenLoss:
 
 
 def _check(model: nn.Module) -> None:
-    from ..models.recurrent import _layout
+    from treetrain.models.recurrent import _layout
 
     if any(_layout(m) is not None for m in model.modules()):
         raise ValueError(
@@ -146,8 +146,8 @@ def depth_first_backward(
     Returns ``(loss, logp)``: the total loss (0-d, detached) and every target's log-prob ``[T]`` in
     DFS order (0 for a root's first token), equal to ``tree_logprobs`` of the packed run.
     """
-    from ..logprobs import target_logprobs
-    from ..models import prepare_model
+    from treetrain.logprobs import target_logprobs
+    from treetrain.models import prepare_model
 
     prepare_model(model)
     _check(model)

@@ -1,0 +1,128 @@
+"""``treetrain stats --data FILE``: how much a dataset shares, and what a tree trainer can gain from it.
+
+``--data``/``--data-format`` are the names ``train`` uses; the older positional ``FILE`` and
+``--format`` still work (undocumented aliases).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from treetrain.trees.flops import QWEN3_0_6B, CostModel, flop_bound, token_bound
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "stats",
+        help="tree statistics of a data file: tokens, POR, speedup bounds",
+        description="How much a dataset shares: distinct vs path tokens, POR, the token and FLOP "
+        "speedup bounds of tree training, optionally the partition ERR and a picture of the tree.",
+    )
+    p.add_argument("file", nargs="?", default=None, help=argparse.SUPPRESS)  # alias of --data
+    p.add_argument(
+        "--data",
+        default=None,
+        help="JSONL (.gz), Parquet/Arrow file or datasets directory (default: the bundled sample)",
+    )
+    formats = ["paths", "messages", "tree"]
+    p.add_argument(
+        "--data-format",
+        dest="fmt",
+        default=None,
+        choices=formats,
+        help="the data format (default: detected per record)",
+    )
+    p.add_argument("--format", dest="fmt", choices=formats, help=argparse.SUPPRESS)  # alias
+    p.add_argument(
+        "--columns",
+        default=None,
+        metavar="FIELD=COLUMN,...",
+        help="table sources: map treetrain fields to columns (default: treetrain's and TRL's names)",
+    )
+    p.add_argument(
+        "--tokenizer", default=None, help='messages format: a local tokenizer dir, or "qwen" (default none)'
+    )
+    p.add_argument(
+        "--capacity", type=int, default=None, help="token budget: also report partition ERR (default off)"
+    )
+    p.add_argument(
+        "--model", default=None, help="local model dir/config for the FLOP bound (default: Qwen3-0.6B shape)"
+    )
+    p.add_argument("--show", type=int, default=0, help="draw the first N trees as text (default 0)")
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="PNG",
+        help="write a picture of a tree (depth, branching, shared tokens) and of the sharing by "
+        "position over all trees (default: no picture)",
+    )
+    p.add_argument("--plot-tree", type=int, default=0, help="which tree --plot draws (default 0, the first)")
+    p.set_defaults(handler=main)
+    return p
+
+
+def _cost(model: str | None) -> tuple[CostModel, str]:
+    if model is None:
+        return QWEN3_0_6B, "Qwen3-0.6B shape"
+    from transformers import AutoConfig
+
+    return CostModel.from_config(AutoConfig.from_pretrained(model)), model
+
+
+def main(args: argparse.Namespace) -> int:
+    from treetrain.data import records as data
+
+    if args.file and args.data and args.file != args.data:
+        raise ValueError(f"two data files: {args.file} and --data {args.data}; give one (--data)")
+    path = args.data or args.file or data.sample_path("agent-dialogues")
+    if not Path(path).exists():
+        what = "a JSONL (or Parquet/Arrow/datasets) file of trees"
+        raise ValueError(f"--data {path}: no such data file; pass {what}, or omit it for the sample")
+    if args.model is not None and not (Path(args.model) / "config.json").is_file():
+        raise ValueError(f"--model {args.model}: not a model directory (no config.json)")
+    stream = data.iter_trees(path, format=args.fmt, tokenizer=args.tokenizer, columns=args.columns)
+    trees = [tree for tree, _ in stream]
+    if not trees:
+        raise ValueError(f"{path}: no samples")
+    cost, cost_name = _cost(args.model)
+    tokens = sum(t.num_tokens for t in trees)
+    base = sum(t.num_path_tokens for t in trees)
+    rows = [
+        ("file", str(path)),
+        ("trees", f"{len(trees)}"),
+        ("paths", f"{sum(t.num_paths for t in trees)}"),
+        ("baseline tokens (sum of paths)", f"{base:,}"),
+        ("tree tokens (distinct)", f"{tokens:,}"),
+        ("POR", f"{1 - tokens / base:.1%}"),
+        ("token bound (baseline / tree)", f"{token_bound(trees):.2f}x"),
+        (f"FLOP bound ({cost_name})", f"{flop_bound(trees, cost):.2f}x"),
+        ("largest tree (distinct tokens)", f"{max(t.num_tokens for t in trees):,}"),
+        ("longest path", f"{max(int(t.path_lengths.max()) for t in trees):,}"),
+    ]
+    if args.capacity:
+        from treetrain.trees.partition import partition, partition_stats
+
+        parts_tokens, n_parts = 0, 0
+        for t in trees:
+            parts = partition(t, args.capacity)
+            st = partition_stats(t, parts)
+            parts_tokens += st["partitioned_tokens"]
+            n_parts += len(parts)
+        err = (base - parts_tokens) / (base - tokens) if base > tokens else 1.0
+        rows += [
+            (f"parts at capacity {args.capacity:,}", f"{n_parts}"),
+            ("partitioned tokens", f"{parts_tokens:,}"),
+            ("ERR (realized / potential reuse)", f"{err:.1%}"),
+        ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    for t in trees[: args.show]:
+        print()
+        print(t.render())
+    if args.plot:
+        from treetrain.bench.treeplot import plot_trees
+
+        print(f"plot: {plot_trees(trees, args.plot, args.plot_tree).resolve()}")
+    return 0

@@ -1,0 +1,8 @@
+"""Data: records read from JSONL and tables into trees, validated with errors that name the record.
+
+Holds the field validators (:mod:`.fields`), the record formats (:mod:`.records`: paths, explicit
+trees, chat messages, preference pairs), the lazy readers (:mod:`.reader`), chat rendering
+(:mod:`.chat`), preference records (:mod:`.preference`) and table sources (:mod:`.sources`).
+
+May import: :mod:`treetrain.trees`.
+"""

@@ -1,0 +1,9 @@
+"""Objectives: per-path tensors and the losses on them.
+
+Per-path tensors come from the tree forward or from the per-path baseline (:mod:`.baseline`,
+:mod:`.path_outputs`); the losses are functions of them plus a global normalizer: policy
+(:mod:`.policy`: SFT and the policy-gradient family), :mod:`.advantages`, :mod:`.preference` (DPO
+family, reward models), :mod:`.value` (critic, GAE) and the MoE router aux loss (:mod:`.moe_aux`).
+
+May import: trees, data, attention, models, logprobs.
+"""

@@ -1,0 +1,53 @@
+"""GRPO advantages from per-path rewards, for ``treetrain train --advantages``.
+
+A record (one tree) is one group: its paths are the group's completions. ``scale`` follows TRL's
+``scale_rewards``: ``A = (r - mean_group) / (std + 1e-4)`` with the unbiased std of the group
+(``group``) or of every reward in the optimizer step's batch (``batch``), or ``A = r - mean_group``
+(``none``, Dr. GRPO). Example, one tree with rewards ``[1, 0, 0, 1]``: mean 0.5, std 0.577, so
+``group`` gives ``[0.866, -0.866, -0.866, 0.866]`` and ``none`` gives ``[0.5, -0.5, -0.5, 0.5]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from treetrain.objectives.policy import group_advantages
+from treetrain.trees.tree import TrajectoryTree
+
+__all__ = ["SCALES", "assign_advantages"]
+
+SCALES = ("group", "batch", "none")
+EPS = 1e-4  # TRL's
+
+
+def assign_advantages(trees: Sequence[TrajectoryTree], scale: str) -> list[TrajectoryTree]:
+    """The same trees with ``advantages [P]`` computed from their ``rewards [P]`` (fields replaced in
+    place on shallow copies; the token arrays are shared)."""
+    if scale not in SCALES:
+        raise ValueError(f"--advantages: expected one of {', '.join(SCALES)}, got {scale!r}")
+    for i, t in enumerate(trees):
+        if "rewards" not in t.fields:
+            raise ValueError(
+                f'--advantages {scale}: tree {i} of the batch has no per-path "rewards"; give one number '
+                'per path in every record, or drop --advantages and give "advantages" instead'
+            )
+        if "advantages" in t.fields:
+            raise ValueError(
+                f'--advantages {scale}: tree {i} of the batch has both "rewards" and "advantages"; '
+                "keep one of them"
+            )
+    rewards = np.concatenate([t.fields["rewards"] for t in trees])
+    groups = np.repeat(np.arange(len(trees)), [t.num_paths for t in trees])
+    adv = group_advantages(rewards, groups, norm_by_std=scale == "group", eps=EPS)
+    if scale == "batch":
+        std = rewards.std(ddof=1) if rewards.size > 1 else 0.0
+        adv = adv / (std + EPS)
+    out, start = [], 0
+    for t in trees:
+        copy = TrajectoryTree(**{**t.__dict__, "fields": dict(t.fields)})
+        copy.fields["advantages"] = adv[start : start + t.num_paths]
+        start += t.num_paths
+        out.append(copy)
+    return out

@@ -1,0 +1,713 @@
+"""Training objectives (SFT, REINFORCE, GRPO, PPO, GSPO; KL and entropy terms) on the per-path view.
+
+Every objective is the baseline's formula run unchanged on ``path_logprobs``' per-path log-probs,
+so it equals the per-sequence baseline by construction. Notation, for path ``p`` and its target
+``j`` (the token ``j + 1`` of the path; ``M = sum_p (len(p) - 1)`` targets in all)::
+
+    lp[p, j]   log-prob of the target under the model being trained (``path_logprobs``)
+    m[p, j]    loss_masks[p][j + 1]        (1: the target trains, e.g. an assistant token)
+    w[p]       weights[p]                  (default 1)
+    A[p, j]    advantages[p] or advantages[p][j + 1]
+    old, ref   old_logprobs[p][j], ref_logprobs[p][j]
+    n[p]       sum_j m[p, j]               (trainable targets of the path)
+
+A per-token loss ``l[p, j]`` is aggregated with coefficients that need only path ``p`` itself and
+a normalizer ``N`` computed once over the WHOLE batch (``loss_normalizer``)::
+
+    loss = sum_p sum_j c[p, j] * l[p, j],   c[p, j] = w[p] * m[p, j] * s[p] / N
+
+    agg_mode                  s[p]             N
+    token-mean                1                sum_p w[p] * n[p]
+    seq-mean-token-mean       1 / n[p]         sum_p w[p] * [n[p] > 0]
+    seq-mean-token-sum        1                sum_p w[p] * [n[p] > 0]
+    seq-mean-token-sum-norm   1 / norm_length  sum_p w[p] * [n[p] > 0]   (Dr. GRPO's constant length)
+    token-sum                 1                1
+
+A path is never split (partitions are sets of whole paths), so the loss is a sum of per-part
+contributions: run ``compute_loss`` on every micro-batch of every rank with the same ``N`` and the
+losses (and the accumulated gradients) add up to the full-batch ones, whatever the partition.
+
+Per-token losses (``r = exp(lp - old)``, ``eps_l, eps_h`` = clip_low, clip_high)::
+
+    sft         -lp
+    reinforce   -A * lp                                         (fixed advantages, on-policy)
+    ppo, grpo   max(-A * r, -A * clip(r, 1 - eps_l, 1 + eps_h)),
+                then, with dual-clip c and A < 0: min(that, -A * c)
+    gspo        the ppo form with r replaced by the sequence ratio
+                s[p] = exp(sum_j m[p, j] * (lp - old) / n[p]), taken per token as
+                exp(lp - sg(lp) + sg(log s[p])) (GSPO-token: value s[p], gradient s[p] * d lp)
+    + kl_coef * kl(lp, ref)    k1 = lp - ref;  k2 = (lp - ref)^2 / 2;  k3 = exp(ref - lp) - (ref - lp) - 1
+    - entropy_coef * H         H: the model's entropy at the target's context
+
+GRPO here is the PPO clipped surrogate with group-normalized advantages provided in the data (see
+``group_advantages``); with per-path scalar advantages and ``seq-mean-token-mean``, GSPO-token's
+gradient is exactly GSPO's sequence-level one.
+
+Losses linear in the log-probs (``sft`` and ``reinforce`` without a KL term) also have a fast path:
+the per-path coefficients collapse to one weight per distinct tree token,
+``W[t] = sum over (p, j) targeting t of c[p, j] * A[p, j]``, applied to ``tree_logprobs`` ``[T]``
+with no expansion (the papers' "loss weights").
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from treetrain.logprobs import DEFAULT_CHUNK, tree_logprobs
+from treetrain.trees.packing import PackedTree, pack
+from treetrain.trees.tree import TrajectoryTree
+
+__all__ = [
+    "AGG_MODES",
+    "KL_ESTIMATORS",
+    "OBJECTIVES",
+    "Objective",
+    "ObjectiveNeeds",
+    "PathMeta",
+    "agg_coefficients",
+    "compute_loss",
+    "group_advantages",
+    "kl_penalty",
+    "loss_normalizer",
+    "objective",
+    "objective_needs",
+    "ppo_token_loss",
+    "gspo_token_loss",
+    "reference_logprobs",
+    "summarize_metrics",
+    "token_weights",
+]
+
+OBJECTIVES = ("sft", "reinforce", "grpo", "ppo", "gspo")
+AGG_MODES = (
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+    "token-sum",
+)
+KL_ESTIMATORS = ("k1", "k2", "k3")
+_PG = ("reinforce", "grpo", "ppo", "gspo")  # need advantages
+_RATIO = ("grpo", "ppo", "gspo")  # need old log-probs
+_DEFAULT_CLIP = {"gspo": (3e-4, 4e-4)}  # GSPO paper; ppo/grpo: 0.2 both sides
+
+Batch = PackedTree | TrajectoryTree | Sequence[TrajectoryTree]
+
+
+# ---- configuration -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What to optimize. See the module docstring for every formula.
+
+    name: ``sft`` | ``reinforce`` | ``grpo`` | ``ppo`` | ``gspo`` (grpo = ppo's clipped surrogate
+      with group-normalized advantages from the data).
+    agg_mode: how per-token losses become one number (``AGG_MODES``, verl's ``loss_agg_mode``).
+    norm_length: the constant length of ``seq-mean-token-sum-norm`` (required there only).
+    clip_low, clip_high: ratio clip range ``[1 - clip_low, 1 + clip_high]``; defaults 0.2 / 0.2
+      for ppo and grpo, 3e-4 / 4e-4 for gspo (GSPO's sequence ratios sit much closer to 1).
+    dual_clip_c: dual-clip bound (> 1) for negative advantages, ppo/grpo only; None disables it.
+    kl_coef, kl_estimator: KL-to-reference penalty weight and estimator (``k1`` | ``k2`` | ``k3``).
+    entropy_coef: entropy bonus weight (the loss subtracts ``entropy_coef * H``).
+    use_token_weights: run linear objectives (sft, reinforce; no KL) as per-token weights on the
+      tree log-probs instead of the expanded per-path view (same value, same gradient).
+    report_entropy: compute the entropy metric even when ``entropy_coef == 0`` (one more pass over
+      every head chunk's logits); False skips it (``treetrain bench`` does, as a plain HF step does).
+    """
+
+    name: str = "sft"
+    agg_mode: str = "token-mean"
+    norm_length: float | None = None
+    clip_low: float | None = None
+    clip_high: float | None = None
+    dual_clip_c: float | None = None
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    use_token_weights: bool = True
+    report_entropy: bool = True
+
+    def __post_init__(self) -> None:
+        if self.name not in OBJECTIVES:
+            raise ValueError(f"objective name: expected one of {OBJECTIVES}, got {self.name!r}")
+        if self.agg_mode not in AGG_MODES:
+            raise ValueError(f"agg_mode: expected one of {AGG_MODES}, got {self.agg_mode!r}")
+        if self.agg_mode == "seq-mean-token-sum-norm":
+            if self.norm_length is None or not _finite(self.norm_length) or self.norm_length <= 0:
+                raise ValueError(
+                    "agg_mode 'seq-mean-token-sum-norm' divides each path's token sum by a constant: "
+                    f"set norm_length to a positive number (e.g. the max response length), got "
+                    f"{self.norm_length!r}"
+                )
+        elif self.norm_length is not None:
+            raise ValueError(
+                f"norm_length is used only by agg_mode 'seq-mean-token-sum-norm', not {self.agg_mode!r}; "
+                "remove it"
+            )
+        low, high = _DEFAULT_CLIP.get(self.name, (0.2, None))
+        low = low if self.clip_low is None else self.clip_low
+        high = (low if high is None else high) if self.clip_high is None else self.clip_high
+        if not (_finite(low) and 0 <= low < 1):
+            raise ValueError(
+                f"clip_low: the ratio's lower bound is 1 - clip_low; need 0 <= clip_low < 1, got {low}"
+            )
+        if not (_finite(high) and high >= 0):
+            raise ValueError(f"clip_high: need a finite value >= 0, got {high}")
+        object.__setattr__(self, "clip_low", float(low))
+        object.__setattr__(self, "clip_high", float(high))
+        if self.dual_clip_c is not None:
+            if self.name not in ("ppo", "grpo"):
+                raise ValueError(f"dual_clip_c applies to ppo and grpo only, not {self.name!r}; remove it")
+            if not (_finite(self.dual_clip_c) and self.dual_clip_c > 1):
+                raise ValueError(f"dual_clip_c: need a value > 1 (typically 3), got {self.dual_clip_c}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"kl_estimator: expected one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
+        if not (_finite(self.kl_coef) and self.kl_coef >= 0):
+            raise ValueError(f"kl_coef: need a finite value >= 0, got {self.kl_coef}")
+        if not _finite(self.entropy_coef):
+            raise ValueError(f"entropy_coef: need a finite value, got {self.entropy_coef}")
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass(frozen=True)
+class ObjectiveNeeds:
+    """What an objective reads besides the model's log-probs."""
+
+    advantages: bool  # per-path advantages in the data
+    old_logprobs: bool  # the sampling policy's log-probs in the data
+    ref_logprobs: bool  # reference log-probs: from the data or a ref_model
+    entropy: bool  # the model's entropies carry gradient
+    token_weights: bool  # linear in the log-probs: compute_loss takes the per-token-weight fast path
+
+
+def objective_needs(cfg: Objective) -> ObjectiveNeeds:
+    return ObjectiveNeeds(
+        advantages=cfg.name in _PG,
+        old_logprobs=cfg.name in _RATIO,
+        ref_logprobs=cfg.kl_coef != 0,
+        entropy=cfg.entropy_coef != 0,
+        token_weights=cfg.use_token_weights and cfg.name in ("sft", "reinforce") and cfg.kl_coef == 0,
+    )
+
+
+# ---- per-path metadata, flattened to the targets ---------------------------------------------------
+
+
+def _trees(batch: Batch) -> tuple[TrajectoryTree, ...]:
+    if isinstance(batch, PackedTree):
+        return batch.trees
+    if isinstance(batch, TrajectoryTree):
+        return (batch,)
+    if isinstance(batch, Sequence) and batch:
+        out = []
+        for b in batch:
+            out.extend(_trees(b))
+        return tuple(out)
+    raise ValueError(
+        f"batch: expected a PackedTree, a TrajectoryTree or a non-empty list of them, got {batch!r}"
+    )
+
+
+def _flat_field(trees: Sequence[TrajectoryTree], name: str) -> np.ndarray | None:
+    """One value per target ``[M]`` (float64), paths in batch order; None if no tree has the field."""
+    have = [name in t.fields for t in trees]
+    if not any(have):
+        return None
+    if not all(have):
+        raise ValueError(f"{name}: given for some trees of the batch but not all; give it for every path")
+    out = []
+    for t in trees:
+        v = t.fields[name]
+        if isinstance(v, np.ndarray):  # per-path scalars (advantages, weights)
+            out.append(np.repeat(v, t.path_lengths - 1))
+        elif name in ("loss_masks", "advantages"):  # per token, aligned with the path: drop token 0
+            out.extend(np.asarray(a, dtype=np.float64)[1:] for a in v)
+        else:  # per target already
+            out.extend(np.asarray(a, dtype=np.float64) for a in v)
+    return np.concatenate(out) if out else np.zeros(0)
+
+
+@dataclass(eq=False)
+class PathMeta:
+    """The batch's per-path metadata, flattened to one entry per target (``M`` targets, ``P`` paths).
+
+    Entry ``k`` belongs to path ``path_of[k]``; paths are in batch order (tree by tree) and their
+    targets contiguous, exactly as ``torch.cat(path_logprobs(model, batch))``.
+
+    num_targets ``[P]`` int64 (``len(p) - 1``); path_of ``[M]`` int64; mask ``[M]`` (0/1);
+    weight ``[P]``; advantages, old_logprobs, ref_logprobs ``[M]`` or None.
+    """
+
+    num_targets: torch.Tensor
+    path_of: torch.Tensor
+    mask: torch.Tensor
+    weight: torch.Tensor
+    advantages: torch.Tensor | None = None
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+
+    @classmethod
+    def from_trees(cls, batch: Batch, dtype: torch.dtype = torch.float64, device=None) -> PathMeta:
+        trees = _trees(batch)
+        num_targets = np.concatenate([t.path_lengths for t in trees]) - 1
+        M = int(num_targets.sum())
+        mask = _flat_field(trees, "loss_masks")
+        weights = [t.fields.get("weights") for t in trees]
+        weight = np.concatenate(
+            [np.ones(t.num_paths) if w is None else np.asarray(w, np.float64) for t, w in zip(trees, weights)]
+        )
+
+        def tensor(a):
+            return None if a is None else torch.as_tensor(a, dtype=dtype, device=device)
+
+        return cls(
+            num_targets=torch.as_tensor(num_targets, dtype=torch.int64, device=device),
+            path_of=torch.repeat_interleave(
+                torch.arange(num_targets.size, device=device), torch.as_tensor(num_targets, device=device)
+            ),
+            mask=tensor(np.ones(M) if mask is None else mask),
+            weight=tensor(weight),
+            advantages=tensor(_flat_field(trees, "advantages")),
+            old_logprobs=tensor(_flat_field(trees, "old_logprobs")),
+            ref_logprobs=tensor(_flat_field(trees, "ref_logprobs")),
+        )
+
+    @property
+    def num_paths(self) -> int:
+        return self.num_targets.numel()
+
+    def to(self, device=None, dtype: torch.dtype | None = None) -> PathMeta:
+        """Move; float fields take ``dtype`` (index fields stay int64)."""
+        moved = {}
+        for k, v in self.__dict__.items():
+            if v is None or v.dtype == torch.int64:
+                moved[k] = None if v is None else v.to(device)
+            else:
+                moved[k] = v.to(device=device, dtype=dtype or v.dtype)
+        return PathMeta(**moved)
+
+    def path_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-path sum of a per-target tensor: ``[M] -> [P]``."""
+        return x.new_zeros(self.num_paths).index_add(0, self.path_of, x)
+
+
+# ---- normalization and aggregation -----------------------------------------------------------------
+
+
+def _path_scale(meta: PathMeta, agg_mode: str, norm_length: float | None) -> torch.Tensor:
+    """``s[p]`` of the module docstring's table ``[P]``."""
+    if agg_mode == "seq-mean-token-mean":
+        return 1.0 / meta.path_sum(meta.mask).clamp(min=1)
+    if agg_mode == "seq-mean-token-sum-norm":
+        return meta.weight.new_full((meta.num_paths,), 1.0 / norm_length)
+    return meta.weight.new_ones(meta.num_paths)
+
+
+def loss_normalizer(
+    batch: Batch, agg_mode: str | Objective, *, norm_length: float | None = None, check: bool = True
+) -> float:
+    """The divisor ``N`` of the aggregation (module docstring), over the WHOLE batch's paths.
+
+    Call it once per optimizer step on every tree of the step, before any part runs, and pass the
+    same value to every ``compute_loss`` call of the step. Except for ``token-sum`` (always 1) it
+    is a sum over paths, so disjoint batches add up: per-rank values may be all-reduced with SUM
+    (``check=False`` on ranks that may hold no trainable token).
+
+    ``agg_mode`` is a mode name or an ``Objective`` (its ``agg_mode`` and ``norm_length``).
+    """
+    if isinstance(agg_mode, Objective):
+        agg_mode, norm_length = agg_mode.agg_mode, agg_mode.norm_length
+    if agg_mode not in AGG_MODES:
+        raise ValueError(f"agg_mode: expected one of {AGG_MODES}, got {agg_mode!r}")
+    if agg_mode == "token-sum":
+        return 1.0
+    if agg_mode == "seq-mean-token-sum-norm" and (norm_length is None or norm_length <= 0):
+        raise ValueError("agg_mode 'seq-mean-token-sum-norm' needs norm_length > 0")
+    meta = PathMeta.from_trees(batch)
+    n = meta.path_sum(meta.mask)
+    if agg_mode == "token-mean":
+        total = (meta.weight * n).sum().item()
+    else:
+        total = (meta.weight * (n > 0)).sum().item()
+    if check and not total > 0:
+        raise ValueError(
+            f"loss normalizer is {total} ({agg_mode}): the batch has no trainable target (every "
+            "loss_mask is 0 past the first token, or the weights sum to <= 0)"
+        )
+    return float(total)
+
+
+def agg_coefficients(
+    meta: PathMeta, agg_mode: str, normalizer: float | torch.Tensor, norm_length: float | None = None
+) -> torch.Tensor:
+    """``c[p, j] = w[p] * m[p, j] * s[p] / N`` flattened ``[M]``: ``loss = (c * per_token_loss).sum()``."""
+    per_path = meta.weight * _path_scale(meta, agg_mode, norm_length) / normalizer
+    return per_path[meta.path_of] * meta.mask
+
+
+# ---- per-token losses ------------------------------------------------------------------------------
+
+
+def ppo_token_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip_c: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate per token, all ``[M]``. Returns (loss, clipped, dual_clipped).
+
+    ``r = exp(logp - old)``; ``loss = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``; with
+    ``dual_clip_c`` and ``A < 0``: ``min(loss, -A c)``. ``clipped`` (bool): the clipped term is the
+    larger (its gradient is 0); ``dual_clipped``: the dual bound is active.
+    """
+    ratio = torch.exp(logp - old_logp)
+    unclipped = -advantages * ratio
+    clipped_obj = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
+    loss = torch.maximum(unclipped, clipped_obj)
+    clipped = clipped_obj > unclipped
+    dual = torch.zeros_like(clipped)
+    if dual_clip_c is not None:
+        bound = -advantages * dual_clip_c
+        dual = (advantages < 0) & (loss > bound)
+        loss = torch.where(dual, bound, loss)
+    return loss, clipped, dual
+
+
+def gspo_token_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    meta: PathMeta,
+    clip_low: float,
+    clip_high: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GSPO-token per token ``[M]``. Returns (loss, clipped, sequence log-ratio per token).
+
+    ``log s[p] = sum_j m (logp - old) / n[p]``; per token ``s = exp(logp - sg(logp) + sg(log s[p]))``
+    (value ``s[p]``, gradient ``s[p] * d logp``), then PPO's clipped form with ``s`` for ``r``.
+    """
+    log_seq = meta.path_sum(meta.mask * (logp - old_logp)) / meta.path_sum(meta.mask).clamp(min=1)
+    log_seq_tok = log_seq.detach()[meta.path_of]
+    ratio = torch.exp(logp - logp.detach() + log_seq_tok)
+    unclipped = -advantages * ratio
+    clipped_obj = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
+    return torch.maximum(unclipped, clipped_obj), clipped_obj > unclipped, log_seq_tok
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of ``KL(model || ref)`` from the sampled token (Schulman's k1, k2, k3).
+
+    ``d = logp - ref``: ``k1 = d``, ``k2 = d^2 / 2``, ``k3 = exp(-d) + d - 1`` (>= 0, unbiased).
+    """
+    d = logp - ref_logp
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return 0.5 * d * d
+    if estimator == "k3":
+        return torch.exp(-d) + d - 1
+    raise ValueError(f"kl_estimator: expected one of {KL_ESTIMATORS}, got {estimator!r}")
+
+
+# ---- the objective ---------------------------------------------------------------------------------
+
+
+def _require(meta: PathMeta, cfg: Objective, ref_given: bool) -> None:
+    if cfg.name in _PG and meta.advantages is None:
+        raise ValueError(
+            f"objective {cfg.name!r} needs advantages: give them per path in the data "
+            "(TrajectoryTree.from_paths(..., advantages=...), one scalar or one value per token per "
+            "path)"
+            + (
+                '; for GRPO, give per-path "rewards" and train with --advantages group (or compute '
+                "them with treetrain.objectives.policy.group_advantages)"
+                if cfg.name == "grpo"
+                else ""
+            )
+        )
+    if cfg.name in _RATIO and cfg.name != "grpo" and meta.old_logprobs is None:
+        raise ValueError(
+            f"objective {cfg.name!r} needs old_logprobs (the sampling policy's log-prob of every "
+            "target, len(path) - 1 values per path): give them in the data "
+            "(TrajectoryTree.from_paths(..., old_logprobs=...)), or use name='reinforce' for a single "
+            "on-policy update (the same gradient at ratio 1)"
+        )
+    if cfg.kl_coef != 0 and not ref_given and meta.ref_logprobs is None:
+        raise ValueError(
+            f"kl_coef={cfg.kl_coef} needs reference log-probs: pass ref_model= to compute_loss, or give "
+            "ref_logprobs per path in the data (TrajectoryTree.from_paths(..., ref_logprobs=...))"
+        )
+
+
+def objective(
+    logprobs: torch.Tensor | Sequence[torch.Tensor],
+    meta: PathMeta,
+    cfg: Objective,
+    normalizer: float | torch.Tensor,
+    *,
+    entropy: torch.Tensor | Sequence[torch.Tensor] | None = None,
+    ref_logprobs: torch.Tensor | Sequence[torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One part's loss on the per-path view, already divided by the global ``normalizer``.
+
+    logprobs: ``path_logprobs`` output (``list[Tensor [len(p) - 1]]``) or its concatenation ``[M]``.
+    meta: the same paths' ``PathMeta`` (``PathMeta.from_trees(batch)``).
+    entropy: the same layout (``path_logprobs(..., return_entropy=True)``); needed when
+      ``entropy_coef != 0``, otherwise only reported. ref_logprobs: overrides ``meta.ref_logprobs``.
+
+    Returns ``(loss, metrics)``. Summed over all parts and ranks, ``loss`` is the full-batch loss;
+    every metric is a detached 0-d tensor that also sums over parts (``summarize_metrics``):
+      loss, policy_loss, kl_loss, entropy_loss: normalized contributions
+        (``loss = policy_loss + kl_coef * kl_loss - entropy_coef * entropy_loss``);
+      num_tokens, num_paths: trainable targets and paths with one (unweighted);
+      logprob_sum, entropy_sum, kl_sum, ratio_sum, clipped_tokens, dual_clipped_tokens:
+        unweighted sums over trainable targets.
+    """
+    logp = _flat(logprobs)
+    if logp.numel() != meta.path_of.numel():
+        raise ValueError(
+            f"logprobs: {logp.numel()} values for {meta.path_of.numel()} targets in the metadata; "
+            "pass the log-probs and the PathMeta of the same batch"
+        )
+    ref = _flat(ref_logprobs) if ref_logprobs is not None else None
+    _require(meta, cfg, ref is not None)
+    if cfg.entropy_coef != 0 and entropy is None:
+        raise ValueError(
+            f"entropy_coef={cfg.entropy_coef} needs the entropies: pass entropy= from "
+            "path_logprobs(..., return_entropy=True)"
+        )
+    meta = meta.to(logp.device, logp.dtype)
+    on = meta.mask > 0
+    coeff = agg_coefficients(meta, cfg.agg_mode, normalizer, cfg.norm_length)
+    # masked targets may carry anything (e.g. no old log-prob for a prompt token): neutralize them so
+    # a huge ratio times a zero coefficient cannot become NaN
+    adv = torch.where(on, meta.advantages, 0.0) if meta.advantages is not None else None
+    old = torch.where(on, meta.old_logprobs, logp.detach()) if meta.old_logprobs is not None else None
+    if old is None and cfg.name == "grpo":  # no old_logprobs: on-policy, ratio 1 (TRL, one iteration)
+        old = logp.detach()
+
+    metrics: dict[str, torch.Tensor] = {}
+    ratio = None
+    if cfg.name == "sft":
+        per_tok = -logp
+    elif cfg.name == "reinforce":
+        per_tok = -adv * logp
+    elif cfg.name in ("ppo", "grpo"):
+        per_tok, clipped, dual = ppo_token_loss(logp, old, adv, cfg.clip_low, cfg.clip_high, cfg.dual_clip_c)
+        ratio = torch.exp(logp.detach() - old)
+        metrics["clipped_tokens"] = (clipped & on).sum()
+        metrics["dual_clipped_tokens"] = (dual & on).sum()
+    else:  # gspo
+        per_tok, clipped, log_seq = gspo_token_loss(logp, old, adv, meta, cfg.clip_low, cfg.clip_high)
+        ratio = torch.exp(log_seq)
+        metrics["clipped_tokens"] = (clipped & on).sum()
+    policy_loss = (coeff * per_tok).sum()
+    loss = policy_loss
+    metrics["policy_loss"] = policy_loss
+    if ratio is not None:
+        metrics["ratio_sum"] = (ratio * on).sum()
+
+    if cfg.kl_coef != 0:
+        ref = ref if ref is not None else meta.ref_logprobs.to(logp.dtype)
+        ref = torch.where(on, ref.to(logp.dtype), logp.detach())
+        kl = kl_penalty(logp, ref, cfg.kl_estimator)
+        kl_loss = (coeff * kl).sum()
+        loss = loss + cfg.kl_coef * kl_loss
+        metrics["kl_loss"] = kl_loss
+        metrics["kl_sum"] = (kl * on).sum()
+    if entropy is not None:
+        ent = _flat(entropy).to(logp.dtype)
+        if cfg.entropy_coef != 0:
+            ent_loss = (coeff * ent).sum()
+            loss = loss - cfg.entropy_coef * ent_loss
+            metrics["entropy_loss"] = ent_loss
+        metrics["entropy_sum"] = (ent * on).sum()
+    metrics["loss"] = loss
+    metrics["logprob_sum"] = (logp * on).sum()
+    metrics.update(_counts(meta))
+    return loss, {k: v.detach() for k, v in metrics.items()}
+
+
+def _flat(x: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x
+    return torch.cat(list(x)) if len(x) else torch.zeros(0)
+
+
+def _counts(meta: PathMeta) -> dict[str, torch.Tensor]:
+    on = meta.mask > 0
+    return {"num_tokens": on.sum(), "num_paths": (meta.path_sum(on.to(meta.mask.dtype)) > 0).sum()}
+
+
+# ---- fast path: per-token weights on the tree -------------------------------------------------------
+
+
+def token_weights(
+    meta: PathMeta, packed: PackedTree, cfg: Objective, normalizer: float | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per distinct tree token ``[T]``: ``(W_logp, W_ent)`` for objectives linear in the log-probs.
+
+    ``W_ent[t] = sum over path targets (p, j) that are token t of c[p, j]``, and ``W_logp`` the same
+    sum of ``c[p, j] * A[p, j]`` (reinforce) or ``= W_ent`` (sft), so that, with ``tree_logprobs``'
+    ``logp, ent [T]``::
+
+        loss = -(W_logp * logp).sum() - entropy_coef * (W_ent * ent).sum()
+
+    equals the per-path objective without expanding to paths.
+    """
+    if cfg.name not in ("sft", "reinforce") or cfg.kl_coef != 0:
+        raise ValueError(
+            f"token_weights: objective {cfg.name!r} (kl_coef={cfg.kl_coef}) is not linear in the "
+            "log-probs; only sft and reinforce without a KL term are"
+        )
+    _require(meta, cfg, False)
+    target = packed.target_index().to(meta.mask.device)
+    coeff = agg_coefficients(meta, cfg.agg_mode, normalizer, cfg.norm_length)
+    T = packed.num_tokens
+    w_ent = coeff.new_zeros(T).index_add(0, target, coeff)
+    if cfg.name == "sft":
+        return w_ent, w_ent
+    adv = torch.where(meta.mask > 0, meta.advantages, 0.0)
+    return coeff.new_zeros(T).index_add(0, target, coeff * adv), w_ent
+
+
+def _token_weight_loss(
+    logp: torch.Tensor, ent: torch.Tensor, meta: PathMeta, packed: PackedTree, cfg: Objective, normalizer
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    w_lp, w_ent = token_weights(meta, packed, cfg, normalizer)
+    target = packed.target_index().to(logp.device)
+    count = logp.new_zeros(logp.numel()).index_add(0, target, (meta.mask > 0).to(logp.dtype))
+    policy_loss = -(w_lp * logp).sum()
+    loss = policy_loss
+    metrics = {"policy_loss": policy_loss}
+    if cfg.entropy_coef != 0:
+        ent_loss = (w_ent * ent).sum()
+        loss = loss - cfg.entropy_coef * ent_loss
+        metrics["entropy_loss"] = ent_loss
+    if ent is not None:
+        metrics["entropy_sum"] = (count * ent).sum()
+    metrics["loss"] = loss
+    metrics["logprob_sum"] = (count * logp).sum()
+    metrics.update(_counts(meta))
+    return loss, {k: v.detach() for k, v in metrics.items()}
+
+
+# ---- what the training loop calls -------------------------------------------------------------------
+
+
+def reference_logprobs(
+    ref_model: nn.Module, batch: Batch, *, backend: str | None = None, chunk: int = DEFAULT_CHUNK
+) -> list[torch.Tensor]:
+    """The reference model's per-path log-probs from one tree forward under ``torch.no_grad()``.
+
+    Same layout as ``path_logprobs``; pass them as ``objective(..., ref_logprobs=...)`` or store them
+    in the data as ``ref_logprobs``. Put ``ref_model`` in eval mode (no dropout).
+    """
+    from treetrain.logprobs import path_logprobs
+
+    with torch.no_grad():
+        return path_logprobs(ref_model, batch, backend=backend, chunk=chunk)
+
+
+def compute_loss(
+    model: nn.Module,
+    packed: Batch,
+    cfg: Objective,
+    normalizer: float | torch.Tensor,
+    ref_model: nn.Module | None = None,
+    *,
+    backend: str | None = None,
+    chunk: int = DEFAULT_CHUNK,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One micro-batch: tree forward, log-probs (+ entropies), reference log-probs if KL, objective.
+
+    ``normalizer`` is ``loss_normalizer(all trees of the step, cfg)``; the returned loss is this
+    part's share, so ``loss.backward()`` per part accumulates the full-batch gradient. With
+    ``ref_model`` the reference log-probs come from it (one no-grad tree forward), otherwise from
+    the data's ``ref_logprobs``. Metrics: see ``objective``.
+    """
+    if not isinstance(packed, PackedTree):
+        packed = pack(list(_trees(packed)))
+    meta = PathMeta.from_trees(packed)
+    _require(meta, cfg, ref_model is not None)
+    # Every objective and metric reads masked targets only: score just those in the LM head.
+    needed = torch.zeros(packed.num_tokens, dtype=torch.bool)
+    needed[packed.target_index()[meta.mask.cpu() > 0]] = True
+    with_ent = cfg.entropy_coef != 0 or cfg.report_entropy
+    logp, ent = tree_logprobs(model, packed, backend, chunk, entropy=with_ent, needed=needed)
+    ent = ent if with_ent else None
+    meta = meta.to(logp.device, logp.dtype)
+    if objective_needs(cfg).token_weights:
+        return _token_weight_loss(logp, ent, meta, packed, cfg, normalizer)
+    target = packed.target_index().to(logp.device)
+    ref = None
+    if cfg.kl_coef != 0 and ref_model is not None:
+        with torch.no_grad():
+            ref = tree_logprobs(ref_model, packed, backend, chunk, needed=needed)[0]
+            ref = ref.to(logp.device).index_select(0, target)
+    ent_paths = None
+    if ent is not None:
+        ent_paths = (ent if cfg.entropy_coef != 0 else ent.detach()).index_select(0, target)
+    return objective(logp.index_select(0, target), meta, cfg, normalizer, entropy=ent_paths, ref_logprobs=ref)
+
+
+def summarize_metrics(metrics: Mapping[str, torch.Tensor | float]) -> dict[str, float]:
+    """Means from metric sums (already summed over parts and ranks): clipfrac, kl, entropy, ...
+
+    Keeps the normalized losses as they are; ``*_sum`` and ``*_tokens`` become per-token means.
+    """
+    m = {k: float(v) for k, v in metrics.items()}
+    out = {k: m[k] for k in ("loss", "policy_loss", "kl_loss", "entropy_loss") if k in m}
+    tokens = m.get("num_tokens", 0.0)
+    if tokens > 0:
+        for key, name in (
+            ("logprob_sum", "logprob"),
+            ("entropy_sum", "entropy"),
+            ("kl_sum", "kl"),
+            ("ratio_sum", "ratio"),
+            ("clipped_tokens", "clipfrac"),
+            ("dual_clipped_tokens", "dual_clipfrac"),
+        ):
+            if key in m:
+                out[name] = m[key] / tokens
+    out["num_tokens"] = tokens
+    if "num_paths" in m:
+        out["num_paths"] = m["num_paths"]
+    return out
+
+
+def group_advantages(
+    rewards: Sequence[float], groups: Sequence[Hashable], *, norm_by_std: bool = True, eps: float = 1e-6
+) -> np.ndarray:
+    """GRPO's group-normalized advantages, one per path ``[P]``: ``(r - mean_g) / (std_g + eps)``.
+
+    ``groups[i]`` is the group (e.g. the prompt id) of path ``i``. ``std`` is the unbiased sample
+    standard deviation; ``norm_by_std=False`` gives Dr. GRPO's ``r - mean_g``. A group of one keeps
+    its raw reward (verl's convention: mean 0, std 1).
+    """
+    r = np.asarray(rewards, dtype=np.float64)
+    if r.ndim != 1 or len(groups) != r.size:
+        raise ValueError(
+            f"group_advantages: need one reward and one group per path, got {r.shape} and {len(groups)}"
+        )
+    out = np.empty_like(r)
+    index: dict[Hashable, list[int]] = {}
+    for i, g in enumerate(groups):
+        index.setdefault(g, []).append(i)
+    for ids in index.values():
+        x = r[ids]
+        mean, std = (x.mean(), x.std(ddof=1)) if x.size > 1 else (0.0, 1.0)
+        out[ids] = (x - mean) / (std + eps) if norm_by_std else x - mean
+    return out

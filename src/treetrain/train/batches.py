@@ -1,0 +1,240 @@
+"""The data side of a run: trees read lazily from ``--data`` (or the bundled sample), epoch after
+epoch, grouped ``batch_trees`` to an optimizer step and packed into micro-batches
+(:mod:`treetrain.train.strategies`); under ``torchrun`` each rank keeps its own micro-batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from treetrain.data.sources import is_table_source
+from treetrain.train.build import refuse_remote_code
+from treetrain.train.config import DEFAULT_STEPS, TrainConfig
+from treetrain.train.strategies import get_strategy
+from treetrain.trees.packing import PackedTree, pack
+from treetrain.trees.tree import TrajectoryTree
+
+SAMPLE = "agent-dialogues"  # the bundled sample ``treetrain train`` uses by default
+
+
+@dataclass
+class StepBatch:
+    """The work of one optimizer step: its whole trees and the packed micro-batches that run."""
+
+    trees: list[TrajectoryTree]
+    micro: list[PackedTree]
+    trees_consumed: int  # trees read from the stream so far, this batch included (data state)
+    packing: str  # how ``micro`` was made: tree, or sequence (one-path trees, the baseline)
+    passes: int = 0  # forward/backward passes every rank runs (the busiest rank's); 0: len(micro)
+    all_computed_tokens: int | None = None  # tokens computed on all ranks; None: len of this micro
+    imbalance: float = 1.0  # FLOPs of the busiest data-parallel rank / the mean (parallel.balance)
+    path_tokens: int = field(init=False)  # what the per-path baseline computes
+    tree_tokens: int = field(init=False)  # distinct tokens of the whole trees (perfect reuse)
+    computed_tokens: int = field(init=False)  # what the micro-batches actually run
+
+    def __post_init__(self) -> None:
+        self.path_tokens = sum(t.num_path_tokens for t in self.trees)
+        self.tree_tokens = sum(t.num_tokens for t in self.trees)
+        self.computed_tokens = sum(p.num_tokens for p in self.micro)
+        if self.all_computed_tokens is not None:
+            self.computed_tokens = self.all_computed_tokens
+        self.passes = self.passes or len(self.micro)
+
+    @property
+    def por(self) -> float:
+        """Potential overlap ratio of the batch: ``1 - tree_tokens / path_tokens``."""
+        return 1.0 - self.tree_tokens / self.path_tokens
+
+    @property
+    def err(self) -> float:
+        """Effective reuse ratio: share of the possible saving the micro-batches realize
+        (1 when nothing could be saved)."""
+        possible = self.path_tokens - self.tree_tokens
+        return (self.path_tokens - self.computed_tokens) / possible if possible else 1.0
+
+
+def data_path(cfg: TrainConfig) -> Path:
+    """``--data``, or the bundled sample."""
+    if cfg.data is None:
+        from treetrain.data.records import sample_path
+
+        return Path(sample_path(SAMPLE))
+    path = Path(cfg.data)
+    if not path.is_file() and not (path.is_dir() and is_table_source(path)):
+        raise ValueError(
+            f"--data {cfg.data}: no such file; pass a JSONL file of trees, a Parquet/Arrow file or a "
+            "datasets.save_to_disk directory (or omit for the sample)"
+        )
+    return path
+
+
+def _reader_options(cfg: TrainConfig, vocab_size: int) -> dict[str, Any]:
+    """``treetrain.data.records`` reader options from the config."""
+    return {
+        "format": cfg.data_format,
+        "vocab_size": vocab_size,
+        "capacity": cfg.capacity,
+        "skip_oversized": cfg.skip_oversized,
+        "tokenizer": _tokenizer(cfg.tokenizer, cfg.trust_remote_code) if cfg.tokenizer else None,
+        "max_line_bytes": cfg.max_line_bytes,
+        "columns": cfg.columns,
+    }
+
+
+def _per_tree_budget(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with the token budget of one packed tree: ``--capacity`` is per rank, and ``--cp N``
+    ranks share each tree."""
+    return dataclasses.replace(cfg, capacity=cfg.capacity * cfg.cp) if cfg.cp > 1 else cfg
+
+
+@functools.lru_cache(maxsize=2)
+def _tokenizer(name: str, trust_remote_code: bool):
+    """``--tokenizer``, loaded once per run (code in its directory runs only with ``trust_remote_code``)."""
+    from treetrain.data.chat import load_tokenizer
+
+    with refuse_remote_code("--tokenizer", name):
+        return load_tokenizer(name, trust_remote_code=trust_remote_code)
+
+
+def _read_trees(cfg: TrainConfig, vocab_size: int) -> Iterator[TrajectoryTree]:
+    """One lazy pass over the data file; errors name file, line and field."""
+    from treetrain.data.records import iter_trees
+
+    for tree, _info in iter_trees(data_path(cfg), **_reader_options(cfg, vocab_size)):
+        if cfg.objective == "ppo_critic":  # rewards per path, no advantages: named by file and line
+            from treetrain.train.critic import check_record
+
+            check_record(tree, _info)
+        yield tree
+
+
+def count_trees(cfg: TrainConfig, vocab_size: int) -> int:
+    """Trees in the data file (one validating pass: every bad record is listed), for ``--epochs``."""
+    from treetrain.data.records import validate_file
+
+    counts = validate_file(data_path(cfg), **_reader_options(cfg, vocab_size))
+    if counts.samples == 0:
+        raise ValueError(f"--data {data_path(cfg)}: the file holds no trees")
+    return counts.samples
+
+
+def tree_stream(
+    cfg: TrainConfig, vocab_size: int, skip: int = 0, total: int | None = None
+) -> Iterator[TrajectoryTree]:
+    """Trees in file order, epoch after epoch, lazily: trees ``skip`` (resume) to ``total`` (the end
+    of a fractional last epoch; None: no end) of that endless stream."""
+    stream = _epochs(cfg, vocab_size)
+    first = next(stream, None)
+    if first is None:
+        raise ValueError(f"--data {data_path(cfg)}: the file holds no trees")
+    return itertools.islice(itertools.chain([first], stream), skip, total)
+
+
+def _epochs(cfg: TrainConfig, vocab_size: int) -> Iterator[TrajectoryTree]:
+    """The data file's trees, epoch after epoch; an epoch without a tree is an error (not a spin)."""
+    for _ in itertools.count():
+        n = 0
+        for n, tree in enumerate(_read_trees(cfg, vocab_size), start=1):  # noqa: B007
+            yield tree
+        if n == 0:
+            raise ValueError(f"--data {data_path(cfg)}: the file holds no trees")
+
+
+def make_microbatches(trees: list[TrajectoryTree], packing: str, capacity: int) -> list[list[TrajectoryTree]]:
+    """Group the step's trees into micro-batches of at most ``capacity`` tokens each.
+
+    ``tree``: whole trees, those larger than ``capacity`` partitioned into parts of whole paths.
+    ``sequence``: every path its own sequence. See :mod:`treetrain.train.strategies`.
+    """
+    return get_strategy(packing).microbatches(trees, capacity)
+
+
+def rank_microbatches(
+    trees: list[TrajectoryTree], packing: str, capacity: int, rank: int, world_size: int, model_config
+) -> tuple[list[list[TrajectoryTree]], int, int, float]:
+    """This rank's micro-batches, the most any rank has, the tokens all ranks compute and the
+    FLOP imbalance (:meth:`treetrain.train.strategies.TreePacking.rank_plan`). Idle ranks pad with dummy
+    passes."""
+    return get_strategy(packing).rank_plan(trees, capacity, rank, world_size, model_config)
+
+
+def make_batches(
+    cfg: TrainConfig,
+    vocab_size: int,
+    steps: int,
+    start_tree: int = 0,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    model_config=None,
+    total_trees: int | None = None,
+) -> Iterator[StepBatch]:
+    """``steps`` optimizer-step batches of ``batch_trees`` trees, packed and ready to run.
+
+    With ``world_size > 1`` each batch holds every tree of the step (for the loss normalizer and
+    the metrics) but only this rank's micro-batches (:func:`rank_microbatches`).
+    """
+    stream = tree_stream(cfg, vocab_size, skip=start_tree, total=total_trees)
+    consumed = start_tree
+    for _ in range(steps):
+        trees = list(itertools.islice(stream, cfg.batch_trees))
+        if not trees:  # the run's last tree was read (``--epochs``)
+            return
+        if cfg.advantages is not None:  # per-path rewards -> group-normalized advantages
+            from treetrain.objectives.advantages import assign_advantages
+
+            trees = assign_advantages(trees, cfg.advantages)
+        consumed += len(trees)
+        if cfg.objective in ("dpo", "reward"):  # whole pairs per micro-batch
+            from treetrain.objectives.preference import pair_microbatches
+
+            if world_size > 1:
+                raise ValueError(f"--objective {cfg.objective}: one process only (no torchrun) for now")
+            micro = [pack(mb) for mb in pair_microbatches(trees, cfg.packing, cfg.capacity)]
+            yield StepBatch(trees=trees, micro=micro, trees_consumed=consumed, packing=cfg.packing)
+            continue
+        if world_size == 1:
+            micro = [pack(mb) for mb in make_microbatches(trees, cfg.packing, cfg.capacity)]
+            yield StepBatch(trees=trees, micro=micro, trees_consumed=consumed, packing=cfg.packing)
+            continue
+        mine, passes, computed, imbalance = rank_microbatches(
+            trees, cfg.packing, cfg.capacity, rank, world_size, model_config
+        )
+        yield StepBatch(
+            trees=trees,
+            micro=[pack(mb) for mb in mine],
+            trees_consumed=consumed,
+            packing=cfg.packing,
+            passes=passes,
+            all_computed_tokens=computed,
+            imbalance=imbalance,
+        )
+
+
+def prefetched(batches: Iterator[StepBatch], depth: int) -> Iterable[StepBatch]:
+    """Prepare batches ``depth`` ahead in a background thread (tokenize, partition, pack)."""
+    if depth <= 0:
+        return batches
+    from treetrain.data.records import prefetch
+
+    return prefetch(batches, depth)
+
+
+def total_steps(cfg: TrainConfig, vocab_size: int) -> tuple[int, int | None]:
+    """(optimizer steps, trees the run reads: ``epochs`` x the file's trees, or None for no limit).
+
+    With ``--epochs`` the last step may hold fewer than ``batch_trees`` trees.
+    """
+    if cfg.steps is not None:
+        return cfg.steps, None
+    if cfg.epochs is not None:
+        trees = max(1, math.ceil(cfg.epochs * count_trees(cfg, vocab_size)))
+        return math.ceil(trees / cfg.batch_trees), trees
+    return DEFAULT_STEPS, None

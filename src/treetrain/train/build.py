@@ -1,0 +1,187 @@
+"""What a run trains: the device and dtype, the model (local directory or the embedded tiny Qwen3),
+its reference copy, and the AdamW optimizer with its LR schedule.
+
+transformers is imported lazily, inside the functions that build a model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from treetrain.train.config import TrainConfig
+
+# ---- device, dtype, model ----------------------------------------------------------------------
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` is CUDA when available, else CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> tuple[torch.dtype, torch.dtype | None]:
+    """``(parameter dtype, autocast dtype or None)``.
+
+    Parameters stay float32 under bfloat16 (autocast keeps float32 master weights and optimizer
+    state); ``float64`` is for exactness checks.
+    """
+    if name == "auto":
+        return torch.float32, (torch.bfloat16 if device.type == "cuda" else None)
+    if name == "bfloat16":
+        return torch.float32, torch.bfloat16
+    return {"float32": torch.float32, "float64": torch.float64}[name], None
+
+
+def default_model_config(vocab_size: int = 151936):
+    """The embedded tiny Qwen3-architecture config: random init, no download.
+
+    The vocabulary is Qwen3's (151,936 ids), so data tokenized with the Qwen tokenizer fits; the
+    embedding is tied to the LM head, as in the small Qwen3 models.
+    """
+    import transformers
+
+    return transformers.Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+        use_sliding_window=False,
+    )
+
+
+def build_model(
+    model: str | None,
+    seed: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    auto_class: str | None = None,
+    *,
+    trust_remote_code: bool = False,
+) -> nn.Module:
+    """A causal LM from a local directory (weights, or only ``config.json``: random init from
+    ``seed``) or, with ``model=None``, the embedded tiny Qwen3 config (random init). A directory
+    whose model needs its own Python code is refused unless ``trust_remote_code``.
+
+    ``auto_class``: another transformers auto class by name (``AutoModelForSequenceClassification``
+    for reward models, built with ``num_labels=1``)."""
+    import transformers
+
+    auto = transformers.AutoModelForCausalLM
+    if auto_class is not None:
+        auto = getattr(transformers, auto_class)
+
+    torch.manual_seed(seed)
+    if model is None:
+        config = default_model_config()
+    else:
+        path = Path(model)
+        if not (path / "config.json").is_file():
+            raise ValueError(
+                f"--model {model}: not a Hugging Face model directory (no config.json); pass a local "
+                f"directory saved with save_pretrained, or one with only config.json for random init"
+            )
+        weights = [*path.glob("*.safetensors"), *path.glob("*.bin")]
+        if weights:
+            with refuse_remote_code("--model", model):
+                net = auto.from_pretrained(
+                    path,
+                    dtype=dtype,
+                    trust_remote_code=trust_remote_code,
+                    **({"num_labels": 1} if auto_class else {}),
+                )
+            return net.to(device)
+        with refuse_remote_code("--model", model):
+            config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if auto_class is not None:
+        config.num_labels = 1
+    # initialize in float32 whatever the dtype, so one seed gives one initial model (normal_ draws
+    # differ between float32 and float64 kernels), then cast
+    net = auto.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    return net.to(device=device, dtype=dtype)
+
+
+@contextlib.contextmanager
+def refuse_remote_code(flag: str, where: str):
+    """transformers' refusal to run a directory's own code, as a ``ValueError`` naming the flag."""
+    try:
+        yield
+    except ValueError as e:
+        if "trust_remote_code" not in str(e):
+            raise
+        raise ValueError(
+            f"{flag} {where}: loading it runs Python code from that directory (its auto_map); "
+            "treetrain does not run it unless you pass --trust-remote-code (only for code you trust)"
+        ) from None
+
+
+def configure_model(model: nn.Module, activation_checkpointing: bool) -> nn.Module:
+    """Tree attention on, training mode, and optionally HF activation checkpointing."""
+    from treetrain.models import prepare_model
+
+    prepare_model(model)
+    if activation_checkpointing:  # transformers >= 5.x renamed gradient_checkpointing_enable
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model
+
+
+def build_reference_model(model: nn.Module) -> nn.Module:
+    """A frozen copy of the initial policy, for KL penalties."""
+    import copy
+
+    ref = copy.deepcopy(model).eval()
+    ref.requires_grad_(False)
+    return ref
+
+
+# ---- optimizer and schedule --------------------------------------------------------------------
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW; biases and norm weights (1-D parameters) are not decayed."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+
+
+def lr_factor(step: int, warmup: int, total: int, schedule: str, min_ratio: float = 0.0) -> float:
+    """LR multiplier for optimizer step ``step`` (0-based, ``total`` steps): linear warmup
+    ``1/(w+1) .. w/(w+1)`` over the first ``w = warmup`` steps, then 1 decaying to ``min_ratio``
+    (``cosine`` or ``linear``; reached just after the last step, so the last step still trains)
+    or staying at 1 (``constant``)."""
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    if schedule == "constant":
+        return 1.0
+    frac = min(1.0, (step - warmup) / max(1, total - warmup))
+    if schedule == "cosine":
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * frac))
+    return 1.0 - (1.0 - min_ratio) * frac
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, cfg.warmup_steps, total_steps, cfg.schedule, cfg.min_lr_ratio)
+    )

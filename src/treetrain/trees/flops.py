@@ -1,0 +1,172 @@
+"""Training FLOPs of what each mode computes: the tree and its per-path baseline.
+
+Three kinds of work, counted for each mode from what it actually runs (:class:`Work`):
+
+- ``tokens``: tokens through the decoder's linear layers (every matmul of every layer);
+- ``pairs``: allowed (query, key) attention pairs; a token at path position ``i`` attends ``i + 1``
+  keys in the tree and in the baseline alike;
+- ``targets``: targets scored by the LM head. Both modes score only targets some path trains on
+  (``loss_masks``; all targets when a tree has none): the tree each distinct (context, target)
+  once, the baseline once per path through it.
+
+Training = forward + backward = 3 x forward (model FLOPs: the head's recomputation in backward
+and the elementwise work are not counted). Example, paths ``[A B C]``, ``[A B D]``, every target
+trained::
+
+    tree      tokens 4 (A B C D)   pairs 1+2+3+3 = 9    targets 3 (B, C, D)
+    baseline  tokens 6             pairs 6+6 = 12       targets 4 (B C, B D)
+
+The bound on the tree's speedup is ``baseline FLOPs / tree FLOPs`` of those counts; a tree larger
+than a micro-batch is partitioned and its parts' recomputed prefixes are counted
+(:func:`tree_work` of the parts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import numpy as np
+
+from treetrain.trees.tree import TrajectoryTree
+
+__all__ = [
+    "QWEN3_0_6B",
+    "CostModel",
+    "Work",
+    "baseline_pairs",
+    "baseline_work",
+    "flop_bound",
+    "token_bound",
+    "train_flops",
+    "tree_cost",
+    "tree_pairs",
+    "tree_work",
+]
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Forward FLOPs per decoder token (``linear``), per allowed attention pair (``per_pair``) and
+    per target scored by the LM head (``head = 2 * hidden * vocab``)."""
+
+    linear: float
+    per_pair: float
+    head: float = 0.0
+
+    @property
+    def per_token(self) -> float:
+        """A token that runs the decoder and is scored: ``linear + head``."""
+        return self.linear + self.head
+
+    @classmethod
+    def from_config(cls, config) -> CostModel:
+        c = getattr(config, "text_config", None) or config
+        h, layers, vocab = c.hidden_size, c.num_hidden_layers, c.vocab_size
+        heads = c.num_attention_heads
+        head_dim = getattr(c, "head_dim", None) or h // heads
+        kv = getattr(c, "num_key_value_heads", None) or heads
+        inter = getattr(c, "intermediate_size", 4 * h)
+        types = getattr(c, "layer_types", None) or ["full_attention"] * layers
+        n_attn = sum(t == "full_attention" for t in types)
+        attn_proj = h * head_dim * (2 * heads + 2 * kv)  # q, o and k, v projections
+        mlp = 3 * h * inter
+        linear = 2 * layers * (attn_proj + mlp)
+        per_pair = 4 * heads * head_dim * n_attn  # QK^T and PV, 2 FLOPs per multiply-add
+        return cls(float(linear), float(per_pair), float(2 * h * vocab))
+
+
+# A Qwen3-0.6B-shaped model: the reference shape when no model is given.
+QWEN3_0_6B = CostModel.from_config(
+    SimpleNamespace(
+        hidden_size=1024,
+        num_hidden_layers=28,
+        vocab_size=151936,
+        num_attention_heads=16,
+        head_dim=128,
+        num_key_value_heads=8,
+        intermediate_size=3072,
+    )
+)
+
+
+@dataclass(frozen=True)
+class Work:
+    """What one mode computes: decoder tokens, attention pairs, LM-head targets."""
+
+    tokens: int = 0
+    pairs: int = 0
+    targets: int = 0
+
+    def __add__(self, other: Work) -> Work:
+        return Work(self.tokens + other.tokens, self.pairs + other.pairs, self.targets + other.targets)
+
+    def flops(self, cost: CostModel) -> float:
+        """Training FLOPs (3 x forward)."""
+        return 3.0 * (self.tokens * cost.linear + self.pairs * cost.per_pair + self.targets * cost.head)
+
+
+def _trained(tree: TrajectoryTree, p: int) -> np.ndarray:
+    """Path ``p``'s targets that train: bool ``[len(p) - 1]``."""
+    masks = tree.fields.get("loss_masks")
+    n = int(tree.path_lengths[p]) - 1
+    return np.ones(n, dtype=bool) if masks is None else np.asarray(masks[p])[1:] > 0
+
+
+def tree_pairs(tree: TrajectoryTree) -> int:
+    return int((tree.positions + 1).sum())
+
+
+def baseline_pairs(tree: TrajectoryTree) -> int:
+    L = tree.path_lengths
+    return int((L * (L + 1) // 2).sum())
+
+
+def tree_targets(tree: TrajectoryTree) -> int:
+    """Distinct DFS tokens some path trains on as a target (what the tree's head scores)."""
+    hit = [tree.path_index[p][1:][_trained(tree, p)] for p in range(tree.num_paths)]
+    return int(np.unique(np.concatenate(hit)).size) if hit else 0
+
+
+def path_targets(tree: TrajectoryTree) -> int:
+    """Trained targets summed over paths (what the baseline's head scores)."""
+    return int(sum(_trained(tree, p).sum() for p in range(tree.num_paths)))
+
+
+def tree_work(parts: Sequence[TrajectoryTree]) -> Work:
+    """The tree mode's work over the trees (or partition parts) it runs, each once."""
+    return sum((Work(t.num_tokens, tree_pairs(t), tree_targets(t)) for t in parts), Work())
+
+
+def baseline_work(trees: Sequence[TrajectoryTree]) -> Work:
+    """The per-path baseline's work: every path alone."""
+    return sum((Work(t.num_path_tokens, baseline_pairs(t), path_targets(t)) for t in trees), Work())
+
+
+def train_flops(tokens: int, pairs: int, cost: CostModel) -> float:
+    """Training FLOPs of ``tokens`` decoder tokens all scored by the head and ``pairs`` pairs."""
+    return 3.0 * (tokens * cost.per_token + pairs * cost.per_pair)
+
+
+def flop_bound(
+    trees: Sequence[TrajectoryTree], cost: CostModel = QWEN3_0_6B, capacity: int | None = None
+) -> float:
+    """Baseline training FLOPs / tree training FLOPs over a batch of trees, each mode's head on its
+    trained targets; with ``capacity``, the tree side runs the partition's parts."""
+    parts = list(trees)
+    if capacity is not None:
+        from treetrain.trees.partition import partition
+
+        parts = [p for t in trees for p in partition(t, capacity)]
+    return baseline_work(trees).flops(cost) / tree_work(parts).flops(cost)
+
+
+def tree_cost(tree: TrajectoryTree, cost: CostModel = QWEN3_0_6B) -> float:
+    """Training FLOPs of one tree forward+backward, every token scored (an upper bound, for
+    balancing work across ranks)."""
+    return train_flops(tree.num_tokens, tree_pairs(tree), cost)
+
+
+def token_bound(trees: Sequence[TrajectoryTree]) -> float:
+    return float(np.sum([t.num_path_tokens for t in trees]) / np.sum([t.num_tokens for t in trees]))

@@ -1,0 +1,623 @@
+"""Budgeted partitioning: split a ``TrajectoryTree`` into parts of whole paths that each fit a token
+budget, recomputing as little shared prefix as possible; then pack small trees and parts together.
+
+**The problem.** A part is a set of whole input paths; its cost is its number of distinct tokens
+(what one tree forward over it computes). Given ``capacity``, find parts of cost ``<= capacity``,
+every path in exactly one part, with the least total cost. A prefix shared by paths in different
+parts is recomputed once per part. Example, paths ``P0 = A B C D``, ``P1 = A B E F``,
+``P2 = A G H`` (8 distinct tokens), ``capacity = 6``::
+
+    {P0, P1} = A B C D E F (6) + {P2} = A G H (3)    total  9   (optimal)
+    {P0, P2} = A B C D G H (6) + {P1} = A B E F (4)    total 10   (A B recomputed)
+
+**On the trie.** Node ``u`` has ``len(u)`` tokens, ``depth(u)`` tokens from the root to its end and
+``subtree(u)`` distinct tokens below and including it. A part's cost is the summed length of the
+nodes its paths touch, so ``total = sum_u len(u) * n(u)`` with ``n(u)`` the number of parts
+touching ``u``'s subtree. Two bins (candidate parts) merged at node ``u`` share ``depth(u)``
+tokens. Paths ending on the same node, and a path ending inside another's route (a prefix path),
+cost nothing extra next to it: only the trie's leaves are real items, and a prefix path joins a
+part holding a leaf below it. Every path must fit the budget alone, else ``ValueError``.
+
+**Methods** (``N`` nodes, ``L`` leaves; all return parts in the order of their first path):
+
+- ``"beam_dp"`` (default; formerly ``"greedy"``): the paper's multi-path DP (Lift + bin packing,
+  bottom-up) with each node's candidate states cut to the best ``beam``. A node packs the bins its
+  children hand up, items from different children sharing its ``depth``, with a few packers
+  (best-fit decreasing, balanced loads, minimum bin slack for a handful of items, no merge); states
+  are ranked by
+  their total cost if no more merging happened above. ``O(sum_u k_u log k_u)`` for ``k_u`` bins at
+  ``u`` (near-linear: about the node count of the partitioned trees), times ``beam``.
+  ``beam=1`` is plain bottom-up best-fit decreasing; the default is ``DEFAULT_BEAM`` up to
+  ``BEAM_MAX_NODES`` nodes and 1 above, where it costs ~4x for < 0.1% (benchmarks/partition.py).
+- ``"greedy_dfs"`` (formerly ``"dfs"``): the paper's greedy: children visited deepest-leaf first
+  (leaves of similar depth together), leaves taken in that DFS order, a new part when the next
+  leaf overflows. ``O(N log N)``.
+- ``"single_path"``: the paper's single-path DP: every part is one whole subtree. With exact
+  distinct-token costs the DP's ``max`` always keeps a subtree that fits, so its answer is the
+  maximal fitting subtrees, found in one ``O(N)`` pass. Optimal when those are optimal, e.g. a
+  forest of chains (per-turn samples of dialogues that fit).
+- ``"first_fit"``: paths in input order, a new part when the next path overflows; what trainers
+  that pack sequences do today. The baseline, not a recommendation.
+- ``"optimal"``: exact minimum total, DP over subsets of leaves, ``O(3^L)``: ground truth for
+  small trees (``L <= MAX_OPTIMAL_LEAVES``).
+
+**Loss normalization must be global.** A partition changes which paths share a forward, never
+the loss, provided the loss is a sum over paths with weights fixed for the whole batch: compute
+every denominator (predicted-token count of a token-mean, path count of a sequence-mean, group
+statistics of GRPO advantages) over the whole batch *before* running any part, then for each part
+backpropagate ``sum_{p in part} w_p * loss_p / N_global`` and let gradients accumulate. The sum
+over parts is then the unpartitioned loss term for term (each path is in exactly one part), so
+the accumulated gradient equals the unpartitioned tree's for any partition. Dividing by a part's
+own count instead weights paths by the part they landed in and changes the gradient. Per-path
+data travels with the part (``tree.subset`` keeps metadata); ``part.path_ids[j]`` is the index in
+the original tree of the part's path ``j``, for anything indexed by the batch.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import gc
+import heapq
+import operator
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from treetrain.trees.tree import TrajectoryTree
+
+__all__ = [
+    "BEAM_MAX_NODES",
+    "DEFAULT_BEAM",
+    "MAX_OPTIMAL_LEAVES",
+    "DEPRECATED_METHODS",
+    "METHODS",
+    "lower_bound",
+    "pack_microbatches",
+    "partition",
+    "partition_stats",
+    "plan",
+    "resolve_method",
+]
+
+METHODS = ("beam_dp", "greedy_dfs", "single_path", "first_fit", "optimal")
+# old names, kept as aliases that warn: "greedy" was the beam DP, "dfs" the paper's greedy
+DEPRECATED_METHODS = {"greedy": "beam_dp", "dfs": "greedy_dfs"}
+DEFAULT_BEAM = 4
+BEAM_MAX_NODES = 20_000  # above this, beam=None means 1: the beam costs ~4x and gained < 0.1% there
+MAX_OPTIMAL_LEAVES = 14
+_MBS_MAX_ITEMS = 12  # minimum-bin-slack search is exponential: only for a handful of items
+_MBS_STEPS = 512  # search nodes per bin
+
+
+# ---- the trie, reduced to what partitioning needs ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Skeleton:
+    """Node arrays in DFS order (``N`` nodes): ``parent``, ``length``, ``depth`` (tokens from the
+    root to the node's end), ``children`` (CSR: ``child_ids[child_ptr[u]:child_ptr[u + 1]]``, DFS
+    order), ``leaves`` (nodes without children, ascending), ``path_end`` (node each path ends in).
+    """
+
+    parent: np.ndarray
+    length: np.ndarray
+    depth: np.ndarray
+    child_ptr: np.ndarray
+    child_ids: np.ndarray
+    leaves: np.ndarray
+    path_end: np.ndarray
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.parent.size)
+
+
+def _skeleton(tree: TrajectoryTree) -> _Skeleton:
+    parent = tree.node_parent.astype(np.int64)
+    N = parent.size
+    has_parent = parent >= 0
+    child_ids = np.flatnonzero(has_parent)[np.argsort(parent[has_parent], kind="stable")]
+    child_ptr = np.zeros(N + 1, dtype=np.int64)
+    np.cumsum(np.bincount(parent[has_parent], minlength=N), out=child_ptr[1:])
+    return _Skeleton(
+        parent=parent,
+        length=(tree.node_end - tree.node_start).astype(np.int64),
+        depth=(tree.positions[tree.node_end - 1] + 1).astype(np.int64),
+        child_ptr=child_ptr,
+        child_ids=child_ids,
+        leaves=np.flatnonzero(np.diff(child_ptr) == 0),
+        path_end=tree.path_leaf.astype(np.int64),
+    )
+
+
+def _paths_of(sk: _Skeleton, leaf_groups: Sequence[Sequence[int]]) -> list[np.ndarray]:
+    """Leaf groups -> path-id groups. A path ending on an inner node (a prefix of others) goes with
+    the first leaf below it, which is the first leaf at or after it in DFS order: free there.
+    """
+    group_of_leaf = np.full(sk.num_nodes, -1, dtype=np.int64)
+    for g, leaves in enumerate(leaf_groups):
+        group_of_leaf[np.asarray(leaves, dtype=np.int64)] = g
+    first_leaf = sk.leaves[np.searchsorted(sk.leaves, sk.path_end)]
+    group = group_of_leaf[first_leaf]
+    assert (group >= 0).all(), "every leaf must be in a group"
+    return _groups_from_labels(group, len(leaf_groups))
+
+
+def _groups_from_labels(label: np.ndarray, n: int) -> list[np.ndarray]:
+    """Path ids per label (ascending ids), groups ordered by their first path; empty ones dropped."""
+    order = np.argsort(label, kind="stable")
+    groups = np.split(order, np.cumsum(np.bincount(label, minlength=n))[:-1])
+    groups = [g for g in groups if g.size]
+    groups.sort(key=lambda g: int(g[0]))
+    return groups
+
+
+# ---- greedy: the multi-path DP with a beam ----------------------------------------------------
+
+# A bin (a candidate part) is (total, content): total = its distinct tokens, root to leaves, which
+# stays fixed as the bin is handed up; content = a leaf node id, or a tuple of the bins merged into
+# it. Bins merged at a node of depth d share those d tokens: total = t1 + t2 - d. Packers see
+# items (size, bin) with size = total - d (tokens below the node) and cap = capacity - d.
+# A state is (score, tiebreak, bins): score = sum of totals (the cost if nothing above merges);
+# tiebreak = -sum of squared totals (prefer uneven bins: an emptier one merges more easily above).
+_Bin = tuple
+_Item = tuple
+_State = tuple
+_Packer = Callable[[list, int], list]
+_size = operator.itemgetter(0)
+
+
+def _best_fit_decreasing(items: list[_Item], cap: int) -> list[list[_Item]]:
+    """Largest item first, into the open bin with the least room that still fits. ``O(k log k)``
+    comparisons (plus list shifts). Sizes ``[5, 4, 3, 2]``, cap 7 -> ``[[5, 2], [4, 3]]``.
+    """
+    rooms: list[int] = []  # ascending, parallel to groups
+    groups: list[list[_Item]] = []
+    for item in sorted(items, key=_size, reverse=True):
+        i = bisect.bisect_left(rooms, item[0])
+        if i < len(rooms):
+            r, g = rooms.pop(i) - item[0], groups.pop(i)
+            g.append(item)
+        else:
+            r, g = cap - item[0], [item]
+        j = bisect.bisect_left(rooms, r)
+        rooms.insert(j, r)
+        groups.insert(j, g)
+    return groups
+
+
+def _balanced(items: list[_Item], cap: int) -> list[list[_Item]]:
+    """As many bins as best fit uses, then largest item first into the least loaded bin (a new
+    bin if even that one is too full): the same merges with even loads, so a small piece stays
+    free to merge above. ``O(k log k)``. Sizes ``[26, 14, 13]``, cap 47: best fit
+    ``[[26, 14], [13]]``, balanced ``[[26], [14, 13]]``.
+    """
+    k = len(_best_fit_decreasing(items, cap))
+    heap = [(0, g) for g in range(k)]  # (load, group index)
+    groups: list[list[_Item]] = [[] for _ in range(k)]
+    for item in sorted(items, key=_size, reverse=True):
+        if heap[0][0] + item[0] <= cap:
+            load, g = heapq.heappop(heap)
+        else:
+            load, g = 0, len(groups)
+            groups.append([])
+        groups[g].append(item)
+        heapq.heappush(heap, (load + item[0], g))
+    return [g for g in groups if g]
+
+
+def _min_bin_slack(items: list[_Item], cap: int) -> list[list[_Item]]:
+    """Fill one bin at a time with the largest item plus the subset of the rest that leaves the
+    least room (bounded search). Beats best fit on its classic traps: sizes
+    ``[28, 25, 25, 14, 13, 10]``, cap 61 -> ``[[28, 14, 13], [25, 25, 10]]`` (best fit: 3 bins).
+    """
+    left = sorted(items, key=_size, reverse=True)
+    groups = []
+    while left:
+        sizes = [it[0] for it in left]
+        suffix = [*np.cumsum(sizes[::-1])[::-1].tolist(), 0]  # suffix[j] = sum(sizes[j:])
+        best_room, best_pick, steps = cap - sizes[0], [], 0
+        stack = [(1, cap - sizes[0], [])]  # (next index, room, picked)
+        while stack and best_room and steps < _MBS_STEPS:
+            j, r, picked = stack.pop()
+            steps += 1
+            if r < best_room:
+                best_room, best_pick = r, picked
+            if j == len(left) or r - suffix[j] >= best_room:  # the rest cannot beat the best
+                continue
+            stack.append((j + 1, r, picked))
+            if sizes[j] <= r:
+                stack.append((j + 1, r - sizes[j], [*picked, j]))
+        take = {0, *best_pick}
+        groups.append([left[i] for i in sorted(take)])
+        left = [it for i, it in enumerate(left) if i not in take]
+    return groups
+
+
+def _separate(items: list[_Item], cap: int) -> list[list[_Item]]:
+    return [[it] for it in items]
+
+
+def _one_bin(items: list[_Item], cap: int) -> list[list[_Item]]:
+    return [items]
+
+
+def _merged(group: list[_Item], depth: int) -> _Bin:
+    """One bin of the items packed together at a node of this depth."""
+    if len(group) == 1:
+        return group[0][1]
+    return (sum(it[0] for it in group) + depth, tuple(it[1] for it in group))
+
+
+def _combos(child_states: list[list[_State]], width: int) -> list[list[_State]]:
+    """The best state of every child, plus up to ``width - 1`` variants swapping one child to an
+    alternative, cheapest swap first: a node's work does not grow with ``width x children``.
+    """
+    best = [s[0] for s in child_states]
+    if width == 1:
+        return [best]
+    alternatives = [(s[j][0] - s[0][0], i, j) for i, s in enumerate(child_states) for j in range(1, len(s))]
+    swaps = sorted(alternatives)[: width - 1]
+    return [best] + [best[:i] + [child_states[i][j]] + best[i + 1 :] for _, i, j in swaps]
+
+
+def _packers(n_items: int, below: int, cap: int, width: int, first: bool) -> tuple[_Packer, ...]:
+    if below <= cap:  # everything fits one bin; the only other shape worth keeping is all apart
+        return (_one_bin,) if width == 1 else (_one_bin, _separate)
+    if width == 1 or not first:  # alternatives of the children get the main packer only
+        return (_best_fit_decreasing,)
+    extra = (_min_bin_slack,) if n_items <= _MBS_MAX_ITEMS else ()
+    return (_best_fit_decreasing, _balanced, _separate, *extra)
+
+
+def _node_states(child_states: list[list[_State]], depth: int, capacity: int, width: int) -> list[_State]:
+    """Lift + bin packing at one node: the ``width`` best states of its subtree."""
+    if len(child_states) == 1:  # one child (a path ends here): nothing to merge
+        return child_states[0]
+    cap = capacity - depth
+    if width == 1:  # the plain greedy, without the beam's bookkeeping
+        bins = [b for s in child_states for b in s[0][2]]
+        total = sum(b[0] for b in bins) - (len(bins) - 1) * depth
+        if total <= capacity:
+            return [(total, 0, ((total, tuple(bins)),))]
+        groups = _best_fit_decreasing([(b[0] - depth, b) for b in bins], cap)
+        merged = tuple(_merged(g, depth) for g in groups)
+        return [(sum(b[0] for b in merged), 0, merged)]
+    found: dict[tuple[int, ...], _State] = {}
+    for n, combo in enumerate(_combos(child_states, width)):
+        items = [(b[0] - depth, b) for state in combo for b in state[2]]
+        below = sum(it[0] for it in items)
+        for pack in _packers(len(items), below, cap, width, n == 0):
+            bins = tuple(_merged(g, depth) for g in pack(items, cap))
+            totals = tuple(sorted(b[0] for b in bins))
+            state = (sum(totals), -sum(t * t for t in totals), bins)
+            if totals not in found or state[:2] < found[totals][:2]:
+                found[totals] = state
+    return sorted(found.values(), key=lambda s: s[:2])[:width]
+
+
+@contextlib.contextmanager
+def _cyclic_gc_paused():
+    """The greedy allocates ~N small acyclic tuples that stay alive until the root; the cyclic
+    collector would rescan them over and over (measured 2.5x slower on 100k nodes). Reference
+    counting still frees everything.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _greedy(sk: _Skeleton, capacity: int, beam: int) -> list[list[int]]:
+    """Bottom-up over the nodes (children before parents: reverse DFS order)."""
+    with _cyclic_gc_paused():
+        return _greedy_pass(sk, capacity, beam)
+
+
+def _greedy_pass(sk: _Skeleton, capacity: int, beam: int) -> list[list[int]]:
+    states: list[list[_State] | None] = [None] * sk.num_nodes
+    depth = sk.depth.tolist()
+    ptr, ids = sk.child_ptr.tolist(), sk.child_ids.tolist()
+    for u in range(sk.num_nodes - 1, -1, -1):
+        if ptr[u] == ptr[u + 1]:
+            states[u] = [(depth[u], -depth[u] * depth[u], ((depth[u], u),))]
+            continue
+        kids = ids[ptr[u] : ptr[u + 1]]
+        states[u] = _node_states([states[k] for k in kids], depth[u], capacity, beam)
+        for k in kids:
+            states[k] = None
+    roots = np.flatnonzero(sk.parent < 0).tolist()
+    top = _node_states([states[r] for r in roots], 0, capacity, beam)  # a forest merges at depth 0
+    return [_leaves_of(b) for b in top[0][2]]
+
+
+def _leaves_of(bin_: _Bin) -> list[int]:
+    out, stack = [], [bin_]
+    while stack:
+        content = stack.pop()[1]
+        if isinstance(content, tuple):
+            stack.extend(content)
+        else:
+            out.append(content)
+    return out
+
+
+# ---- dfs: the paper's greedy --------------------------------------------------------------------
+
+
+def _dfs(sk: _Skeleton, capacity: int) -> list[list[int]]:
+    """Leaves in a DFS that visits the child with the deepest leaf first; a running part takes the
+    next leaf if its new tokens (below the branch point with the previous leaf) still fit.
+    """
+    depth, parent = sk.depth.tolist(), sk.parent.tolist()
+    ptr, ids = sk.child_ptr.tolist(), sk.child_ids.tolist()
+    deepest = list(depth)
+    for u in range(sk.num_nodes - 1, 0, -1):
+        p = parent[u]
+        if p >= 0 and deepest[u] > deepest[p]:
+            deepest[p] = deepest[u]
+    by_deepest = lambda nodes: sorted(nodes, key=lambda n: deepest[n])  # noqa: E731
+    groups: list[list[int]] = []
+    load = capacity + 1  # forces a new part at the first leaf
+    stack = [(r, 0) for r in by_deepest(np.flatnonzero(sk.parent < 0).tolist())]  # (node, shared)
+    branch = 0  # depth shared by the next leaf with the previous one
+    while stack:
+        u, above = stack.pop()
+        branch = min(branch, above)
+        if ptr[u] < ptr[u + 1]:
+            stack.extend((k, depth[u]) for k in by_deepest(ids[ptr[u] : ptr[u + 1]]))
+            continue
+        new = depth[u] - branch
+        if load + new <= capacity:
+            groups[-1].append(u)
+            load += new
+        else:
+            groups.append([u])
+            load = depth[u]
+        branch = depth[u]
+    return groups
+
+
+# ---- single_path and first_fit ------------------------------------------------------------------
+
+
+def _single_path(sk: _Skeleton, capacity: int, subtree_tokens: np.ndarray) -> list[list[int]]:
+    """Maximal subtrees that fit: a node whose tokens above plus subtree fit, under a parent whose
+    do not. Each becomes one part (its leaves).
+    """
+    above = sk.depth - sk.length
+    fits = above + subtree_tokens <= capacity
+    top = fits & ((sk.parent < 0) | ~fits[np.maximum(sk.parent, 0)])
+    owner = np.where(top, np.arange(sk.num_nodes), -1).tolist()
+    parent = sk.parent.tolist()
+    for u in range(sk.num_nodes):  # parents precede children: inherit the owning subtree
+        if owner[u] < 0 and parent[u] >= 0:
+            owner[u] = owner[parent[u]]
+    leaf_owner = np.asarray(owner)[sk.leaves]
+    order = np.argsort(leaf_owner, kind="stable")
+    cuts = np.flatnonzero(np.diff(leaf_owner[order])) + 1
+    return [g.tolist() for g in np.split(sk.leaves[order], cuts)]
+
+
+def _first_fit(sk: _Skeleton, capacity: int) -> np.ndarray:
+    """Part label per path: input order, a new part when the next path's new tokens overflow."""
+    parent, length = sk.parent.tolist(), sk.length.tolist()
+    label = np.empty(sk.path_end.size, dtype=np.int64)
+    seen: set[int] = set()
+    part, load = -1, capacity + 1
+    for i, end in enumerate(sk.path_end.tolist()):
+        new, u = 0, end
+        while u >= 0 and u not in seen:
+            new, u = new + length[u], parent[u]
+        if load + new > capacity:
+            part, seen, load = part + 1, set(), 0
+            new = int(sk.depth[end])
+        u = end
+        while u >= 0 and u not in seen:
+            seen.add(u)
+            u = parent[u]
+        load += new
+        label[i] = part
+    return label
+
+
+# ---- optimal --------------------------------------------------------------------------------------
+
+
+def _optimal(sk: _Skeleton, capacity: int) -> list[list[int]]:
+    """Minimum total over all partitions of the leaves: ``best[S] = min over G in S holding S's
+    lowest leaf, cost(G) <= capacity, of cost(G) + best[S - G]``. ``cost`` of all ``2^L`` subsets
+    at once from a leaf-by-node ancestor matrix; the recursion visits ``3^L / 2`` pairs.
+    """
+    L = sk.leaves.size
+    if L > MAX_OPTIMAL_LEAVES:
+        raise ValueError(
+            f"optimal: {L} leaves, the exact search is exponential; at most {MAX_OPTIMAL_LEAVES} "
+            "(use method='beam_dp')"
+        )
+    ancestors = np.zeros((L, sk.num_nodes), dtype=bool)
+    for i, leaf in enumerate(sk.leaves.tolist()):
+        u = leaf
+        while u >= 0:
+            ancestors[i, u] = True
+            u = int(sk.parent[u])
+    member = (np.arange(1 << L)[:, None] >> np.arange(L)) & 1
+    cost = ((member @ ancestors) > 0).astype(np.int64) @ sk.length
+    cost = np.where(cost <= capacity, cost, -1).tolist()  # -1: over budget
+    best, choice = [0] * (1 << L), [0] * (1 << L)
+    for S in range(1, 1 << L):
+        low = S & -S
+        rest = S ^ low
+        sub, b, arg = rest, None, 0
+        while True:
+            g = sub | low
+            if cost[g] >= 0 and (b is None or cost[g] + best[S ^ g] < b):
+                b, arg = cost[g] + best[S ^ g], g
+            if not sub:
+                break
+            sub = (sub - 1) & rest
+        best[S], choice[S] = b, arg
+    groups, S = [], (1 << L) - 1
+    while S:
+        g = choice[S]
+        groups.append([int(sk.leaves[i]) for i in range(L) if g >> i & 1])
+        S ^= g
+    return groups
+
+
+# ---- public API -----------------------------------------------------------------------------------
+
+
+def _check(tree: TrajectoryTree, capacity: int) -> None:
+    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
+        raise ValueError(f"capacity: expected a positive number of tokens, got {capacity!r}")
+    lengths = tree.path_lengths
+    i = int(np.argmax(lengths))
+    if lengths[i] > capacity:
+        raise ValueError(
+            f"path {i} has {int(lengths[i])} tokens, more than the capacity of {capacity}: "
+            "a path is never split, so the budget must hold the longest one"
+        )
+
+
+def resolve_method(method: str) -> str:
+    """``method`` checked against ``METHODS``; an old name warns and maps to its new one."""
+    if method in DEPRECATED_METHODS:
+        new = DEPRECATED_METHODS[method]
+        warnings.warn(
+            f"partition method {method!r} is deprecated, use {new!r} (the name says what it does)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        return new
+    if method not in METHODS:
+        raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
+    return method
+
+
+def plan(
+    tree: TrajectoryTree, capacity: int, method: str = "beam_dp", *, beam: int | None = None
+) -> list[np.ndarray]:
+    """Path ids (indices into ``tree``) of each part, ascending; parts ordered by their first path.
+
+    The assignment only: :func:`partition` builds the part trees from it.
+
+    >>> t = TrajectoryTree.from_paths([[1, 2, 3, 4], [1, 5, 6], [1, 2, 7, 8]])
+    >>> [g.tolist() for g in plan(t, 6)]
+    [[0, 2], [1]]
+    """
+    _check(tree, capacity)
+    method = resolve_method(method)
+    if tree.num_tokens <= capacity:
+        return [np.arange(tree.num_paths)]
+    sk = _skeleton(tree)
+    if method == "first_fit":
+        label = _first_fit(sk, capacity)
+        return _groups_from_labels(label, int(label.max()) + 1)
+    if method == "beam_dp":
+        if beam is None:
+            beam = DEFAULT_BEAM if sk.num_nodes <= BEAM_MAX_NODES else 1
+        groups = _greedy(sk, capacity, max(1, int(beam)))
+    elif method == "greedy_dfs":
+        groups = _dfs(sk, capacity)
+    elif method == "single_path":
+        groups = _single_path(sk, capacity, tree.node_subtree_end - tree.node_start)
+    else:
+        groups = _optimal(sk, capacity)
+    return _paths_of(sk, groups)
+
+
+def partition(
+    tree: TrajectoryTree, capacity: int, method: str = "beam_dp", *, beam: int | None = None
+) -> list[TrajectoryTree]:
+    """Split ``tree`` into parts of whole paths, each with at most ``capacity`` distinct tokens.
+
+    Every path (duplicates and prefix paths included) lands in exactly one part; ``part.path_ids``
+    index the original tree (composed through earlier subsets); metadata travels with the paths.
+    A tree that fits is returned as ``[tree]``. Raises ``ValueError`` if a path alone exceeds the
+    capacity. ``method``: see the module docstring; ``beam``: states kept per node by ``beam_dp``.
+    """
+    groups = plan(tree, capacity, method, beam=beam)
+    if len(groups) == 1:
+        return [tree]
+    return [tree.subset(g) for g in groups]
+
+
+def pack_microbatches(
+    trees: Sequence[TrajectoryTree],
+    capacity: int,
+    method: str = "beam_dp",
+    *,
+    beam: int | None = None,
+) -> list[list[TrajectoryTree]]:
+    """Group trees into micro-batches of at most ``capacity`` tokens each (one forward per
+    micro-batch, e.g. ``pack(mb)``), so many small trees do not become many tiny forwards.
+
+    A tree over the capacity is first partitioned with ``method`` and its parts packed like any
+    other tree (a path over the capacity raises). Trees in one micro-batch share nothing, so this
+    is plain bin packing of ``num_tokens``: best-fit decreasing. Output is order-stable:
+    micro-batches ordered by their first item, items in input order (a tree's parts where the tree
+    was). ``O(n log n)`` for ``n`` items. Sizes ``[5, 2, 4, 3]``, capacity 7 ->
+    ``[[t0, t1], [t2, t3]]``.
+    """
+    items: list[TrajectoryTree] = []
+    for tree in trees:
+        items.extend(partition(tree, capacity, method, beam=beam))
+    if not items:
+        return []
+    sized = [(t.num_tokens, i) for i, t in enumerate(items)]
+    groups = _best_fit_decreasing(sized, capacity)
+    order = sorted(sorted(i for _, i in g) for g in groups)
+    return [[items[i] for i in g] for g in order]
+
+
+def partition_stats(tree: TrajectoryTree, parts: Sequence[TrajectoryTree]) -> dict:
+    """Reuse metrics of a partition (paper v3, section 4.1).
+
+    tree_tokens (distinct tokens, perfect reuse), baseline_tokens (every path alone),
+    partitioned_tokens (sum over parts), por = 1 - tree / baseline (what perfect reuse saves),
+    err = (baseline - partitioned) / (baseline - tree) (the share of it realized; 1.0 when
+    por = 0), num_parts, max_part_tokens. Example: paths ``A B C D``, ``A B E F``, ``A G H`` in
+    parts ``{0, 1}``, ``{2}``: tree 8, baseline 11, partitioned 9, por 3/11, err 2/3.
+    """
+    tree_tokens, baseline = tree.num_tokens, tree.num_path_tokens
+    partitioned = sum(p.num_tokens for p in parts)
+    return {
+        "tree_tokens": tree_tokens,
+        "baseline_tokens": baseline,
+        "partitioned_tokens": partitioned,
+        "por": 1.0 - tree_tokens / baseline,
+        "err": 1.0 if baseline == tree_tokens else (baseline - partitioned) / (baseline - tree_tokens),
+        "num_parts": len(parts),
+        "max_part_tokens": max((p.num_tokens for p in parts), default=0),
+    }
+
+
+def lower_bound(tree: TrajectoryTree, capacity: int) -> int:
+    """A lower bound on the optimal total, for trees too large for ``method="optimal"``.
+
+    Every part touching ``u``'s subtree holds at most ``capacity - depth(u)`` tokens below ``u``,
+    and the tokens below ``u`` over all parts are ``sum_w len(w) n(w)`` (``w`` strictly below).
+    So ``n(u) >= ceil(sum_w len(w) n(w) / (capacity - depth(u)))`` and ``n(u) >= n(child)``,
+    bottom-up with the bounds of the ``n(w)``; the bound is ``sum_u len(u) n(u)``. ``O(N)``.
+    """
+    _check(tree, capacity)
+    sk = _skeleton(tree)
+    n = np.ones(sk.num_nodes, dtype=np.int64)
+    below = np.zeros(sk.num_nodes, dtype=np.int64)  # sum of len(w) * n(w) strictly below
+    parent, length, depth = sk.parent.tolist(), sk.length.tolist(), sk.depth.tolist()
+    n_l, below_l = n.tolist(), below.tolist()
+    for u in range(sk.num_nodes - 1, -1, -1):
+        if below_l[u]:
+            n_l[u] = max(n_l[u], -(-below_l[u] // (capacity - depth[u])))
+        p = parent[u]
+        if p >= 0:
+            n_l[p] = max(n_l[p], n_l[u])
+            below_l[p] += below_l[u] + length[u] * n_l[u]
+    return int(np.dot(sk.length, n_l))
