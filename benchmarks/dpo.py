@@ -35,7 +35,9 @@ from common import hardware, result_path
 
 from treetrain.data.records import parse_record
 from treetrain.objectives.preference import PreferenceObjective, pair_microbatches
-from treetrain.train.loop import StepBatch, build_optimizer, configure_model, train_step
+from treetrain.train.batches import StepBatch
+from treetrain.train.build import build_optimizer, configure_model
+from treetrain.train.step import train_step
 from treetrain.trees.flops import CostModel, flop_bound, token_bound
 from treetrain.trees.packing import pack
 

@@ -51,7 +51,7 @@ def write_sample(d: Path) -> int:
 
 def write_model(d: Path, vocab: int) -> None:
     """``treetrain train``'s embedded tiny Qwen3, with the renumbered sample's vocabulary."""
-    from treetrain.train.loop import default_model_config
+    from treetrain.train.build import default_model_config
 
     default_model_config(vocab).save_pretrained(d / "model")
 

@@ -49,17 +49,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import add_allocator_flag, use_allocator  # noqa: E402
 
 from treetrain.bench import allocator  # noqa: E402
-from treetrain.data.records import iter_trees, sample_path
-from treetrain.objectives.policy import Objective
+from treetrain.data.reader import iter_trees, sample_path
+from treetrain.objectives.policy_config import Objective
+from treetrain.train.batches import StepBatch, make_microbatches
+from treetrain.train.build import build_optimizer, configure_model, default_model_config
 from treetrain.train.config import TrainConfig
-from treetrain.train.loop import (
-    StepBatch,
-    build_optimizer,
-    configure_model,
-    default_model_config,
-    make_microbatches,
-    train_step,
-)
+from treetrain.train.step import train_step
 from treetrain.trees.flops import CostModel, baseline_work, tree_work
 from treetrain.trees.packing import pack
 from treetrain.trees.tree import TrajectoryTree

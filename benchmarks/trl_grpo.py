@@ -172,7 +172,8 @@ def generation_time(model, ids, P: int, C: int, device: str) -> float:
 def run_case(trainer, P, G, C, prompts, repeats, device, seed=0, generation=False) -> dict:
     from trl import GRPOTrainer
 
-    from treetrain.objectives.policy import Objective, compute_loss, loss_normalizer
+    from treetrain.objectives.policy import compute_loss, loss_normalizer
+    from treetrain.objectives.policy_config import Objective
     from treetrain.train.strategies import get_strategy
     from treetrain.trees.packing import pack
 

@@ -200,7 +200,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args()
     build(args.src, args.out)
-    from treetrain.data.records import iter_trees
+    from treetrain.data.reader import iter_trees
 
     for name in ("agent-dialogues.jsonl.gz", "agent-dialogues-messages.jsonl"):
         path = args.out / name

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from treetrain import TrajectoryTree, pack
-from treetrain.attention import TreeMask, block_classes, dense_attention, dense_tree_mask
+from treetrain.attention.dense import dense_attention
 from treetrain.attention.flex import flex_tree_attention, tree_block_mask
+from treetrain.attention.mask import TreeMask, block_classes, dense_tree_mask
 
 
 def _group_tree(prompt=40, branches=5, tail=25):

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from treetrain import attention
-from treetrain.attention import TreeMask
 from treetrain.attention.blocksparse import blocksparse_attention
 from treetrain.attention.dense import dense_attention
 from treetrain.attention.flex import flex_tree_attention
+from treetrain.attention.mask import TreeMask
 from treetrain.attention.triton_kernel import triton_tree_attention
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from treetrain.bench.command import group_tree, per_turn_tree
+from treetrain.bench.cases import group_tree, per_turn_tree
 from treetrain.cli import main
 
 

@@ -15,15 +15,9 @@ import numpy as np
 import pytest
 
 from treetrain import TrajectoryTree
-from treetrain.data.records import (
-    DataError,
-    iter_trees,
-    list_samples,
-    parse_record,
-    prefetch,
-    sample_path,
-    validate_file,
-)
+from treetrain.data.fields import DataError
+from treetrain.data.reader import iter_trees, list_samples, prefetch, sample_path, validate_file
+from treetrain.data.records import parse_record
 
 
 def write_jsonl(path, records) -> str:

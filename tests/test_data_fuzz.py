@@ -21,7 +21,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from treetrain.data.records import DataError, iter_trees
+from treetrain.data.fields import DataError
+from treetrain.data.reader import iter_trees
 
 from .strategies import tree_paths
 

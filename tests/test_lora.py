@@ -16,8 +16,9 @@ import torch
 from treetrain import path_logprobs
 from treetrain.cli import main
 from treetrain.models.lora import apply_lora, lora_config
+from treetrain.train.build import build_model
 from treetrain.train.config import TrainConfig, validate
-from treetrain.train.loop import build_model, train
+from treetrain.train.loop import train
 
 from .hybrid_models import float64_everywhere, tiny_hybrid_model
 from .reference import (

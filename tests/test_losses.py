@@ -27,19 +27,18 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from treetrain import TrajectoryTree, pack
+from treetrain.objectives.advantages import group_advantages
 from treetrain.objectives.policy import (
-    Objective,
     PathMeta,
     compute_loss,
-    group_advantages,
     kl_penalty,
     loss_normalizer,
     objective,
-    objective_needs,
     reference_logprobs,
     summarize_metrics,
     token_weights,
 )
+from treetrain.objectives.policy_config import Objective, objective_needs
 
 from .reference import float64_casts, grad_err, reference_copy, tiny_model
 from .reference import reference_logprobs as baseline_logprobs

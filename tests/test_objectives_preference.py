@@ -21,7 +21,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from treetrain import TrajectoryTree, pack
-from treetrain.data.records import DataError, iter_trees, parse_record
+from treetrain.data.fields import DataError
+from treetrain.data.reader import iter_trees
+from treetrain.data.records import parse_record
 from treetrain.objectives.preference import (
     PreferenceObjective,
     compute_preference_loss,
@@ -263,7 +265,7 @@ def test_reward_matches_per_path_reference(packing):
 
 def test_reward_model_reloads_with_auto_class(tmp_path):
     """What training saves loads with AutoModelForSequenceClassification and scores like the tree."""
-    from treetrain.models import prepare_model
+    from treetrain.models.hf import prepare_model
     from treetrain.objectives.path_outputs import path_last_hidden
     from treetrain.objectives.preference import reward_head
     from treetrain.train.checkpoint import export_pretrained

@@ -69,7 +69,8 @@ def _worker(rank: int, world: int, port: int, out: str, arch: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        from treetrain.objectives.policy import Objective, compute_loss, loss_normalizer
+        from treetrain.objectives.policy import compute_loss, loss_normalizer
+        from treetrain.objectives.policy_config import Objective
 
         model = _model(arch)
         trees = make_trees(3, seed=1)
@@ -94,7 +95,8 @@ def _worker(rank: int, world: int, port: int, out: str, arch: str) -> None:
 
 
 def _one_process(arch: str):
-    from treetrain.objectives.policy import Objective, compute_loss, loss_normalizer
+    from treetrain.objectives.policy import compute_loss, loss_normalizer
+    from treetrain.objectives.policy_config import Objective
 
     model = _model(arch)
     trees = make_trees(3, seed=1)
@@ -138,7 +140,8 @@ def test_cp_equals_one_process(tmp_path, world, arch):
 
 
 def test_cp_backend_outside_cp_is_a_clear_error():
-    from treetrain.attention import TreeMask, get_backend
+    from treetrain.attention import get_backend
+    from treetrain.attention.mask import TreeMask
 
     q = torch.zeros(2, 3, 4)
     with pytest.raises(ValueError, match="runs inside context parallelism only"):

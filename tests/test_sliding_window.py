@@ -27,10 +27,15 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from treetrain import path_logprobs  # noqa: E402
-from treetrain.attention import TreeMask, dense_attention, dense_tree_mask, get_backend  # noqa: E402
+from treetrain.attention import get_backend  # noqa: E402
 from treetrain.attention.blocksparse import blocksparse_attention  # noqa: E402
+from treetrain.attention.dense import dense_attention  # noqa: E402
 from treetrain.attention.flex import flex_tree_attention  # noqa: E402
-from treetrain.attention.mask import block_classes  # noqa: E402
+from treetrain.attention.mask import (  # noqa: E402
+    TreeMask,
+    block_classes,  # noqa: E402
+    dense_tree_mask,
+)
 
 from .reference import float64_casts, grad_err, grads, random_coeffs, reference_logprobs, rel_err  # noqa: E402
 

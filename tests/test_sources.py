@@ -11,7 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from treetrain.data.records import DataError, iter_trees, validate_file
+from treetrain.data.fields import DataError
+from treetrain.data.reader import iter_trees, validate_file
 from treetrain.data.sources import iter_rows, parse_columns, to_record
 
 ROWS = [

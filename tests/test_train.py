@@ -12,9 +12,11 @@ import torch
 import transformers
 
 from treetrain.cli import build_parser, main
+from treetrain.train.build import build_model, lr_factor
 from treetrain.train.checkpoint import latest_checkpoint
 from treetrain.train.config import TrainConfig, config_from_args, validate
-from treetrain.train.loop import METRIC_FIELDS, build_model, lr_factor, train
+from treetrain.train.loop import train
+from treetrain.train.outputs import METRIC_FIELDS
 
 from .reference import float64_casts, tiny_config
 

@@ -21,9 +21,11 @@ import pytest
 import torch
 import transformers
 
+from treetrain.train.build import build_model
 from treetrain.train.config import TrainConfig
 from treetrain.train.critic import build_critic
-from treetrain.train.loop import NonFiniteError, build_model, train
+from treetrain.train.loop import train
+from treetrain.train.step import NonFiniteError
 
 from .reference import tiny_config
 

@@ -18,8 +18,9 @@ import pytest
 import torch
 import transformers
 
+from treetrain.train.build import build_model
 from treetrain.train.config import TrainConfig
-from treetrain.train.loop import build_model, train
+from treetrain.train.loop import train
 
 from .reference import tiny_config
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from treetrain import TrajectoryTree, pack
-from treetrain.attention import dense_tree_mask
+from treetrain.attention.mask import dense_tree_mask
 
 from .strategies import tree_paths
 

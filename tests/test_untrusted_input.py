@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from treetrain.cli import build_parser, main
-from treetrain.data.records import DataError, iter_trees, validate_file
+from treetrain.data.fields import DataError
+from treetrain.data.reader import iter_trees, validate_file
 
 from .reference import tiny_config
 from .test_train import VOCAB, write_trees

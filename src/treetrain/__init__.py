@@ -1,9 +1,99 @@
-"""treetrain: train LLMs on tree-structured agent trajectories."""
+"""treetrain: train LLMs on tree-structured agent trajectories.
 
-from treetrain.logprobs import expand_to_paths, path_logprobs, tree_logprobs
-from treetrain.trees.packing import PackedTree, pack
-from treetrain.trees.tree import TrajectoryTree
+The public API, listed once here and loaded lazily (``import treetrain`` imports neither torch nor
+transformers; a name's module is imported on first use)::
+
+    import treetrain
+    tree = treetrain.TrajectoryTree.from_paths([[1, 2, 3, 4], [1, 2, 5]])
+    logp = treetrain.path_logprobs(model, tree)      # one forward over the 5 distinct tokens
+
+The package is laid out along the data flow; a subpackage imports only those before it:
+``trees`` < ``data`` < ``attention`` < ``models`` < ``logprobs`` < ``objectives`` < ``parallel`` <
+``train`` < ``integrations`` < ``bench`` < ``cli``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["PackedTree", "TrajectoryTree", "expand_to_paths", "pack", "path_logprobs", "tree_logprobs"]
+# public name -> the module that defines it
+_API = {
+    # trees: build, pack, split
+    "TrajectoryTree": "treetrain.trees.tree",
+    "PackedTree": "treetrain.trees.packing",
+    "pack": "treetrain.trees.packing",
+    "partition": "treetrain.trees.partition",
+    "pack_microbatches": "treetrain.trees.partition",
+    # data
+    "iter_trees": "treetrain.data.reader",
+    "validate_file": "treetrain.data.reader",
+    "sample_path": "treetrain.data.reader",
+    "DataError": "treetrain.data.fields",
+    "parse_record": "treetrain.data.records",
+    # the tree forward
+    "path_logprobs": "treetrain.logprobs",
+    "tree_logprobs": "treetrain.logprobs",
+    "expand_to_paths": "treetrain.logprobs",
+    # objectives
+    "Objective": "treetrain.objectives.policy_config",
+    "compute_loss": "treetrain.objectives.policy",
+    "loss_normalizer": "treetrain.objectives.policy",
+    "reference_logprobs": "treetrain.objectives.policy",
+    "group_advantages": "treetrain.objectives.advantages",
+    # integrations and training
+    "flat_logprobs": "treetrain.integrations.flat",
+    "TrainConfig": "treetrain.train.config",
+}
+
+__all__ = [
+    "DataError",
+    "Objective",
+    "PackedTree",
+    "TrainConfig",
+    "TrajectoryTree",
+    "compute_loss",
+    "expand_to_paths",
+    "flat_logprobs",
+    "group_advantages",
+    "iter_trees",
+    "loss_normalizer",
+    "pack",
+    "pack_microbatches",
+    "parse_record",
+    "partition",
+    "path_logprobs",
+    "reference_logprobs",
+    "sample_path",
+    "tree_logprobs",
+    "validate_file",
+    "__version__",
+]
+
+if TYPE_CHECKING:
+    from treetrain.data.fields import DataError
+    from treetrain.data.reader import iter_trees, sample_path, validate_file
+    from treetrain.data.records import parse_record
+    from treetrain.integrations.flat import flat_logprobs
+    from treetrain.logprobs import expand_to_paths, path_logprobs, tree_logprobs
+    from treetrain.objectives.advantages import group_advantages
+    from treetrain.objectives.policy import compute_loss, loss_normalizer, reference_logprobs
+    from treetrain.objectives.policy_config import Objective
+    from treetrain.train.config import TrainConfig
+    from treetrain.trees.packing import PackedTree, pack
+    from treetrain.trees.partition import pack_microbatches, partition
+    from treetrain.trees.tree import TrajectoryTree
+
+
+def __getattr__(name: str) -> Any:
+    if name in _API:
+        value = getattr(importlib.import_module(_API[name]), name)
+        globals()[name] = value  # later look-ups skip this function
+        return value
+    raise AttributeError(f"module 'treetrain' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_API))

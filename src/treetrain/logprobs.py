@@ -13,12 +13,13 @@ and recomputed beyond it, one extra head matmul for bounded memory.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
 
-from treetrain.models import tree_forward
+from treetrain.models.hf import tree_forward
 from treetrain.trees.packing import PackedTree, pack
 from treetrain.trees.tree import TrajectoryTree
 
@@ -163,6 +164,22 @@ def logit_softcap(model: nn.Module) -> float | None:
     return getattr(model.config.get_text_config(), "final_logit_softcapping", None) or None
 
 
+# Scorers that replace the single-device tree forward while a scope is open, innermost last:
+# ``fn(model, packed, chunk, entropy, needed) -> (logp [T], entropy [T])``. Pushed by
+# ``treetrain.parallel.cp.context_parallel`` (lower layers never import the parallel package).
+_SCORERS: list = []
+
+
+@contextlib.contextmanager
+def scoring_override(fn) -> Iterator[None]:
+    """Inside, :func:`tree_logprobs` (and everything built on it) scores with ``fn`` instead."""
+    _SCORERS.append(fn)
+    try:
+        yield
+    finally:
+        _SCORERS.pop()
+
+
 def tree_logprobs(
     model: nn.Module,
     packed: PackedTree,
@@ -177,11 +194,8 @@ def tree_logprobs(
     are not computed (zeros are returned). ``needed [T]`` (bool) limits the LM head to those
     targets (e.g. tokens some path trains on); the others are 0 and carry no gradient.
     """
-    from treetrain.parallel.cp import active_group, cp_tree_logprobs
-
-    cp_on, group = active_group()
-    if cp_on:  # inside parallel.cp.context_parallel: this rank's chunk only
-        return cp_tree_logprobs(model, packed, group, chunk, entropy, needed)
+    if _SCORERS:  # e.g. inside parallel.cp.context_parallel: this rank's chunk only
+        return _SCORERS[-1](model, packed, chunk, entropy, needed)
     hidden = tree_forward(model, packed, backend)
     packed = packed.to(hidden.device)
     has_prev = packed.prev >= 0

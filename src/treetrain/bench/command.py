@@ -25,18 +25,27 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import numpy as np
 import torch
 
 from treetrain.bench import allocator
-from treetrain.trees.flops import CostModel, baseline_work, tree_work
-from treetrain.trees.packing import pack
+from treetrain.bench.cases import (
+    Result,
+    bench_model,
+    case_capacity,
+    case_flops,
+    group_tree,
+    matmul_rate,
+    one_path_tree,
+    per_turn_tree,
+    run_case,
+)
+from treetrain.trees.flops import CostModel
 from treetrain.trees.tree import TrajectoryTree
 
 # model and case sizes; every flag left unset takes its preset's value (``--preset``)
@@ -72,314 +81,6 @@ PRESETS: dict[str, dict] = {
         capacity=8192,
     ),
 }
-
-# ---- synthetic data --------------------------------------------------------------------------
-
-
-def group_tree(por: float, paths: int, length: int, vocab: int, seed: int = 0) -> TrajectoryTree:
-    """``paths`` paths of ``length`` tokens sharing a prompt sized for the requested POR.
-
-    POR = shared * (P - 1) / (P * L), so the shared prompt is ``por * P * L / (P - 1)`` tokens:
-    the number of paths and baseline tokens stay the same across settings.
-    """
-    rng = np.random.default_rng(seed)
-    shared = round(por * paths * length / (paths - 1))
-    if not 0 <= shared < length:
-        raise ValueError(f"--por {por}: needs a shared prefix of {shared} tokens, paths are {length}")
-    prompt = rng.integers(0, vocab, shared)
-    return TrajectoryTree.from_paths(
-        [np.concatenate([prompt, rng.integers(0, vocab, length - shared)]) for _ in range(paths)]
-    )
-
-
-def per_turn_tree(turns: int, turn_len: int, vocab: int, seed: int = 0) -> TrajectoryTree:
-    """Per-turn samples of one dialogue: path k is the first k turns (nested prefixes)."""
-    rng = np.random.default_rng(seed)
-    full = rng.integers(0, vocab, turns * turn_len)
-    return TrajectoryTree.from_paths([full[: (k + 1) * turn_len] for k in range(turns)])
-
-
-def one_path_tree(length: int, vocab: int, seed: int = 0) -> TrajectoryTree:
-    """One path: no sharing (bound 1), the case to compare with a plain Hugging Face step."""
-    return TrajectoryTree.from_paths([np.random.default_rng(seed).integers(0, vocab, length)])
-
-
-# ---- the modes -------------------------------------------------------------------------------
-
-
-def _objective():
-    from treetrain.objectives.policy import Objective
-
-    return Objective("sft", report_entropy=False)  # as a plain HF step: no entropy metric
-
-
-def prepare(mode: str, trees: list[TrajectoryTree], capacity: int) -> list:
-    """The packed micro-batches ``mode`` runs (built before timing, as a data loader would)."""
-    from treetrain.train.strategies import get_strategy
-
-    return [pack(mb) for mb in get_strategy(mode).microbatches(trees, capacity)]
-
-
-def train_step(mode: str, model, trees, micro, backend: str | None) -> float:
-    """One forward+backward of ``mode`` (``tree`` | ``sequence`` | ``hf``) over its prepared
-    micro-batches; returns the loss (SFT, token-mean over the trees' trained targets)."""
-    from treetrain.objectives.policy import loss_normalizer
-
-    objective = _objective()
-    normalizer = loss_normalizer(trees, objective)
-    if mode == "hf":
-        return hf_step(model, trees, normalizer)
-    from treetrain.train.strategies import get_strategy
-
-    strategy = get_strategy(mode)
-    total = 0.0
-    for packed in micro:
-        loss, _ = strategy.loss(model, packed, objective, normalizer, backend=backend)
-        loss.backward()
-        total += float(loss.detach())
-    return total
-
-
-def hf_step(model, trees, normalizer: float) -> float:
-    """Plain Hugging Face training on every path: ``model(input_ids, labels=...)`` (causal SDPA,
-    full ``[L, vocab]`` logits, cross-entropy over the trained targets), one path per forward."""
-    device = model.get_input_embeddings().weight.device
-    total = 0.0
-    for tree in trees:
-        masks = tree.fields.get("loss_masks")
-        for p in range(tree.num_paths):
-            ids = torch.as_tensor(tree.path(p), device=device)[None]
-            labels = ids.clone()
-            if masks is not None:
-                labels[0, torch.as_tensor(np.asarray(masks[p]) == 0, device=device)] = -100
-            n = int((labels[0, 1:] != -100).sum())
-            if n == 0:
-                continue
-            loss = model(input_ids=ids, labels=labels, use_cache=False).loss * (n / normalizer)
-            loss.backward()
-            total += float(loss.detach())
-    return total
-
-
-def max_logprob_diff(model, trees, capacity: int, backend) -> float:
-    """Largest |tree - baseline| per-path log-prob over every path (no grad, not timed)."""
-    from treetrain.logprobs import path_logprobs
-    from treetrain.objectives.baseline import baseline_path_logprobs
-    from treetrain.trees.partition import pack_microbatches
-
-    offsets = np.cumsum([0] + [t.num_paths for t in trees])
-    # global path numbers, kept through partitioning (a shallow copy, no rebuild)
-    tagged = [
-        dataclasses.replace(t, path_ids=np.arange(t.num_paths) + offsets[k]) for k, t in enumerate(trees)
-    ]
-    with torch.no_grad():
-        base = baseline_path_logprobs(model, trees, capacity=capacity, backend=backend)
-        worst = 0.0
-        for mb in pack_microbatches(tagged, capacity):
-            ids = [int(i) for part in mb for i in part.path_ids]
-            for i, lp in zip(ids, path_logprobs(model, pack(mb), backend=backend)):
-                if lp.numel():
-                    worst = max(worst, (lp.float() - base[i].float()).abs().max().item())
-    return worst
-
-
-# ---- measurement -----------------------------------------------------------------------------
-
-
-def matmul_rate(dtype: torch.dtype, device: torch.device, size: int = 2048, repeats: int = 5) -> float:
-    """The machine's dense matmul rate (FLOP/s) for ``dtype``: best of ``repeats`` square
-    ``size x size`` products (best-of: the least disturbed by other load)."""
-    a = torch.randn(size, size, device=device).to(dtype)
-    b = torch.randn(size, size, device=device).to(dtype)
-    best = float("inf")
-    for _ in range(repeats + 1):
-        _sync(device)
-        t0 = time.perf_counter()
-        a @ b
-        _sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return 2.0 * size**3 / best
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _peak_rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
-
-
-def _child_peak(mode: str, model_args: tuple, trees, capacity: int, backend) -> int:
-    """In a fresh process: bytes the RSS high-water mark grows by during one step.
-
-    The mark is reset first (``/proc/self/clear_refs``): a spawned child otherwise inherits the
-    parent's mark through fork+exec.
-    """
-    model = bench_model(*model_args)
-    micro = prepare(mode, trees, capacity) if mode != "hf" else []
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = _rss_bytes()
-    train_step(mode, model, trees, micro, backend)
-    return max(0, _peak_rss_bytes() - before)
-
-
-def peak_memory(mode: str, model, model_args: tuple, trees, capacity: int, backend) -> int:
-    """Peak memory of one step: CUDA allocator stats, or a fresh CPU process's RSS high-water mark.
-
-    On CPU one process cannot measure both modes: freed memory stays mapped, so whichever mode
-    runs second would look free. Each mode runs once in its own spawned process instead.
-    """
-    if model.device.type == "cuda":
-        micro = prepare(mode, trees, capacity) if mode != "hf" else []
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        start = torch.cuda.memory_allocated()
-        model.zero_grad(set_to_none=True)
-        train_step(mode, model, trees, micro, backend)
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - start
-    import multiprocessing as mp
-
-    with mp.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_child_peak, (mode, model_args, trees, capacity, backend))
-
-
-@dataclass
-class Result:
-    name: str
-    paths: int
-    baseline_tokens: int
-    tree_tokens: int  # distinct tokens of the trees
-    computed_tokens: int  # what the tree mode runs (parts recompute shared prefixes)
-    por: float
-    flop_bound: float  # baseline FLOPs / tree FLOPs of what each computes
-    baseline_s: float
-    tree_s: float
-    speedup: float
-    efficiency: float  # speedup / flop_bound
-    baseline_mfu: float
-    tree_mfu: float
-    hf_s: float | None  # plain HF step (one-path cases), else None
-    tree_vs_hf: float | None  # tree time / HF time
-    baseline_peak_mb: float | None
-    tree_peak_mb: float | None
-    max_logprob_diff: float
-    loss_diff: float  # |tree loss - baseline loss| of the warm-up step (same weights)
-    matmul_gflops: float = 0.0  # the dense matmul rate the MFUs use (the best of the run's and the case's)
-
-
-def _timed(fn, device) -> tuple[float, float]:
-    _sync(device)
-    t0 = time.perf_counter()
-    out = fn()
-    _sync(device)
-    return time.perf_counter() - t0, out
-
-
-def case_flops(trees, capacity: int, cost: CostModel) -> tuple[float, float, int]:
-    """(baseline FLOPs, tree FLOPs, tokens the tree mode computes) of one step."""
-    from treetrain.trees.partition import partition
-
-    parts = [p for t in trees for p in partition(t, capacity)]
-    return baseline_work(trees).flops(cost), tree_work(parts).flops(cost), sum(p.num_tokens for p in parts)
-
-
-def case_capacity(trees: list[TrajectoryTree], capacity: int) -> int:
-    """The micro-batch budget both modes use on a case: ``capacity``, or the case's distinct tokens
-    when fewer (then the tree mode runs one forward and the baseline's forwards are no larger).
-
-    Per-token cost grows with the micro-batch on CPU (activations leave the caches: the baseline's
-    8k-token forwards ran at MFU 0.66 where 4k-token ones ran at 0.77), so a budget far above the
-    tree's size would charge the baseline for a choice a careful user would not make. Example:
-    16 paths of 256 sharing 218 tokens, ``--capacity 4096``: the tree has 826 tokens, so both modes
-    take micro-batches of at most 826 (the baseline: 3 paths, 768 tokens, per forward).
-    """
-    return max(1, min(capacity, sum(t.num_tokens for t in trees)))
-
-
-def run_case(
-    name, model, model_args, trees, capacity, repeats, backend, cost: CostModel, rate: float, memory: bool
-) -> Result:
-    device = model.get_input_embeddings().weight.device
-    capacity = case_capacity(trees, capacity)
-    base_flops, tree_flops, computed = case_flops(trees, capacity, cost)
-    modes = ["sequence", "tree"] + (["hf"] if all(t.num_paths == 1 for t in trees) else [])
-    micro = {m: prepare(m, trees, capacity) if m != "hf" else [] for m in modes}
-    times: dict[str, list[float]] = {m: [] for m in modes}
-    losses: dict[str, float] = {}
-    # the rate right before this case's steps: on a shared machine the load changes during a run
-    rate = max(rate, matmul_rate(next(model.parameters()).dtype, device))
-    for r in range(repeats + 1):  # the first round warms up and is not timed
-        for mode in modes if r % 2 == 0 else modes[::-1]:
-            model.zero_grad(set_to_none=True)
-            dt, loss = _timed(lambda m=mode: train_step(m, model, trees, micro[m], backend), device)
-            if r > 0:
-                times[mode].append(dt)
-            else:
-                losses[mode] = loss
-    model.zero_grad(set_to_none=True)
-    peaks = {
-        m: peak_memory(m, model, model_args, trees, capacity, backend) / 2**20 if memory else None
-        for m in ("sequence", "tree")
-    }
-    med = {m: min(v) for m, v in times.items()}
-    tb, tt = med["sequence"], med["tree"]
-    base_tok = sum(t.num_path_tokens for t in trees)
-    tree_tok = sum(t.num_tokens for t in trees)
-    bound = base_flops / tree_flops
-    return Result(
-        name=name,
-        paths=sum(t.num_paths for t in trees),
-        baseline_tokens=base_tok,
-        tree_tokens=tree_tok,
-        computed_tokens=computed,
-        por=1 - tree_tok / base_tok,
-        flop_bound=bound,
-        baseline_s=tb,
-        tree_s=tt,
-        speedup=tb / tt,
-        efficiency=(tb / tt) / bound,
-        baseline_mfu=base_flops / tb / rate,
-        tree_mfu=tree_flops / tt / rate,
-        hf_s=med.get("hf"),
-        tree_vs_hf=tt / med["hf"] if "hf" in med else None,
-        baseline_peak_mb=peaks["sequence"],
-        tree_peak_mb=peaks["tree"],
-        max_logprob_diff=max_logprob_diff(model, trees, capacity, backend),
-        loss_diff=abs(losses["tree"] - losses["sequence"]),
-        matmul_gflops=rate / 1e9,
-    )
-
-
-# ---- CLI ---------------------------------------------------------------------------------------
-
-
-def bench_model(hidden: int, layers: int, vocab: int, heads: int, device, dtype, seed: int = 0):
-    """A random-init Qwen3-architecture model (no download): GQA 2:1, MLP 3x, untied head."""
-    import transformers
-
-    torch.manual_seed(seed)
-    cfg = transformers.Qwen3Config(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=3 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=max(1, heads // 2),
-        head_dim=hidden // heads,
-        max_position_embeddings=65536,
-        tie_word_embeddings=False,
-    )
-    cfg._attn_implementation = "sdpa"
-    return transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).to(device)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:

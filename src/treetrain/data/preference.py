@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from treetrain.data.records import _Invalid, _list, _message, _scalar, _token_ids, _type_name
+from treetrain.data.fields import _Invalid, _list, _message, _scalar, _token_ids, _type_name
 
 __all__ = ["PREFERENCE_KEYS", "is_preference_record", "parse_preference"]
 

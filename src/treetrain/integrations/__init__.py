@@ -1,7 +1,8 @@
-"""Drop-in use from RL trainers: a framework-neutral padded-batch entry point (``flat``) and a TRL
-``GRPOTrainer`` subclass (``trl``, needs ``pip install treetrain[trl]``)."""
+"""Integrations: tree scoring inside other trainers.
 
-from treetrain.integrations.flat import FlatBatch, flat_logprobs, score_packed
-from treetrain.integrations.wrapped import install_tree_scoring, wrapped_flat_logprobs
+:mod:`.flat` (a padded batch of rows -> one tree forward -> per-token log-probs in the caller's
+layout), :mod:`.wrapped` (the same through a model's accelerate/DDP/PEFT wrappers), :mod:`.trl`
+(``TreeGRPOTrainer``, needs ``pip install treetrain[trl]``).
 
-__all__ = ["FlatBatch", "flat_logprobs", "install_tree_scoring", "score_packed", "wrapped_flat_logprobs"]
+May import: everything up to train (trees .. train).
+"""

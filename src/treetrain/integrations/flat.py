@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from treetrain.logprobs import _TargetLogprobs, auto_chunk
-from treetrain.models import tree_forward
+from treetrain.models.hf import tree_forward
 from treetrain.trees.packing import PackedTree, pack
 from treetrain.trees.tree import TrajectoryTree
 

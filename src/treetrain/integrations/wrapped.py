@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from treetrain.integrations.flat import FlatPart, score_packed, score_parts
-from treetrain.models import prepare_model
+from treetrain.models.hf import prepare_model
 
 __all__ = ["REQUEST_KWARG", "install_tree_scoring", "wrapped_flat_logprobs"]
 

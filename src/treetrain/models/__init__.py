@@ -1,5 +1,9 @@
-"""Hugging Face integration: tree attention through the public registry, recurrent-layer routing."""
+"""Models: Hugging Face decoders run over a packed tree.
 
-from treetrain.models.hf import ATTN_NAME, prepare_model, tree_forward
+:mod:`.hf` registers the tree attention through transformers' public attention registry and runs
+the decoder (:func:`~treetrain.models.hf.tree_forward`); :mod:`.recurrent` and :mod:`.gdn` route
+Gated DeltaNet state along the tree; :mod:`.moe` records router logits for the aux loss;
+:mod:`.lora` wraps a model with PEFT adapters.
 
-__all__ = ["ATTN_NAME", "prepare_model", "tree_forward"]
+May import: trees, attention.
+"""

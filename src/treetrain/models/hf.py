@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from treetrain.attention import TreeMask, default_backend, get_backend
+from treetrain.attention import default_backend, get_backend
+from treetrain.attention.mask import TreeMask
 from treetrain.trees.packing import PackedTree
 
 ATTN_NAME = "treetrain"

@@ -108,7 +108,7 @@ def is_peft_model(model: nn.Module) -> bool:
 
 def apply_lora(model: nn.Module, config) -> nn.Module:
     """Wrap a (tree-prepared) causal LM in a ``PeftModel``: only the adapter trains."""
-    from treetrain.models import prepare_model
+    from treetrain.models.hf import prepare_model
 
     prepare_model(model)  # before wrapping: PEFT's layers then sit inside the tree-aware modules
     try:

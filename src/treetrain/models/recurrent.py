@@ -140,9 +140,7 @@ def _tree_aware_forward(
         raise ValueError("a tree forward takes no cache (use_cache=False): states are routed per node")
     mask = kwargs.get("tree_mask")
     if mask is not None and "cp" in mask.cache:  # context parallel: this rank holds a chunk of the tree
-        from treetrain.parallel.cp import cp_recurrent_forward
-
-        return cp_recurrent_forward(self, hidden_states, packed, mask)
+        return mask.cache["cp"].recurrent_forward(self, hidden_states, packed, mask)
     return tree_gdn_forward(self, hidden_states, packed, mask)
 
 

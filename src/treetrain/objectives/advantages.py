@@ -9,14 +9,13 @@ A record (one tree) is one group: its paths are the group's completions. ``scale
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 
-from treetrain.objectives.policy import group_advantages
 from treetrain.trees.tree import TrajectoryTree
 
-__all__ = ["SCALES", "assign_advantages"]
+__all__ = ["SCALES", "assign_advantages", "group_advantages"]
 
 SCALES = ("group", "batch", "none")
 EPS = 1e-4  # TRL's
@@ -50,4 +49,29 @@ def assign_advantages(trees: Sequence[TrajectoryTree], scale: str) -> list[Traje
         copy.fields["advantages"] = adv[start : start + t.num_paths]
         start += t.num_paths
         out.append(copy)
+    return out
+
+
+def group_advantages(
+    rewards: Sequence[float], groups: Sequence[Hashable], *, norm_by_std: bool = True, eps: float = 1e-6
+) -> np.ndarray:
+    """GRPO's group-normalized advantages, one per path ``[P]``: ``(r - mean_g) / (std_g + eps)``.
+
+    ``groups[i]`` is the group (e.g. the prompt id) of path ``i``. ``std`` is the unbiased sample
+    standard deviation; ``norm_by_std=False`` gives Dr. GRPO's ``r - mean_g``. A group of one keeps
+    its raw reward (verl's convention: mean 0, std 1).
+    """
+    r = np.asarray(rewards, dtype=np.float64)
+    if r.ndim != 1 or len(groups) != r.size:
+        raise ValueError(
+            f"group_advantages: need one reward and one group per path, got {r.shape} and {len(groups)}"
+        )
+    out = np.empty_like(r)
+    index: dict[Hashable, list[int]] = {}
+    for i, g in enumerate(groups):
+        index.setdefault(g, []).append(i)
+    for ids in index.values():
+        x = r[ids]
+        mean, std = (x.mean(), x.std(ddof=1)) if x.size > 1 else (0.0, 1.0)
+        out[ids] = (x - mean) / (std + eps) if norm_by_std else x - mean
     return out

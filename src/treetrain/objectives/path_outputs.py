@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from treetrain.logprobs import DEFAULT_CHUNK, tree_logprobs
-from treetrain.models import tree_forward
+from treetrain.models.hf import tree_forward
 from treetrain.objectives.baseline import is_sequences, sequences
 from treetrain.trees.packing import PackedTree, pack
 

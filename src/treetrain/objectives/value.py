@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from treetrain.models import tree_forward
+from treetrain.models.hf import tree_forward
 from treetrain.objectives.path_outputs import _tree_view
 from treetrain.trees.packing import PackedTree
 

@@ -28,6 +28,7 @@ Use::
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -36,7 +37,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from treetrain.attention import TreeMask
+from treetrain.attention.mask import TreeMask
+from treetrain.logprobs import scoring_override
 from treetrain.trees.packing import PackedTree
 
 __all__ = [
@@ -92,6 +94,12 @@ class CPChunk:
     @property
     def end(self) -> int:
         return self.bounds[self.rank + 1]
+
+    def recurrent_forward(
+        self, module: nn.Module, hidden_states: torch.Tensor, packed: PackedTree, mask: TreeMask
+    ) -> torch.Tensor:
+        """The recurrent layers' tree routing under CP (called through ``mask.cache["cp"]``)."""
+        return cp_recurrent_forward(module, hidden_states, packed, mask)
 
     def owner(self, index: torch.Tensor) -> torch.Tensor:
         """Rank holding each DFS index."""
@@ -201,7 +209,7 @@ def make_chunk(packed: PackedTree, group: dist.ProcessGroup | None, per_token: f
 
 def cp_tree_forward(model: nn.Module, packed: PackedTree, chunk: CPChunk) -> torch.Tensor:
     """Final hidden states of this rank's chunk: ``[end - start, hidden]`` (the decoder, unchanged)."""
-    from treetrain.models import prepare_model
+    from treetrain.models.hf import prepare_model
 
     prepare_model(model)
     device = model.get_input_embeddings().weight.device
@@ -269,9 +277,14 @@ def context_parallel(group: dist.ProcessGroup | None = None) -> Iterator[None]:
         raise ValueError("context parallelism needs a process group: run under torchrun")
     _active.append(group)
     try:
-        yield
+        with scoring_override(functools.partial(_score_chunk, group)):
+            yield
     finally:
         _active.pop()
+
+
+def _score_chunk(group, model, packed, chunk, entropy, needed):
+    return cp_tree_logprobs(model, packed, group, chunk, entropy, needed)
 
 
 # ---- dp x cp layout for training -----------------------------------------------------------------

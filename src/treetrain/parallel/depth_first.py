@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treetrain.attention import TreeMask
+from treetrain.attention.mask import TreeMask
 from treetrain.trees.packing import PackedTree, pack
 from treetrain.trees.tree import TrajectoryTree
 
@@ -147,7 +147,7 @@ def depth_first_backward(
     DFS order (0 for a root's first token), equal to ``tree_logprobs`` of the packed run.
     """
     from treetrain.logprobs import target_logprobs
-    from treetrain.models import prepare_model
+    from treetrain.models.hf import prepare_model
 
     prepare_model(model)
     _check(model)

@@ -233,7 +233,7 @@ def shard_model(
         register_fsdp_forward_method,
     )
 
-    from treetrain.models import prepare_model
+    from treetrain.models.hf import prepare_model
 
     if is_sharded(model):
         return model

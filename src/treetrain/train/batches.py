@@ -63,7 +63,7 @@ class StepBatch:
 def data_path(cfg: TrainConfig) -> Path:
     """``--data``, or the bundled sample."""
     if cfg.data is None:
-        from treetrain.data.records import sample_path
+        from treetrain.data.reader import sample_path
 
         return Path(sample_path(SAMPLE))
     path = Path(cfg.data)
@@ -105,7 +105,7 @@ def _tokenizer(name: str, trust_remote_code: bool):
 
 def _read_trees(cfg: TrainConfig, vocab_size: int) -> Iterator[TrajectoryTree]:
     """One lazy pass over the data file; errors name file, line and field."""
-    from treetrain.data.records import iter_trees
+    from treetrain.data.reader import iter_trees
 
     for tree, _info in iter_trees(data_path(cfg), **_reader_options(cfg, vocab_size)):
         if cfg.objective == "ppo_critic":  # rewards per path, no advantages: named by file and line
@@ -117,7 +117,7 @@ def _read_trees(cfg: TrainConfig, vocab_size: int) -> Iterator[TrajectoryTree]:
 
 def count_trees(cfg: TrainConfig, vocab_size: int) -> int:
     """Trees in the data file (one validating pass: every bad record is listed), for ``--epochs``."""
-    from treetrain.data.records import validate_file
+    from treetrain.data.reader import validate_file
 
     counts = validate_file(data_path(cfg), **_reader_options(cfg, vocab_size))
     if counts.samples == 0:
@@ -222,7 +222,7 @@ def prefetched(batches: Iterator[StepBatch], depth: int) -> Iterable[StepBatch]:
     """Prepare batches ``depth`` ahead in a background thread (tokenize, partition, pack)."""
     if depth <= 0:
         return batches
-    from treetrain.data.records import prefetch
+    from treetrain.data.reader import prefetch
 
     return prefetch(batches, depth)
 

@@ -130,7 +130,7 @@ def refuse_remote_code(flag: str, where: str):
 
 def configure_model(model: nn.Module, activation_checkpointing: bool) -> nn.Module:
     """Tree attention on, training mode, and optionally HF activation checkpointing."""
-    from treetrain.models import prepare_model
+    from treetrain.models.hf import prepare_model
 
     prepare_model(model)
     if activation_checkpointing:  # transformers >= 5.x renamed gradient_checkpointing_enable

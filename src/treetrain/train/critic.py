@@ -67,7 +67,7 @@ def _split_options(loss: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
 def policy_objective(cfg):
     """The policy's ``treetrain.objectives.policy.Objective`` (``ppo``) from ``cfg.loss`` minus the
     critic's options."""
-    from treetrain.objectives.policy import Objective
+    from treetrain.objectives.policy_config import Objective
 
     _, rest = _split_options(cfg.loss)
     for name in ("kl_coef", "entropy_coef"):

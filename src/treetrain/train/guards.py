@@ -63,7 +63,7 @@ def validate_data(path: Path, options: dict[str, Any], progress: bool = True):
     """Read and check every record of ``path`` before any compute (``treetrain.data.records`` reader
     ``options``); returns its ``DataCounts``. Raises ``DataError`` listing the bad records, or
     ``ValueError`` if the file holds no trees. A progress bar shows for files over 64 MiB."""
-    from treetrain.data.records import iter_trees
+    from treetrain.data.reader import iter_trees
 
     size = path.stat().st_size
     stream = iter_trees(path, on_error="collect", **options)
@@ -92,7 +92,7 @@ def _count_lines(path: Path) -> int:
 
 
 def _report(path: Path, stream):
-    from treetrain.data.records import DataError
+    from treetrain.data.fields import DataError
 
     c = stream.counts
     if c.errors:

@@ -46,21 +46,16 @@ from torch import nn
 
 from treetrain.models.lora import apply_lora, is_peft_model, save_adapter
 from treetrain.models.lora import config_from_train as lora_config_of
-from treetrain.objectives.baseline import sequence_loss, sequence_parts  # noqa: F401  (the baseline's home: baseline.py)
 from treetrain.parallel import fsdp as distributed
 from treetrain.train.batches import (
-    SAMPLE,  # noqa: F401  (re-exported)
     StepBatch,
     _per_tree_budget,
     _reader_options,
-    count_trees,  # noqa: F401  (re-exported)
     data_path,
     make_batches,
     make_microbatches,
     prefetched,
-    rank_microbatches,  # noqa: F401  (re-exported)
     total_steps,
-    tree_stream,  # noqa: F401  (re-exported)
 )
 from treetrain.train.build import (
     build_model,
@@ -70,14 +65,12 @@ from treetrain.train.build import (
     configure_model,
     default_model_config,
     lr_factor,
-    refuse_remote_code,  # noqa: F401  (re-exported)
     resolve_device,
     resolve_dtype,
 )
 from treetrain.train.checkpoint import CheckpointError
 from treetrain.train.config import TrainConfig, add_train_arguments, config_from_args, validate
 from treetrain.train.outputs import (
-    METRIC_FIELDS,  # noqa: F401  (re-exported)
     log_metrics,
     peak_memory_mib,
     plot_metrics,
@@ -87,7 +80,6 @@ from treetrain.train.outputs import (
 )
 from treetrain.train.step import (
     NonFiniteError,
-    autocast_context,  # noqa: F401  (re-exported)
     build_objective,
     train_step,
 )

@@ -23,7 +23,7 @@ def build_objective(cfg: TrainConfig):
     """``treetrain.objectives.policy.Objective`` from ``--objective`` and the ``loss`` options (dpo and
     reward:
     ``treetrain.objectives.preference.PreferenceObjective``)."""
-    from treetrain.objectives.policy import Objective
+    from treetrain.objectives.policy_config import Objective
     from treetrain.objectives.preference import PREFERENCE_OBJECTIVES, PreferenceObjective
 
     if cfg.objective == "ppo_critic":  # the policy's ppo objective; the critic's options: train.critic
