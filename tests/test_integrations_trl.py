@@ -238,17 +238,6 @@ def test_scoring_matches_trl_and_float64_truth(policy, tmp_path):
     assert ref_ent is None and torch.allclose(ref_lp, lp, atol=1e-6)
 
 
-def test_rejects_vision_inputs_and_moe_aux(policy, tmp_path):
-    tree_tr = TreeGRPOTrainer(
-        model=policy, reward_funcs=reward_len_and_a, args=config(tmp_path), train_dataset=dataset()
-    )
-    ids, mask = _batch(tree_tr.processing_class)
-    with pytest.raises(ValueError, match="pixel_values.*Vision-language"):
-        tree_tr._get_per_token_logps_and_entropies(tree_tr.model, ids, mask, 4, pixel_values=torch.zeros(1))
-    with pytest.raises(ValueError, match="router aux loss"):
-        tree_tr._get_per_token_logps_and_entropies(tree_tr.model, ids, mask, 4, compute_aux_loss=True)
-
-
 @pytest.mark.parametrize("cast_head", [False, True])
 def test_bf16_autocast_within_trls_own_error(policy, tmp_path, cast_head):
     """GRPOConfig's default ``bf16=True`` (CPU autocast) and ``cast_lm_head_to_fp32``: the tree's

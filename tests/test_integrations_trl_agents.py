@@ -164,3 +164,60 @@ def test_multi_turn_equal_trl(mode, arch, policies, tmp_path):
         )
         per_group += n_prompt + int((lens - n_prompt).sum())
     assert tree.num_tokens < per_group, (tree.num_tokens, per_group)
+
+
+def _padded_rows(tok, n_rows: int = 6):
+    """Left-padded prompts (two prompts, three rows each) + right-padded completions of different
+    lengths, rows 0 and 1 sharing their first completion tokens: ``(ids [B, L], mask [B, L], K)``."""
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in ("what is 1+2?", "sum 7 8")]
+    comps = [
+        tok(c, add_special_tokens=False)["input_ids"]
+        for c in ("so 3 it is", "so 3!", "it is 4", "7", "15 it", "x")
+    ]
+    P, K = max(map(len, prompts)), max(map(len, comps))
+    ids = torch.full((n_rows, P + K), tok.pad_token_id)
+    mask = torch.zeros_like(ids)
+    for i in range(n_rows):
+        p, c = prompts[i // 3], comps[i]
+        ids[i, P - len(p) : P], mask[i, P - len(p) : P] = torch.tensor(p), 1
+        ids[i, P : P + len(c)], mask[i, P : P + len(c)] = torch.tensor(c), 1
+    return ids, mask, K
+
+
+def test_router_aux_loss_equals_trl_per_chunk(policies, tmp_path):
+    """TRL averages the load-balancing loss over its ``batch_size``-row forwards; the tree's aux loss
+    (one forward, or several under the token budget) equals it and its router gradient, chunk sizes that
+    split a group or leave a short last chunk included."""
+    kw = dict(model=policies["qwen3_moe"], reward_funcs=reward_short_answer, train_dataset=chat_dataset(4))
+    trl_tr = GRPOTrainer(args=config(tmp_path), **kw)
+    tree_tr = TreeGRPOTrainer(args=config(tmp_path), **kw)
+    assert trl_tr.aux_loss_enabled and tree_tr.aux_loss_enabled
+    ids, mask, K = _padded_rows(trl_tr.processing_class)
+
+    def aux_and_grad(tr, bs):
+        _, _, aux = tr._get_per_token_logps_and_entropies(
+            tr.model, ids, mask, K, batch_size=bs, compute_aux_loss=True
+        )
+        gates = [p for n, p in tr.model.named_parameters() if n.endswith("mlp.gate.weight")]
+        return aux.detach(), torch.autograd.grad(aux, gates)
+
+    for bs in (None, 2, 4):
+        a, ga = aux_and_grad(trl_tr, bs)
+        b, gb = aux_and_grad(tree_tr, bs)
+        assert b.item() == pytest.approx(a.item(), rel=1e-6), bs  # float32 sums in another order
+        for x, y in zip(ga, gb):  # float32 rounding of the router forward: ~1e-7 of the gradient's scale
+            assert (y - x).abs().max() <= 1e-5 * x.abs().max(), (
+                bs,
+                ((y - x).abs().max() / x.abs().max()).item(),
+            )
+    assert not torch.isclose(aux_and_grad(trl_tr, 2)[0], aux_and_grad(trl_tr, None)[0])  # chunking matters
+
+
+def test_rejects_vision_inputs_and_liger(policies, tmp_path):
+    kw = dict(model=policies["qwen3"], reward_funcs=reward_short_answer, train_dataset=chat_dataset(4))
+    tree_tr = TreeGRPOTrainer(args=config(tmp_path), **kw)
+    ids, mask, K = _padded_rows(tree_tr.processing_class)
+    with pytest.raises(ValueError, match=r"pixel_values.*Vision-language"):
+        tree_tr._get_per_token_logps_and_entropies(tree_tr.model, ids, mask, K, pixel_values=torch.zeros(1))
+    with pytest.raises(ValueError, match="use_liger_kernel=True"):
+        TreeGRPOTrainer(args=config(tmp_path, use_liger_kernel=True), **kw)
