@@ -120,8 +120,8 @@ def assert_same_training(a, b):
 DPO_CASES = {
     "sigmoid+sft": dict(loss_type=["sigmoid", "sft"], loss_weights=[1.0, 0.5]),
     "ipo+wpo": dict(loss_type="ipo", use_weighting=True),
-    "apo_zero+ld_alpha": dict(loss_type="apo_zero", ld_alpha=0.5),
-    "sigmoid+precomputed_ref": dict(precompute_ref_log_probs=True),
+    "apo_zero+ld_alpha": pytest.param(dict(loss_type="apo_zero", ld_alpha=0.5), marks=pytest.mark.slow),
+    "sigmoid+precomputed_ref": pytest.param(dict(precompute_ref_log_probs=True), marks=pytest.mark.slow),
     "hinge": pytest.param(dict(loss_type="hinge"), marks=pytest.mark.slow),
     "robust": pytest.param(dict(loss_type="robust", label_smoothing=0.1), marks=pytest.mark.slow),
     "sigmoid_norm+js": pytest.param(
@@ -141,9 +141,9 @@ def test_dpo_equal_trl(over, policy, tmp_path):
 @pytest.mark.parametrize(
     "data, over",
     [
-        (dict(prompt=True), {}),
+        pytest.param(dict(prompt=True), {}, marks=pytest.mark.slow),
         (dict(prompt=True, margin=True), dict(center_rewards_coefficient=0.01)),
-        (dict(prompt=False), {}),
+        pytest.param(dict(prompt=False), {}, marks=pytest.mark.slow),
     ],
     ids=["prompt", "margin+center", "implicit_prompt"],
 )
