@@ -151,3 +151,16 @@ def test_reward_equal_trl(data, over, reward_model, tmp_path):
     a = run(RewardTrainer, RewardConfig, reward_model, tmp_path / "trl", pairs(**data), **over)
     b = run(TreeRewardTrainer, RewardConfig, reward_model, tmp_path / "tree", pairs(**data), **over)
     assert_same_training(a, b)
+
+
+def test_dpo_moe_aux_loss_equal_trl(tmp_path):
+    """A Qwen3-MoE policy: TRL's fused head adds ``router_aux_loss_coef * aux`` to the DPO loss and logs
+    ``aux_loss``; the tree's (its rows path-weighted in one tree) gives the same loss, metric and update."""
+    from .trl_agents import save_policy
+
+    transformers.logging.set_verbosity_error()
+    moe = save_policy(tmp_path / "moe", "qwen3_moe")
+    a = run(DPOTrainer, DPOConfig, moe, tmp_path / "trl", pairs(), beta=0.5)
+    b = run(TreeDPOTrainer, DPOConfig, moe, tmp_path / "tree", pairs(), beta=0.5)
+    assert all(h["aux_loss"] > 0 for h in b[1])
+    assert_same_training(a, b)
