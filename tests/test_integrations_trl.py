@@ -273,7 +273,7 @@ def test_other_trl_versions_warn_or_refuse(policy, tmp_path, monkeypatch):
 
 RLOO_CASES = {
     "kl+2_iterations": dict(beta=0.1, num_iterations=2),
-    "normalized": dict(normalize_advantages=True),
+    "normalized": pytest.param(dict(normalize_advantages=True), marks=pytest.mark.slow),
 }
 
 
