@@ -164,3 +164,42 @@ def test_dpo_moe_aux_loss_equal_trl(tmp_path):
     b = run(TreeDPOTrainer, DPOConfig, moe, tmp_path / "tree", pairs(), beta=0.5)
     assert all(h["aux_loss"] > 0 for h in b[1])
     assert_same_training(a, b)
+
+
+def test_fused_request_refuses_what_the_tree_cannot_give():
+    """Vision inputs, pre-shifted labels (context/sequence parallelism) and labels that are not the row's
+    own tokens raise naming the problem; a call without ``fused_lm_head`` is the model's own forward."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    from treetrain.integrations.trl_preference import FusedTreeRequest
+    from treetrain.integrations.wrapped import REQUEST_KWARG, install_tree_scoring
+
+    from .reference import tiny_model
+
+    model = tiny_model("qwen3", dtype=torch.float32)
+    add_fused_lm_head(model)
+    install_tree_scoring(model)
+    req = {REQUEST_KWARG: FusedTreeRequest("TreeDPOTrainer", ("log_probs",))}
+    ids = torch.tensor([[5, 6, 7, 8], [5, 6, 9, 0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
+    labels = ids.masked_fill(mask == 0, -100)
+    out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True, **req)
+    assert out.log_probs.shape == (2, 3) and out.log_probs[1, 2] == 0 and (out.log_probs[:, :2] < 0).all()
+    assert model(input_ids=ids, attention_mask=mask, **req).logits.shape == (2, 4, 97)
+    with pytest.raises(ValueError, match=r"pixel_values.*vision inputs"):
+        model(
+            input_ids=ids,
+            attention_mask=mask,
+            labels=labels,
+            fused_lm_head=True,
+            pixel_values=torch.zeros(1),
+            **req,
+        )
+    with pytest.raises(ValueError, match="pre-shifted labels"):
+        model(
+            input_ids=ids, attention_mask=mask, labels=labels, shift_labels=labels, fused_lm_head=True, **req
+        )
+    bad = labels.clone()
+    bad[0, 2] = 9
+    with pytest.raises(ValueError, match="scored label must be the input token"):
+        model(input_ids=ids, attention_mask=mask, labels=bad, fused_lm_head=True, **req)
