@@ -240,6 +240,7 @@ def test_public_api_resolves():
     for name in treetrain.__all__:
         obj = getattr(treetrain, name)
         if name != "__version__":
-            assert name in _defined_names(parse(modules()[treetrain._API[name]])), (name, treetrain._API[name])
-            assert getattr(obj, "__module__", treetrain._API[name]) == treetrain._API[name], name
+            home = treetrain._API[name]
+            assert name in _defined_names(parse(modules()[home])), f"{name} is not defined in {home}"
+            assert getattr(obj, "__module__", home) == home, name
 
