@@ -8,7 +8,9 @@ them, in a fresh working directory, with ``model`` bound to the embedded tiny ra
 (one torch import for all); each page is reported as its own test.
 
 A ```` ```bash ```` block runs only when the line before it is ``<!-- run -->``: each of its
-commands must be a ``treetrain ...`` command (kept small enough to run in seconds).
+commands must be a ``treetrain ...`` command (kept small enough to run in seconds). They run in
+order, one block after another in one working directory per page, which holds a small
+``data.jsonl`` (:data:`DATA`: a few short token-path trees).
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ def pages() -> list[Path]:
 
 
 def python_blocks(page: Path) -> list[tuple[int, str]]:
-    return [(line, code) for lang, line, code, mark in blocks(page) if lang == "python" and mark != "<!-- no-run -->"]
+    return [(line, code) for lang, line, code, mark in blocks(page)
+            if lang == "python" and mark != "<!-- no-run -->"]
 
 
 def bash_commands(page: Path) -> list[tuple[int, list[str]]]:
@@ -69,6 +72,15 @@ def bash_commands(page: Path) -> list[tuple[int, list[str]]]:
                 assert argv[0] == "treetrain", f"{page}:{line}: a run block holds treetrain commands only"
                 out.append((line, argv))
     return out
+
+
+DATA = [  # plain SFT on every token (per-path fields must be given for every tree or none)
+    {"paths": [[1, 2, 3, 4, 5], [1, 2, 3, 6], [1, 2, 7, 8, 9]]},
+    {"paths": [[10, 11, 12], [10, 11, 13, 14]]},
+    {"nodes": [{"id": 0, "parent": None, "tokens": [20, 21]}, {"id": 1, "parent": 0, "tokens": [22, 23]},
+               {"id": 2, "parent": 0, "tokens": [24]}]},
+    {"paths": [[30, 31, 32, 33], [30, 31, 34]]},
+]
 
 
 RUNNER = r"""
@@ -124,19 +136,20 @@ def test_python_blocks_run(page):
     assert error is None, error
 
 
-COMMANDS = [(p, line, argv) for p in pages() for line, argv in bash_commands(p)]
+COMMAND_PAGES = [p for p in pages() if bash_commands(p)]
 
 
-@pytest.mark.parametrize(
-    "page,line,argv", COMMANDS, ids=[f"{p.relative_to(DOCS)}:{n}" for p, n, _ in COMMANDS]
-)
-def test_bash_commands_run(page, line, argv, tmp_path):
-    cmd = [sys.executable, "-m", "treetrain", *argv[1:]]
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=_env(), timeout=120)
-    assert r.returncode == 0, f"{page.relative_to(ROOT)}:{line}: {shlex.join(argv)}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
+@pytest.mark.parametrize("page", COMMAND_PAGES, ids=lambda p: str(p.relative_to(DOCS)))
+def test_bash_commands_run(page, tmp_path):
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in DATA))
+    for line, argv in bash_commands(page):
+        cmd = [sys.executable, "-m", "treetrain", *argv[1:]]
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=_env(), timeout=300)
+        where = f"{page.relative_to(ROOT)}:{line}: {shlex.join(argv)}"
+        assert r.returncode == 0, f"{where}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
 
 
 def test_docs_have_runnable_code():
     """The harness finds what it should: the guides' examples are not all skipped."""
     assert len(RUNNABLE) >= 5, [str(p) for p in RUNNABLE]
-    assert COMMANDS
+    assert COMMAND_PAGES
