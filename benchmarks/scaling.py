@@ -6,7 +6,7 @@ Two tree shapes, each at a fixed POR while the size grows (so only the size chan
   the turn length grows with the size;
 - ``group``: ``--paths`` paths sharing a prompt at ``--por``, the path length grows with the size.
 
-Both modes run one SFT training step through the library (``treetrain.bench.command``: the same model,
+Both modes run one SFT training step through the library (``treetrain.bench.cases``: the same model,
 loss and :mod:`treetrain.train.strategies`), each in a single micro-batch (capacity = the largest of the
 step's tree and path lengths). Time: median of ``--repeats`` steps after a warm-up, modes
 alternating; peak memory: the RSS high-water mark of one step in a fresh process (CPU) or the
@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import add_allocator_flag, hardware, result_path, use_allocator  # noqa: E402
-from treetrain.bench import command as bench  # noqa: E402
+from treetrain.bench import cases as bench  # noqa: E402
 from treetrain.trees.flops import CostModel  # noqa: E402
 
 
