@@ -1,16 +1,17 @@
 """The code in the docs runs, so the guides cannot rot.
 
-Every ```` ```python ```` block of ``docs/**/*.md`` runs unless the line before it is
+Every ```` ```python ```` block of ``docs/**/*.md`` and the README runs unless the line before it is
 ``<!-- no-run -->`` (for code that needs a GPU, several processes, a hub model or a host
 framework's full set-up). A page's blocks run in order in one namespace, as a reader would paste
 them, in a fresh working directory, with ``model`` bound to the embedded tiny random-init Qwen3
-(``treetrain.train.build.build_model(None, ...)``, no download). One subprocess runs every page
+(``treetrain.train.build.build_model(None, ...)``, no download) and a small ``data.jsonl``
+(:data:`DATA`) in the working directory. One subprocess runs every page
 (one torch import for all); each page is reported as its own test.
 
 A ```` ```bash ```` block runs only when the line before it is ``<!-- run -->``: each of its
 commands must be a ``treetrain ...`` command (kept small enough to run in seconds). They run in
-order, one block after another in one working directory per page, which holds a small
-``data.jsonl`` (:data:`DATA`: a few short token-path trees).
+order, one block after another in one working directory per page, which holds the same
+``data.jsonl``.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def blocks(page: Path) -> list[tuple[str, int, str, str]]:
 
 
 def pages() -> list[Path]:
-    return sorted(DOCS.rglob("*.md"))
+    return [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
 
 
 def python_blocks(page: Path) -> list[tuple[int, str]]:
@@ -89,12 +90,16 @@ import torch
 from treetrain.train.build import build_model
 
 results = {}
-for page, chunks in json.load(sys.stdin).items():
+todo = json.load(sys.stdin)
+data = todo.pop("@data")
+for page, chunks in todo.items():
     ns = {"__name__": "__main__"}
     torch.manual_seed(0)
     ns["model"] = build_model(None, 0, torch.float32, torch.device("cpu"))
     with tempfile.TemporaryDirectory() as tmp:
         os.chdir(tmp)
+        with open("data.jsonl", "w") as f:
+            f.write(data)
         try:
             for line, code in chunks:
                 # pad so that tracebacks give the line number in the page
@@ -105,6 +110,10 @@ for page, chunks in json.load(sys.stdin).items():
         os.chdir("/")
 print("@@RESULTS@@" + json.dumps(results))
 """
+
+
+def _data_jsonl() -> str:
+    return "".join(json.dumps(r) + "\n" for r in DATA)
 
 
 def _env() -> dict[str, str]:
@@ -118,6 +127,7 @@ def _env() -> dict[str, str]:
 def python_results() -> dict[str, str | None]:
     todo = {str(p.relative_to(ROOT)): python_blocks(p) for p in pages()}
     todo = {k: v for k, v in todo.items() if v}
+    todo["@data"] = _data_jsonl()
     r = subprocess.run(
         [sys.executable, "-c", RUNNER], input=json.dumps(todo), capture_output=True, text=True,
         env=_env(), timeout=300,
@@ -130,7 +140,7 @@ def python_results() -> dict[str, str | None]:
 RUNNABLE = [p for p in pages() if python_blocks(p)]
 
 
-@pytest.mark.parametrize("page", RUNNABLE, ids=lambda p: str(p.relative_to(DOCS)))
+@pytest.mark.parametrize("page", RUNNABLE, ids=lambda p: str(p.relative_to(ROOT)))
 def test_python_blocks_run(page):
     error = python_results()[str(page.relative_to(ROOT))]
     assert error is None, error
@@ -139,9 +149,9 @@ def test_python_blocks_run(page):
 COMMAND_PAGES = [p for p in pages() if bash_commands(p)]
 
 
-@pytest.mark.parametrize("page", COMMAND_PAGES, ids=lambda p: str(p.relative_to(DOCS)))
+@pytest.mark.parametrize("page", COMMAND_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_bash_commands_run(page, tmp_path):
-    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in DATA))
+    (tmp_path / "data.jsonl").write_text(_data_jsonl())
     for line, argv in bash_commands(page):
         cmd = [sys.executable, "-m", "treetrain", *argv[1:]]
         r = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=_env(), timeout=300)
