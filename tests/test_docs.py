@@ -149,6 +149,7 @@ def test_python_blocks_run(page):
 COMMAND_PAGES = [p for p in pages() if bash_commands(p)]
 
 
+@pytest.mark.slow  # each command starts a process and trains a few steps: ~5-10 s of CPU per page
 @pytest.mark.parametrize("page", COMMAND_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_bash_commands_run(page, tmp_path):
     (tmp_path / "data.jsonl").write_text(_data_jsonl())
