@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Docs: install the pinned `docs` extra of pyproject.toml (the tools only: mkdocstrings reads the
-# sources statically, so neither the package nor torch is needed), then build the site with
-# warnings as errors. Run from .ci/run; works in any Python >= 3.11 environment.
+# Docs: in a venv of their own (.venv-docs: the test environment stays exactly as the tests ran it),
+# install the pinned `docs` extra of pyproject.toml (the tools only: mkdocstrings reads the sources
+# statically, so neither the package nor torch is needed), then build the site with warnings as
+# errors. Run from .ci/run; needs Python >= 3.11 (tomllib).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+python3 -m venv .venv-docs
+. .venv-docs/bin/activate
 reqs=$(mktemp)
 trap 'rm -f "$reqs"' EXIT
 python - "$reqs" <<'PY'
