@@ -8,6 +8,9 @@ them, in a fresh working directory, with ``model`` bound to the embedded tiny ra
 (:data:`DATA`) in the working directory. One subprocess runs every page
 (one torch import for all); each page is reported as its own test.
 
+Every ```` ```json ```` block is one or more data records, each of which must parse (a format
+change that the guides do not follow fails here).
+
 A ```` ```bash ```` block runs only when the line before it is ``<!-- run -->``: each of its
 commands must be a ``treetrain ...`` command (kept small enough to run in seconds). They run in
 order, one block after another in one working directory per page, which holds the same
@@ -160,7 +163,29 @@ def test_bash_commands_run(page, tmp_path):
         assert r.returncode == 0, f"{where}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
 
 
+JSON_PAGES = [p for p in pages() if any(lang == "json" for lang, *_ in blocks(p))]
+
+
+@pytest.mark.parametrize("page", JSON_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_json_records_parse(page):
+    from treetrain.data.chat import load_tokenizer
+    from treetrain.data.records import parse_record
+
+    tokenizer = load_tokenizer("qwen")  # the offline Qwen tokenizer, for chat-message records
+    decoder = json.JSONDecoder()
+    for lang, line, code, _ in blocks(page):
+        if lang != "json":
+            continue
+        i = 0
+        while code[i:].strip():
+            i += len(code[i:]) - len(code[i:].lstrip())
+            record, i = decoder.raw_decode(code, i)
+            tree, _ = parse_record(record, tokenizer=tokenizer)
+            assert tree.num_paths >= 1, f"{page.relative_to(ROOT)}:{line}"
+
+
 def test_docs_have_runnable_code():
     """The harness finds what it should: the guides' examples are not all skipped."""
     assert len(RUNNABLE) >= 5, [str(p) for p in RUNNABLE]
     assert COMMAND_PAGES
+    assert {p.name for p in JSON_PAGES} >= {"data.md", "objectives.md"}
