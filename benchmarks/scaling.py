@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import add_allocator_flag, hardware, result_path, use_allocator  # noqa: E402
-from treetrain.bench import command as bench  # noqa: E402
+from treetrain.bench import cases as bench  # noqa: E402
 from treetrain.trees.flops import CostModel  # noqa: E402
 
 
