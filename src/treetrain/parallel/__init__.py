@@ -5,7 +5,7 @@
 - :mod:`.cp`: context parallelism, one packed tree split over a process group;
 - :mod:`.depth_first`: bounded-memory depth-first execution on one device;
 - :mod:`.balance`: FLOP-balanced assignment of trees to data-parallel ranks, and its imbalance;
-- :mod:`.memory`: peak-memory estimates for a packed tree.
+- :mod:`.memory`: peak activation memory (what autograd saves for backward), on any device.
 
 May import: trees, data, attention, models, logprobs, objectives.
 """
