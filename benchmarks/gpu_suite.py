@@ -22,9 +22,16 @@ On a device lease (10-minute calls; the results folder travels back as one archi
         --resume --archive $OUT/gpu.tgz        # repeat until it exits 0 or 1 (3: not finished)
     tar xzf <returned>/gpu.tgz -C benchmarks/results    # here, before the next call
 
-FLA is not in the device image: carry its wheel (``pip download --no-deps fla-core``) and install it
-first, or the GDN check records it as unavailable. ``--dry-run`` runs every part at tiny sizes on
-the CPU (dense backend; the Triton kernel under ``TRITON_INTERPRET=1``), after printing the GPU plan.
+flash-linear-attention (FLA) is not in the device image and the device has no network: fetch its
+pure-Python wheel here (``echo /.whl/ >> .git/info/exclude; python3 -m pip download --no-deps
+--only-binary=:all: --python-version 3.12 -d .whl fla-core==0.6.0``; it needs only einops, which the
+image has), carry ``.whl`` and start the device command with ``python3 -m pip install -q --no-index
+--no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site;``. Without it the GDN check
+records the FLA path as unavailable. flash-attn has no wheel to carry; its row runs when it imports.
+
+``--dry-run`` prints the GPU plan, then runs every part at tiny sizes on the CPU (the dense backend
+in bf16, the Triton kernel in float32 under ``TRITON_INTERPRET=1``): the code, its result files and
+the resume rules, checked before a lease is spent (``tests/test_gpu_suite.py``).
 
 Exit status: 0 every part finished and passed, 1 a check failed, errored or ran over its budget,
 3 stopped by ``--max-seconds`` (run again with ``--resume``), 2 bad arguments.

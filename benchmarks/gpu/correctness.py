@@ -230,7 +230,7 @@ def gdn_case(T: int, shape: dict, dtype: str, sizes) -> dict:
     packed = pack(tree).to(dev)
     inputs = _gdn_inputs(T, shape["hk"], shape["hv"], shape["dk"], shape["dv"], dt, dev, seed)
     d_out = torch.randn(
-        T, shape["hv"], shape["dv"], device=dev, generator=torch.Generator(dev).manual_seed(1)
+        T, shape["hv"], shape["dv"], device=dev, generator=torch.Generator(device=dev).manual_seed(1)
     )
     nodes = (packed.node_start, packed.node_end, packed.node_parent)
     with float64_casts():  # the reference: node by node, in float64 throughout
@@ -298,7 +298,9 @@ def per_path_run(model, paths, n_targets: int) -> tuple[list[torch.Tensor], dict
         (lp,) = reference_logprobs(model, [p])
         (-lp.float().sum() / n_targets).backward()
         lps.append(lp.detach().double())
-    return lps, grads(model)
+    out = grads(model)
+    model.zero_grad(set_to_none=True)  # copies of the model carry no gradients
+    return lps, out
 
 
 def tree_run(model, tree, n_targets: int, backend: str) -> tuple[list[torch.Tensor], dict]:
@@ -365,19 +367,17 @@ def plan(sizes) -> list:
     """The correctness cases of ``sizes`` (see ``gpu_suite.Sizes``)."""
     from .runner import Case
 
+    # the model and GDN checks first: they need no per-size compile, and reach the most code
     cases = []
-    for heads in sizes.attn_heads:
-        for T in sizes.attn_T:
-            for dtype, backends in sizes.attn_backends.items():
-                cid = f"attention T={T} Hq={heads[0]} Hkv={heads[1]} D={heads[2]} {dtype}"
-                cases.append(
-                    Case(cid, lambda T=T, h=heads, d=dtype, b=backends: attention_case(T, h, d, b, sizes))
-                )
-    for T in sizes.gdn_T:
-        cid = f"gdn T={T} {sizes.gdn_dtype}"
-        cases.append(Case(cid, lambda T=T: gdn_case(T, sizes.gdn_shape, sizes.gdn_dtype, sizes)))
     params = total_model_params(sizes.model) / 1e6
     for kind in sizes.model_trees:
         cid = f"model {kind} T={sizes.model_T} ({params:.0f}M params) {sizes.model_dtype}"
         cases.append(Case(cid, lambda kind=kind: model_case(kind, sizes.model_backends, sizes)))
+    for T in sizes.gdn_T:
+        cid = f"gdn T={T} {sizes.gdn_dtype}"
+        cases.append(Case(cid, lambda T=T: gdn_case(T, sizes.gdn_shape, sizes.gdn_dtype, sizes)))
+    for T, heads, dtype in sizes.attn_cases:
+        backends = sizes.attn_backends[dtype]
+        cid = f"attention T={T} Hq={heads[0]} Hkv={heads[1]} D={heads[2]} {dtype}"
+        cases.append(Case(cid, lambda T=T, h=heads, d=dtype, b=backends: attention_case(T, h, d, b, sizes)))
     return cases
