@@ -127,6 +127,8 @@ def test_runner_deadline_drops_case_in_flight_and_resume_runs_the_rest(tmp_path)
     assert status == "partial" and calls == ["a", "b"]
     st = PartState.load(tmp_path, "p")
     assert st.status == "partial" and list(st.records) == ["a"]  # b was dropped, not recorded
+    with open(tmp_path / "p" / "results.jsonl", "a") as f:
+        f.write('{"id": "b", "stat')  # a line torn by a kill mid-write: b runs again
     part = _sleepy_part(calls, budget=60, sleep={})
     assert run_part(part, tmp_path, deadline=None, log=lambda m: None) == "done"
     assert calls == ["a", "b", "b", "c"]  # a not run again

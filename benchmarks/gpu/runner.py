@@ -19,6 +19,7 @@ flight finishes first):
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 import traceback
@@ -71,10 +72,14 @@ def _disarm() -> None:
 
 @dataclass
 class PartState:
+    """A part's ``state.json`` (status, seconds used, ``info``: planned / not-run case ids) and its
+    ``results.jsonl`` records by case id."""
+
     dir: Path
     status: str = "new"  # new | partial | done | over_budget
     used_s: float = 0.0
     records: dict[str, dict] = field(default_factory=dict)
+    info: dict = field(default_factory=dict)
 
     @classmethod
     def load(cls, out: Path, name: str) -> PartState:
@@ -82,17 +87,30 @@ class PartState:
         st = cls(d)
         if (d / "state.json").exists():
             saved = json.loads((d / "state.json").read_text())
-            st.status, st.used_s = saved["status"], saved["used_s"]
-        if (d / "results.jsonl").exists():
-            for line in (d / "results.jsonl").read_text().splitlines():
-                rec = json.loads(line)
+            st.status, st.used_s = saved.pop("status"), saved.pop("used_s")
+            saved.pop("cases", None)
+            st.info = saved
+        path = d / "results.jsonl"
+        if path.exists():
+            lines = path.read_text().splitlines()
+            for line in lines:
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:  # a line torn by a kill mid-write: that case runs again
+                    continue
                 st.records[rec["id"]] = rec
+            if len(st.records) < len(lines):  # drop the torn line, so appends start on a fresh line
+                path.write_text("".join(json.dumps(r) + "\n" for r in st.records.values()))
         return st
 
-    def save(self, **extra) -> None:
+    def save(self, **info) -> None:
+        """Write ``state.json`` atomically (a kill mid-write leaves the previous one)."""
+        self.info |= info
         self.dir.mkdir(parents=True, exist_ok=True)
         state = {"status": self.status, "used_s": round(self.used_s, 3), "cases": len(self.records)}
-        (self.dir / "state.json").write_text(json.dumps(state | extra, indent=1) + "\n")
+        tmp = self.dir / "state.json.tmp"
+        tmp.write_text(json.dumps(state | self.info, indent=1) + "\n")
+        os.replace(tmp, self.dir / "state.json")
 
     def add(self, rec: dict) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -104,7 +122,7 @@ class PartState:
         """Forget earlier results (a part that is always re-run)."""
         for name in ("results.jsonl", "state.json"):
             (self.dir / name).unlink(missing_ok=True)
-        self.status, self.used_s, self.records = "new", 0.0, {}
+        self.status, self.used_s, self.records, self.info = "new", 0.0, {}, {}
 
 
 def _run_case(case: Case, log: Callable[[str], None]) -> dict:
@@ -183,7 +201,7 @@ def run_part(part: Part, out: Path, deadline: float | None, log: Callable[[str],
         st.save()
         log(f"   {rec['status']} in {rec['seconds']:.1f} s" + _headline(rec))
     st.status = "done"
-    st.save(planned=[c.id for c in cases])
+    st.save()
     log(f"== {part.name}: done, {st.used_s:.0f} s of {part.budget_s:.0f} s")
     return "done"
 
