@@ -74,6 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-seconds", type=float, default=None,
                    help="stop cleanly after this many seconds (default on CUDA: 540, inside a 10-minute "
                    "device call); the case in flight is dropped and --resume re-runs it")  # fmt: skip
+    p.add_argument("--profile-below", type=float, default=0.95,
+                   help="profile a step per mode of each end-to-end case below this efficiency")  # fmt: skip
     p.add_argument("--budget-scale", type=float, default=1.0, help="multiply every part's time budget")
     p.add_argument("--archive", type=Path, default=None, help="also write the results folder as a .tgz here")
     p.add_argument("--dry-run", action="store_true",
@@ -105,7 +107,7 @@ def build_parts(sizes: Sizes, out: Path, scale: float, header: list[str], e2e_mo
     plans = {
         "correctness": lambda: correctness.plan(sizes),
         "kernels": lambda: kernels.plan(sizes),
-        "e2e": lambda: end_to_end.plan(sizes, e2e_model),
+        "e2e": lambda: end_to_end.plan(sizes, e2e_model, out),
         "report": lambda: report.plan(out, header),
     }
     return [Part(n, BUDGETS[n] * scale, plans[n], always=n == "report", about=about[n]) for n in PARTS]
@@ -179,6 +181,7 @@ def run(args: argparse.Namespace, out: Path, log) -> dict[str, str]:
         sizes = gpu_sizes()
         torch._dynamo.config.cache_size_limit = 64  # FlexAttention compiles once per sequence length
         torch._dynamo.config.accumulated_cache_size_limit = 512
+    sizes.profile_below = args.profile_below
     shared_model = end_to_end.Model(sizes)
     parts = build_parts(sizes, out, args.budget_scale, describe(sizes, args.dry_run), shared_model)
     parts = [p for p in parts if p.name in args.parts]

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -85,9 +86,11 @@ def test_dry_run_correctness_then_resume_skips_done_parts(tmp_path):
 @pytest.mark.slow
 def test_dry_run_kernels_and_end_to_end(tmp_path):
     out = tmp_path / "gpu"
+    archive = tmp_path / "a.tgz"
     run = _suite(
-        "--out", str(out), "--parts", "kernels", "e2e", "report", "--archive", str(tmp_path / "a.tgz")
-    )
+        "--out", str(out), "--parts", "kernels", "e2e", "report", "--archive", str(archive),
+        "--profile-below", "1e9",  # profile every end-to-end case
+    )  # fmt: skip
     assert run.returncode in (0, 1), run.stdout[-3000:] + run.stderr[-3000:]  # 1: CPU timings miss a goal
     for part in ("kernels", "e2e"):
         assert _state(out, part)["status"] == "done"
@@ -100,7 +103,13 @@ def test_dry_run_kernels_and_end_to_end(tmp_path):
         assert all(row["ms"] > 0 and row["tflops"] > 0 for row in r["rows"])
     (e2e,) = _records(out, "e2e")
     assert e2e["flop_bound"] > 1 and e2e["speedup"] > 0 and e2e["max_logprob_diff"] < 1e-4
-    assert (out / "kernel_time_vs_T.png").stat().st_size > 0 and (tmp_path / "a.tgz").stat().st_size > 0
+    profile = (out / "e2e" / e2e["profile"]).read_text()
+    assert "# tree step" in profile and "# sequence step" in profile
+    assert (out / "kernel_time_vs_T.png").stat().st_size > 0
+    with tarfile.open(archive) as tar:  # the folder as one file, to bring back from a device call
+        assert f"{out.name}/e2e/results.jsonl" in tar.getnames()
+    summary = (out / "summary.md").read_text()
+    assert "## 1. Correctness\n\nnot run" in summary and "kernel_time_vs_T.png" in summary
 
 
 # ---- the runner, in process ------------------------------------------------------------------------

@@ -371,7 +371,7 @@ def plan(sizes) -> list:
     cases = []
     params = total_model_params(sizes.model) / 1e6
     for kind in sizes.model_trees:
-        cid = f"model {kind} T={sizes.model_T} ({params:.0f}M params) {sizes.model_dtype}"
+        cid = f"model {kind} T={sizes.model_T} ({params:.3g}M params) {sizes.model_dtype}"
         cases.append(Case(cid, lambda kind=kind: model_case(kind, sizes.model_backends, sizes)))
     for T in sizes.gdn_T:
         cid = f"gdn T={T} {sizes.gdn_dtype}"

@@ -108,7 +108,7 @@ def e2e_section(records: list[dict]) -> tuple[list[str], list[str]]:
     lines = ["| case | paths | baseline tok | tree tok | bound | speedup | efficiency | MFU base/tree "
              "| tokens/s base/tree | peak MiB base/tree | max lp diff |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    short = []
+    short, profiles = [], []
     for r in records:
         if r.get("status") != "ok":
             lines.append(f"| {r['id']} | **{r.get('status')}**: {r.get('error', '')[:120]} |||||||||| ")
@@ -124,6 +124,12 @@ def e2e_section(records: list[dict]) -> tuple[list[str], list[str]]:
         )
         if r["efficiency"] < EFFICIENCY_MIN:
             short.append(f"{r['name']} (efficiency {r['efficiency']:.2f})")
+        if r.get("profile"):
+            profiles.append(
+                f"- {r['name']}: efficiency {r['efficiency']:.2f} < {EFFICIENCY_GOAL}: `e2e/{r['profile']}`"
+            )
+    if profiles:
+        lines += ["", "Profiles of one step per mode (below the 0.95 goal):", ""] + profiles
     return lines, short
 
 
@@ -156,6 +162,9 @@ def write(out: Path, header: list[str]) -> dict:
     text += [
         f"| {p} | {s['status']} | {s.get('used_s', 0):.0f} | {s.get('cases', 0)} |" for p, s in status.items()
     ]
+    c_lines, k_lines, e_lines = (
+        x if recs else ["not run"] for x, recs in ((c_lines, corr), (k_lines, kern), (e_lines, e2e))
+    )
     text += ["", "## 1. Correctness", ""] + c_lines
     text += ["", "## 2. Kernel speed (forward + backward)", ""]
     text += ([f"![kernel time vs T]({PLOT})", ""] if plotted else []) + k_lines

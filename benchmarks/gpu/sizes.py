@@ -51,6 +51,7 @@ class Sizes:
     e2e_repeats: int = 0
     e2e_backend: str | None = None
     matmul_size: int = 8192
+    profile_below: float = 0.95  # profile the e2e cases whose efficiency is below this
 
 
 def gpu_sizes() -> Sizes:
