@@ -3,9 +3,10 @@ bounded by a multiple of the error that a trusted low-precision computation of t
 makes (so the bound scales with the dtype and the problem, never a hand-picked absolute number).
 
 - **attention**: each backend's forward and backward on a random tree, against float64 attention
-  on a sample of query rows (the upstream gradient is zero off those rows, so ``dq``, ``dk``, ``dv``
-  are exact comparisons over the whole tensors); the error scale is SDPA in the same dtype on the
-  same rows (PyTorch's fused kernels).
+  on a sample of query rows (all up to ~4k tokens; 1-2k at 16k, 256-512 at 64k): the upstream gradient is zero
+  off those rows, so ``dq``, ``dk``, ``dv`` are exact comparisons over the whole tensors; the error
+  scale is SDPA in the same dtype on the same rows (PyTorch's fused kernels). Then the two backends
+  against each other on every row, so no tile goes unchecked.
 - **gdn**: the gated delta rule along the tree (level by level; ``fla`` and ``torch`` kernels)
   against the node-by-node rule in float64; the error scale is the same kernel run on every path
   alone (what a per-path trainer computes), its gradient weighted so its loss equals the tree's.
@@ -141,7 +142,27 @@ def attention_case(T: int, heads: tuple[int, int, int], dtype: str, backends: li
             out["backends"][b] = _verdict(errs, scale_err, KERNEL_FACTOR, _floor(dt))
         except Exception as e:  # one backend's failure must not hide the others' results
             out["backends"][b] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    if len(backends) >= 2:
+        out["backends"] |= cross_check(backends[:2], q, k, v, se, pos, scale, scale_err, g)
     return _summarize(out)
+
+
+def cross_check(pair, q, k, v, subtree_end, position_ids, scale, scale_err, gen) -> dict:
+    """Two backends against each other on every query row, a random upstream gradient on all of
+    them: the float64 reference covers sampled rows only at large ``T``, this covers every tile.
+    Each backend is within ``KERNEL_FACTOR`` x the error scale of the truth, so their difference
+    is within twice that."""
+    a, b = pair
+    every = torch.arange(q.shape[1], device=q.device)
+    do = torch.randn(q.shape, device=q.device, generator=gen).to(q.dtype)
+    try:
+        got_a, got_b = (
+            backend_attention(x, q, k, v, subtree_end, position_ids, every, scale, do) for x in pair
+        )
+        errs = {n: rel_max(x, y) for n, x, y in zip(("o", "dq", "dk", "dv"), got_a, got_b)}
+        return {f"{a} vs {b}, all rows": _verdict(errs, scale_err, 2 * KERNEL_FACTOR, _floor(q.dtype))}
+    except Exception as e:
+        return {f"{a} vs {b}, all rows": {"ok": False, "error": f"{type(e).__name__}: {e}"}}
 
 
 def _summarize(out: dict) -> dict:

@@ -63,7 +63,7 @@ def gpu_sizes() -> Sizes:
         attn_cases=tuple((T, h, "bfloat16") for T in (1000, 16461, 65536) for h in ATTN_HEADS)
         + tuple((16461, h, "float16") for h in ATTN_HEADS),
         attn_backends={"bfloat16": both, "float16": both},
-        ref_elems=2**27,
+        ref_elems=2**28,  # 2 GiB float64 scores: 256 rows at 64k tokens and 16 heads
         gdn_T=(1024, 8192),
         gdn_shape=QWEN3_5_GDN,
         gdn_dtype="bfloat16",
@@ -96,7 +96,7 @@ def dry_run_sizes(triton_interpreter: bool) -> Sizes:
         device=torch.device("cpu"),
         attn_cases=((150, (4, 2, 16), "bfloat16"),)
         + (((150, (4, 2, 16), "float32"),) if triton_interpreter else ()),
-        attn_backends={"bfloat16": ["dense"], "float32": ["triton"]},
+        attn_backends={"bfloat16": ["dense"], "float32": ["dense", "triton"]},
         ref_elems=2**20,
         gdn_T=(48,),
         gdn_shape=dict(hk=2, hv=4, dk=8, dv=8),
