@@ -2,7 +2,7 @@
 
 FLOPs follow FlashAttention's convention: a forward is ``4 * D * Hq`` per computed (query, key)
 pair (``QK^T`` and ``PV``), the backward 2.5 forwards, so forward + backward is ``14 * D * Hq`` per
-pair. A tree kernel is credited with the pairs its mask **allows** only (``sum(subtree_end - k)``),
+pair. A tree kernel is credited with the pairs its mask **allows** only (``trees.flops.tree_pairs``),
 so its TFLOP/s is useful work. Rows per case:
 
 - ``triton``, ``flex``: the library's backends on the tree (the ``TreeMask`` is built once, outside
@@ -29,8 +29,9 @@ import torch.nn.functional as F
 
 from treetrain.attention import get_backend
 from treetrain.attention.mask import TreeMask
+from treetrain.trees.flops import baseline_pairs, tree_pairs
 
-from .trees import allowed_pairs, group_tree, mask_tensors, per_turn_tree
+from .trees import group_tree, mask_tensors, per_turn_tree
 
 FWD_BWD_PER_PAIR = 14  # x D x Hq FLOPs: forward 4, backward 2.5 forwards (FlashAttention's count)
 TREES = {"per-turn": per_turn_tree, "group": group_tree}
@@ -69,7 +70,7 @@ def kernel_case(kind: str, T: int, heads: tuple[int, int, int], sizes, blocks=No
     dev, dt = sizes.device, getattr(torch, sizes.kernel_dtype)
     tree = TREES[kind](T, vocab=T)
     se, pos = mask_tensors(tree, dev)
-    pairs, causal = allowed_pairs(se), T * (T + 1) // 2
+    pairs, causal = tree_pairs(tree), T * (T + 1) // 2  # a token at path position i sees i + 1 keys
     g = torch.Generator(device=dev).manual_seed(T)
     q = torch.randn(hq, T, d, device=dev, generator=g).to(dt).requires_grad_()
     k, v = (torch.randn(hkv, T, d, device=dev, generator=g).to(dt).requires_grad_() for _ in range(2))
@@ -98,7 +99,7 @@ def kernel_case(kind: str, T: int, heads: tuple[int, int, int], sizes, blocks=No
             mask = TreeMask(se, backend=b, position_ids=pos)
             add(b, functools.partial(get_backend(b), q, k, v, mask, scale), [q, k, v], do, pairs)
         idx = [torch.as_tensor(p, device=dev) for p in tree.path_index]
-        path_pairs = sum(len(i) * (len(i) + 1) // 2 for i in idx)
+        path_pairs = baseline_pairs(tree)
         add("sdpa per path", *_per_path(q, k, v, idx, scale, g), path_pairs)
         varlen = _flash_varlen(q, k, v, idx, scale, g)
         if varlen is not None:

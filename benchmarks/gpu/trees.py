@@ -85,8 +85,3 @@ def mask_tensors(tree: TrajectoryTree, device) -> tuple[torch.Tensor, torch.Tens
     """``subtree_end [T]`` and ``position_ids [T]`` (int64) on ``device``."""
     packed = pack(tree)
     return packed.subtree_end.to(device), packed.position_ids.to(device)
-
-
-def allowed_pairs(subtree_end: torch.Tensor) -> int:
-    """(query, key) pairs the tree mask allows: key ``k`` is seen by ``subtree_end[k] - k`` queries."""
-    return int((subtree_end - torch.arange(subtree_end.numel(), device=subtree_end.device)).sum())
