@@ -187,20 +187,29 @@ def run(args: argparse.Namespace, out: Path, log) -> dict[str, str]:
     parts = [p for p in parts if p.name in args.parts]
     print_plan(parts, out, log)
     states: dict[str, str] = {}
+
+    def archive() -> None:
+        """The folder as one .tgz, rewritten after every case: a call killed at its time limit
+        still returns what it finished."""
+        if args.archive:
+            args.archive.parent.mkdir(parents=True, exist_ok=True)
+            tmp = args.archive.with_name(args.archive.name + ".tmp")
+            with tarfile.open(tmp, "w:gz") as tar:
+                tar.add(out, arcname=out.name)
+            os.replace(tmp, args.archive)
+
     try:
         for part in parts:
             if "partial" in states.values() and not part.always:
                 continue
-            states[part.name] = run_part(part, out, None if part.always else deadline, log)
+            states[part.name] = run_part(part, out, None if part.always else deadline, log, archive)
             if part.name == "e2e":
                 shared_model.close()  # the process group and the model's memory
     finally:
         shared_model.close()
         log(f"run took {time.monotonic() - t_start:.0f} s; results in {out}")
+        archive()
         if args.archive:
-            args.archive.parent.mkdir(parents=True, exist_ok=True)
-            with tarfile.open(args.archive, "w:gz") as tar:
-                tar.add(out, arcname=out.name)
             log(f"archive: {args.archive}")
     return states
 

@@ -152,9 +152,16 @@ def _free_cuda() -> None:
         torch.cuda.empty_cache()
 
 
-def run_part(part: Part, out: Path, deadline: float | None, log: Callable[[str], None]) -> str:
+def run_part(
+    part: Part,
+    out: Path,
+    deadline: float | None,
+    log: Callable[[str], None],
+    after_case: Callable[[], None] = lambda: None,
+) -> str:
     """Run what is left of ``part``; returns its status afterwards (``done``, ``over_budget`` or
-    ``partial`` when ``deadline`` (a ``time.monotonic()`` value) came first)."""
+    ``partial`` when ``deadline`` (a ``time.monotonic()`` value) came first). ``after_case`` runs
+    after every recorded case (e.g. to archive the folder, in case the process is killed)."""
     st = PartState.load(out, part.name)
     if part.always:
         st.reset()
@@ -200,6 +207,7 @@ def run_part(part: Part, out: Path, deadline: float | None, log: Callable[[str],
         st.add(rec)
         st.save()
         log(f"   {rec['status']} in {rec['seconds']:.1f} s" + _headline(rec))
+        after_case()
     st.status = "done"
     st.save()
     log(f"== {part.name}: done, {st.used_s:.0f} s of {part.budget_s:.0f} s")
