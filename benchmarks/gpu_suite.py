@@ -66,7 +66,11 @@ PARTS = ("correctness", "kernels", "e2e", "report")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,  # "--dry-run" is looked for verbatim before the imports (TRITON_INTERPRET)
+    )
     p.add_argument("--out", type=Path, default=None, help="results folder (default: benchmarks/results/"
                    "gpu-<gpu>-<date>, or gpu-dryrun-<cpu>-<date> with --dry-run)")  # fmt: skip
     p.add_argument("--resume", action="store_true", help="continue in --out: skip finished parts and cases")
