@@ -33,8 +33,9 @@ records the FLA path as unavailable. flash-attn has no wheel to carry; its row r
 in bf16, the Triton kernel in float32 under ``TRITON_INTERPRET=1``): the code, its result files and
 the resume rules, checked before a lease is spent (``tests/test_gpu_suite.py``).
 
-Exit status: 0 every part finished and passed, 1 a check failed, errored or ran over its budget,
-3 stopped by ``--max-seconds`` (run again with ``--resume``), 2 bad arguments.
+Exit status: 0 every part finished with no failed check and no error (the speed goals are judged
+in ``summary.md``), 1 a check failed, a case errored or a part ran over its budget, 3 stopped by
+``--max-seconds`` (run again with ``--resume``), 2 bad arguments.
 """
 
 from __future__ import annotations
