@@ -36,9 +36,9 @@ def write_sample(d: Path) -> int:
     import numpy as np
 
     from treetrain.bench.command import renumber
-    from treetrain.data.reader import iter_trees, sample_path
+    from treetrain.data import reader as data
 
-    trees = [t for t, _ in iter_trees(sample_path("agent-dialogues"))]
+    trees = [t for t, _ in data.iter_trees(data.sample_path("agent-dialogues"))]
     vocab = int(np.unique(np.concatenate([t.tokens for t in trees])).size)
     with open(d / "sample.jsonl", "w") as f:
         for t in renumber(trees, vocab):

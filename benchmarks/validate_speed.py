@@ -20,7 +20,7 @@ from pathlib import Path
 
 from soak import cpu_name
 
-from treetrain.data.reader import sample_path
+from treetrain.data import reader as data
 from treetrain.train.guards import validate_data
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--note", default="")
     args = ap.parse_args()
-    raw = gzip.decompress(Path(sample_path("agent-dialogues")).read_bytes())
+    raw = gzip.decompress(Path(data.sample_path("agent-dialogues")).read_bytes())
     path = Path(tempfile.mkdtemp()) / "big.jsonl"
     path.write_bytes(raw * max(1, int(args.mb * 1e6 // len(raw))))
     size = path.stat().st_size / 1e6

@@ -1,11 +1,8 @@
 """Tree attention backends over one mask representation (``subtree_end``).
 
 Every backend is ``fn(q [Hq, T, D], k [Hkv, T, D], v [Hkv, T, D], mask: TreeMask, scale) -> [Hq, T, D]``.
-Holds the mask (:mod:`.mask`: ``TreeMask``, block classes) and the backends :mod:`.dense`,
-:mod:`.blocksparse`, :mod:`.flex`, :mod:`.triton_kernel`; :data:`BACKENDS` names them.
 
-May import: :mod:`treetrain.trees`. (``BACKENDS`` also names the ``cp`` and ``depth_first`` backends of
-:mod:`treetrain.parallel` by string; they are imported on use, by their own package only.)
+May import: trees.
 """
 
 from __future__ import annotations

@@ -172,9 +172,9 @@ def _cases(args, vocab: int) -> list[tuple[str, list[TrajectoryTree]]]:
     if args.one_path:
         cases.append((f"one path {args.one_path}", [one_path_tree(args.one_path, vocab)]))
     if args.sample:
-        from treetrain.data.reader import iter_trees, sample_path
+        from treetrain.data import reader as data
 
-        trees = [t for t, _ in iter_trees(sample_path("agent-dialogues"))]
+        trees = [t for t, _ in data.iter_trees(data.sample_path("agent-dialogues"))]
         if args.sample_trees:  # the N smallest by baseline tokens, in file order
             keep = sorted(
                 sorted(range(len(trees)), key=lambda i: trees[i].num_path_tokens)[: args.sample_trees]

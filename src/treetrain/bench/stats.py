@@ -71,17 +71,17 @@ def _cost(model: str | None) -> tuple[CostModel, str]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from treetrain.data.reader import iter_trees, sample_path
+    from treetrain.data import reader as data
 
     if args.file and args.data and args.file != args.data:
         raise ValueError(f"two data files: {args.file} and --data {args.data}; give one (--data)")
-    path = args.data or args.file or sample_path("agent-dialogues")
+    path = args.data or args.file or data.sample_path("agent-dialogues")
     if not Path(path).exists():
         what = "a JSONL (or Parquet/Arrow/datasets) file of trees"
         raise ValueError(f"--data {path}: no such data file; pass {what}, or omit it for the sample")
     if args.model is not None and not (Path(args.model) / "config.json").is_file():
         raise ValueError(f"--model {args.model}: not a model directory (no config.json)")
-    stream = iter_trees(path, format=args.fmt, tokenizer=args.tokenizer, columns=args.columns)
+    stream = data.iter_trees(path, format=args.fmt, tokenizer=args.tokenizer, columns=args.columns)
     trees = [tree for tree, _ in stream]
     if not trees:
         raise ValueError(f"{path}: no samples")
