@@ -6,7 +6,7 @@ Two tree shapes, each at a fixed POR while the size grows (so only the size chan
   the turn length grows with the size;
 - ``group``: ``--paths`` paths sharing a prompt at ``--por``, the path length grows with the size.
 
-Both modes run one SFT training step through the library (``treetrain.bench.command``: the same model,
+Both modes run one SFT training step through the library (``treetrain.bench.cases``: the same model,
 loss and :mod:`treetrain.train.strategies`), each in a single micro-batch (capacity = the largest of the
 step's tree and path lengths). Time: median of ``--repeats`` steps after a warm-up, modes
 alternating; peak memory: the RSS high-water mark of one step in a fresh process (CPU) or the
