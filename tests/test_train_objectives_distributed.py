@@ -1,7 +1,8 @@
 """Every objective under ``torchrun`` (FSDP2, 2 processes, gloo on CPU) equals one process:
 ``dpo`` (sigmoid, ipo, simpo; tree and sequence packing), ``reward`` and ``ppo_critic`` (policy and
 critic both sharded). A distributed DPO and PPO-critic run resume exactly from a checkpoint (on 2
-ranks; the PPO-critic one also resharded onto 1 process), and ``--cp`` is refused with the reason.
+ranks; the PPO-critic one also resharded onto 1 process); DPO with ``--cp 2`` equals one process,
+and ``reward`` and ``ppo_critic`` refuse ``--cp`` with the reason.
 
 Data: windows of the bundled sample (``agent-dialogues``) around its real branch points, ids
 renumbered densely (a bijection on the ids used, so every shared prefix and branch stays as it
@@ -41,7 +42,11 @@ RUNS = {  # name -> (data set, TrainConfig options)
     "dpo_seq": ("pairs", {"objective": "dpo", "packing": "sequence"}),
     "reward": ("pairs", {"objective": "reward"}),
     "ppo_critic": ("trees", {"objective": "ppo_critic", "checkpoint_every": 2, "loss": {"critic_lr": 5e-3}}),
+    "dpo_cp": ("pairs", {"objective": "dpo"}),
 }
+# dpo_cp: 2 ranks share each tree (--cp 2, dp 1; --capacity is per rank), vs one process with the
+# same per-tree budget
+PER_RANKS = {"dpo_cp": {2: {"cp": 2}, 0: {"capacity": 80}}}
 # what differs between 1 and 2 ranks by construction: timings, memory, the per-rank packing
 LOCAL = {"tokens_per_s", "path_tokens_per_s", "computed_tokens_per_s", "peak_memory", "step_time_s"}
 LOCAL |= {"micro_batches", "imbalance", "computed_tokens", "err"}
@@ -146,7 +151,8 @@ def run_all(workdir: Path, jobs: dict[int, tuple[Path, list[dict]]]) -> None:
 @pytest.fixture(scope="module")
 def runs(workdir, tmp_path_factory) -> dict[int, Path]:
     out = {n: tmp_path_factory.mktemp(f"ranks{max(n, 1)}") for n in (0, 2)}  # 0: one plain process
-    run_all(workdir, {n: (out[n], [config(workdir, out[n], name) for name in RUNS]) for n in out})
+    configs = {n: [config(workdir, out[n], k, **PER_RANKS.get(k, {}).get(n, {})) for k in RUNS] for n in out}
+    run_all(workdir, {n: (out[n], configs[n]) for n in out})
     return {1: out[0], 2: out[2]}
 
 
@@ -252,7 +258,6 @@ def test_resume_distributed_dpo_and_ppo_critic(runs, workdir, tmp_path):
 @pytest.mark.parametrize(
     "objective, why",
     [
-        ("dpo", "the pair losses need each path's whole log-prob sum"),
         ("reward", "the reward head reads each path's last hidden state"),
         ("ppo_critic", "the critic's values and GAE run along whole paths"),
     ],

@@ -7,7 +7,8 @@ and in one micro-batch, so every micro-batch's loss is a sum over whole pairs di
 number of pairs, on any number of ranks. ``dpo`` with loss type ``sigmoid`` or ``ipo`` scores the
 pairs under a frozen reference (``--ref-model DIR``, or a copy of the initial policy); under
 ``torchrun`` every rank holds a full copy of it (it has no gradient, so it takes part in no
-collective). ``reward`` trains an ``AutoModelForSequenceClassification`` (one label).
+collective). ``reward`` trains an ``AutoModelForSequenceClassification`` (one label). ``dpo`` runs
+with ``--cp N`` too; ``reward`` refuses it (:meth:`PreferenceTraining.cp_refusal`).
 """
 
 from __future__ import annotations
@@ -39,15 +40,15 @@ class PreferenceTraining(TrainObjective):
         return cls(loss_options(PreferenceConfig, cfg.objective, cfg.loss), cfg.ref_model)
 
     def cp_refusal(self) -> str | None:
+        """``dpo`` runs with ``--cp``: its log-probs come from ``tree_logprobs``, which context
+        parallelism serves (each rank scores its chunk, the group sums them), so every rank of a
+        group computes the same pair losses. ``reward`` does not."""
         if self.config.name == "reward":
             return (
                 "the reward head reads each path's last hidden state, and context parallelism leaves "
                 "the hidden states of a tree split over the ranks"
             )
-        return (
-            "the pair losses need each path's whole log-prob sum, and context parallelism is wired "
-            "for the per-token policy losses only"
-        )
+        return None
 
     def build_models(self, policy, kit: Kit) -> None:
         if not self.config.needs_reference:
