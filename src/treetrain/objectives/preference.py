@@ -109,7 +109,7 @@ class PreferenceObjective:
         """DPO sigmoid and ipo score the pair under a frozen reference model; simpo and reward do not."""
         return self.name == "dpo" and self.loss_type != "simpo"
 
-    kl_coef = 0.0  # the policy objectives' KL option, read by the training loop: not used here
+    kl_coef = 0.0  # the policy objectives' KL option: not used here
 
 
 def _finite(x) -> bool:

@@ -7,7 +7,7 @@ One optimizer step takes ``batch_trees`` whole trees (a tree never straddles two
    of whole paths, and trees and parts are packed together into micro-batches;
    ``packing="sequence"`` (the baseline, :mod:`treetrain.objectives.baseline`): every path becomes its own
    sequence (a one-path tree, so the mask is block-diagonal causal), packed into micro-batches under
-   the same token budget; both are :mod:`treetrain.train.strategies` objects with the same loss entry;
+   the same token budget; the objective makes the micro-batches and gives their loss;
 3. every micro-batch runs forward and backward; its loss is already divided by the global
    normalizer, so accumulating gradients over micro-batches gives the full-batch gradient;
 4. grad clipping, AdamW step, LR schedule step, one line of ``metrics.jsonl``.
@@ -23,8 +23,12 @@ data flow:
 
 - :mod:`treetrain.train.build`: device, dtype, model, reference model, optimizer, LR schedule;
 - :mod:`treetrain.train.batches`: trees from the data file, grouped per step and packed (:class:`StepBatch`);
-- :mod:`treetrain.train.strategies`: how a step's trees become micro-batches (tree | sequence) and their loss;
-- :mod:`treetrain.train.step`: the objective and one optimizer step (:func:`train_step`);
+- :mod:`treetrain.objectives.registry`: the objective, a
+  :class:`treetrain.objectives.interface.TrainObjective`: model class, record check, extra models
+  (reference, critic), how the step's trees become micro-batches (tree | sequence), loss, metrics;
+- :mod:`treetrain.train.kit`: what the objective's extra models get from the run (FSDP2, AdamW,
+  checkpoint state, export);
+- :mod:`treetrain.train.step`: one optimizer step (:func:`train_step`);
 - :mod:`treetrain.train.outputs`: metrics lines, the summary table, the plot.
 
 The names of those modules stay importable from here (``from treetrain.train.loop import build_model``).
