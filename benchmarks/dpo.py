@@ -35,6 +35,7 @@ from common import hardware, result_path
 
 from treetrain.data.records import parse_record
 from treetrain.objectives.preference import PreferenceObjective, pair_microbatches
+from treetrain.objectives.preference_objective import PreferenceTraining
 from treetrain.train.batches import StepBatch
 from treetrain.train.build import build_optimizer, configure_model
 from treetrain.train.step import train_step
@@ -87,7 +88,7 @@ def main() -> None:
     config = model_config(args)
     base = transformers.AutoModelForCausalLM.from_config(config).to(device)
     trees = make_pairs(args.pairs, args.prompt_len, args.response_len, args.vocab, seed=0)
-    objective = PreferenceObjective("dpo")
+    loss = PreferenceObjective("dpo")
     capacity = 10**9
     runs = {}
     for mode in ("tree", "sequence"):
@@ -98,14 +99,16 @@ def main() -> None:
         )
         micro = [pack(mb) for mb in pair_microbatches(trees, mode, capacity)]
         batch = StepBatch(trees=trees, micro=micro, trees_consumed=len(trees), packing=mode)
-        runs[mode] = (model, ref, opt, batch)
+        objective = PreferenceTraining(loss)  # the train loop's view of the DPO objective
+        objective.reference = ref
+        runs[mode] = (model, objective, opt, batch)
 
     def step(mode):
-        model, ref, opt, batch = runs[mode]
+        model, objective, opt, batch = runs[mode]
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = train_step(model, opt, batch, objective, grad_clip=None, ref_model=ref, backend=args.attention)
+        out = train_step(model, opt, batch, objective, grad_clip=None, backend=args.attention)
         if device.type == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - t0, out["loss"]

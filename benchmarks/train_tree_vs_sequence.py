@@ -51,6 +51,7 @@ from common import add_allocator_flag, use_allocator  # noqa: E402
 from treetrain.bench import allocator  # noqa: E402
 from treetrain.data.reader import iter_trees, sample_path
 from treetrain.objectives.policy_config import Objective
+from treetrain.objectives.policy_objective import PolicyObjective
 from treetrain.train.batches import StepBatch, make_microbatches
 from treetrain.train.build import build_optimizer, configure_model, default_model_config
 from treetrain.train.config import TrainConfig
@@ -203,7 +204,7 @@ def main() -> None:
         trees, vocab = compact_vocab(trees)
     config = default_model_config(vocab)
     cost = CostModel.from_config(config)
-    objective = Objective(name="sft")
+    objective = PolicyObjective(Objective(name="sft"))
     rows = []
     for name, tree in zip(names, trees):
         rows.append(bench_tree(name, tree, vocab, args, objective, cost))
