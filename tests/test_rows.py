@@ -279,3 +279,22 @@ def test_merged_tree_scores_each_row_as_its_own_forward(tmp_path):
         # 1e-12: float64 sums over 32-wide hidden states, a few ulps apart between layouts
         torch.testing.assert_close(g, ref[i], rtol=1e-12, atol=1e-12)
     assert np.isclose(sum(t.num_tokens for t in trees) / sum(len(r) for r in rows), 9 / 16)
+
+
+def test_consecutive_grouping_holds_one_run_at_a_time():
+    """Bounded memory: a run is yielded as soon as a row with another prompt arrives."""
+    from treetrain.data.rows import Row, group_rows
+
+    pulled = []
+
+    def rows():
+        for i, key in enumerate("aabbbca"):
+            pulled.append(i)
+            yield Row(i + 1, key, [np.array([1, i])], {}, [("paths", 0)], "paths")
+
+    sizes = []
+    for group in group_rows(rows()):
+        assert len(pulled) <= group[-1].line + 1  # at most one row read ahead of the run
+        sizes.append(len(group))
+    assert sizes == [2, 3, 1, 1]
+    assert [len(g) for g in group_rows(iter(list(rows())), "file")] == [3, 3, 1]
