@@ -32,8 +32,8 @@ run, attention per pair computed, the LM head per target scored, x3 for forward 
 
 Usage::
 
-    python benchmarks/trl_grpo.py --quick   # small CPU check: 15 min on a 2-core AMD EPYC at load 12;
-                                            # a quiet machine of that kind takes a few minutes
+    python benchmarks/trl_grpo.py --quick   # small CPU check (15 min measured on a 2-core AMD EPYC
+                                            # under a load average of 12; a quiet one takes far less)
     python benchmarks/trl_grpo.py --model qwen3-0.6b --generation --write  # full sweep, a GPU
     python benchmarks/trl_grpo.py --groups 8 --completion-lens 64 256 --repeats 1 --write  # CPU
 

@@ -14,10 +14,7 @@ import pytest
 from treetrain.bench import noise
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
-# the smallest bench: one group tree of 4 paths x 16 tokens, a 16-wide model, a 128x128 matmul rate
-TINY = ["bench", "--hidden", "16", "--layers", "1", "--heads", "2", "--vocab", "64", "--paths", "4"]
-TINY += ["--path-len", "16", "--por", "0.5", "--turns", "0", "--one-path", "0", "--repeats", "3"]
-TINY += ["--capacity", "64", "--matmul-size", "128", "--allocator", "system"]
+TINY = ["bench", "--preset", "tiny", "--allocator", "system"]  # one group tree, 4 paths x 16 tokens
 
 
 def test_summary_and_verdict_on_hand_written_numbers():

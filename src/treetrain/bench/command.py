@@ -54,6 +54,22 @@ from treetrain.trees.tree import TrajectoryTree
 
 # model and case sizes; every flag left unset takes its preset's value (``--preset``)
 PRESETS: dict[str, dict] = {
+    "tiny": dict(  # a check that the command and its noise report work: seconds, not a measurement
+        hidden=16,
+        layers=1,
+        heads=2,
+        vocab=64,
+        paths=4,
+        path_len=16,
+        por=[0.5],
+        turns=0,
+        turn_len=8,
+        one_path=0,
+        repeats=3,
+        sample_trees=1,
+        capacity=64,
+        matmul_size=128,
+    ),
     "small": dict(
         hidden=512,
         layers=2,
@@ -68,6 +84,7 @@ PRESETS: dict[str, dict] = {
         repeats=4,
         sample_trees=1,
         capacity=4096,
+        matmul_size=2048,
     ),
     "mid": dict(
         hidden=1024,
@@ -83,6 +100,7 @@ PRESETS: dict[str, dict] = {
         repeats=2,
         sample_trees=2,
         capacity=8192,
+        matmul_size=2048,
     ),
 }
 
@@ -102,10 +120,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--preset",
         choices=sorted(PRESETS),
         default="small",
-        help="sizes: small or mid (hidden 1024, 8 layers, >= 4k tokens per tree step). Times measured on a "
+        help="sizes: tiny (a seconds-long check of the command, no measurement), small or mid (hidden "
+        "1024, 8 layers, >= 4k tokens per tree step). Times measured on a "
         "quiet 2-core AMD EPYC CPU (README): small with --turns 20 --sample 81 s, mid with --sample 22 min; "
         "a loaded machine takes several times longer (478 s seen for the small one), and the run says "
-        f"so. small: {small}; mid: {PRESETS['mid']}",
+        f"so. tiny: {PRESETS['tiny']}; small: {small}; mid: {PRESETS['mid']}",
     )
     p.add_argument("--hidden", type=int, default=None, help="model hidden size")
     p.add_argument("--layers", type=int, default=None, help="decoder layers")
@@ -151,7 +170,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument(
         "--matmul-size",
         type=int,
-        default=2048,
+        default=None,
         help="side of the square matmul that measures the machine's rate for MFU (smaller: quicker, "
         "less exact)",
     )
