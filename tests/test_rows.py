@@ -15,6 +15,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from treetrain.data.fields import DataError
 from treetrain.data.reader import iter_trees, validate_file
@@ -298,3 +300,30 @@ def test_consecutive_grouping_holds_one_run_at_a_time():
         sizes.append(len(group))
     assert sizes == [2, 3, 1, 1]
     assert [len(g) for g in group_rows(iter(list(rows())), "file")] == [3, 3, 1]
+
+
+_ids = st.lists(st.integers(0, 5), min_size=0, max_size=4)
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.lists(st.tuples(st.sampled_from([(1,), (1, 2), (3,)]), _ids), min_size=1, max_size=8))
+def test_grouping_keeps_every_row_with_its_advantage(tmp_path_factory, rows):
+    """Any rows: each becomes exactly one path of one tree, with its own advantage; consecutive
+    grouping makes one tree per run of equal prompts, file grouping one per distinct prompt."""
+    rows = [(list(p), c if p or c else [0]) for p, c in rows]  # a path needs a token
+    recs = [{"prompt_ids": p, "completion_ids": c, "advantages": float(i)} for i, (p, c) in enumerate(rows)]
+    path = _write(tmp_path_factory.mktemp("rows"), recs, "jsonl")
+    runs = 1 + sum(rows[i][0] != rows[i - 1][0] for i in range(1, len(rows)))
+    for group, n_trees in (
+        ("consecutive", runs),
+        ("file", len({tuple(p) for p, _ in rows})),
+        ("none", len(rows)),
+    ):
+        trees = [t for t, _ in iter_trees(path, group_rows=group)]
+        assert len(trees) == n_trees
+        got = sorted(
+            (int(a), p.tolist(), m.tolist())
+            for t in trees
+            for a, p, m in zip(t.fields["advantages"], t.paths(), t.fields["loss_masks"])
+        )
+        assert got == [(i, p + c, [0] * len(p) + [1] * len(c)) for i, (p, c) in enumerate(rows)]
