@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import resource
 import statistics
 import time
 from dataclasses import dataclass
@@ -80,6 +79,10 @@ def _proc_stat() -> tuple[int, int, int] | None:
 
 def _own_cpu_s() -> float:
     """CPU seconds of this process and its waited-for children (``--memory``'s spawned steps)."""
+    try:
+        import resource
+    except ImportError:  # not Unix: this process only
+        return time.process_time()
     me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
@@ -87,7 +90,7 @@ def _own_cpu_s() -> float:
 def _loadavg() -> float | None:
     try:
         return os.getloadavg()[0]
-    except OSError:
+    except (OSError, AttributeError):  # not available (Windows)
         return None
 
 
