@@ -138,6 +138,7 @@ def snapshot(seconds: float = 0.5, top: int = 3) -> dict:
         for pid in after.keys() & before.keys()
         if pid != me and after[pid][1] > before[pid][1]
     ]
+    used = [(pid, c) for pid, c in used if c >= 0.05]  # a process that barely ran is no news
     used.sort(key=lambda x: -x[1])
     return {
         "load": mon.load,
