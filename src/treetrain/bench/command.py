@@ -124,7 +124,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "1024, 8 layers, >= 4k tokens per tree step). Times measured on a quiet 2-core AMD EPYC CPU "
         "(docs/guides/benchmarks.md): small 43 s (glibc malloc), small with --turns 20 --sample 81 s and "
         "mid with --sample 22 min (tcmalloc); a loaded machine takes several times longer (478 s seen "
-        f"for small with --turns 20 --sample at load average 12), and the run says so. tiny: {PRESETS['tiny']}; small: {small}; mid: {PRESETS['mid']}",
+        "for small with --turns 20 --sample at load average 12), and the run says so. "
+        f"tiny: {PRESETS['tiny']}; small: {small}; mid: {PRESETS['mid']}",
     )
     p.add_argument("--hidden", type=int, default=None, help="model hidden size")
     p.add_argument("--layers", type=int, default=None, help="decoder layers")
