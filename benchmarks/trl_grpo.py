@@ -32,8 +32,8 @@ run, attention per pair computed, the LM head per target scored, x3 for forward 
 
 Usage::
 
-    python benchmarks/trl_grpo.py --quick   # small CPU check (15 min measured on a 2-core AMD EPYC
-                                            # under a load average of 12; a quiet one takes far less)
+    python benchmarks/trl_grpo.py --quick   # small CPU check: 27 s on a quiet 2-core AMD EPYC
+                                            # (glibc malloc), 15 min under a load average of 12
     python benchmarks/trl_grpo.py --model qwen3-0.6b --generation --write  # full sweep, a GPU
     python benchmarks/trl_grpo.py --groups 8 --completion-lens 64 256 --repeats 1 --write  # CPU
 
@@ -344,7 +344,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--prompts", type=int, default=1, help="prompts per batch (rows = prompts x G)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--quick", action="store_true", help="one small case (P=256, G=4, C=32): a CPU check")
+    ap.add_argument(
+        "--quick", action="store_true", help="one small case (P=256, G=4, C=32, 5 repeats): a CPU check"
+    )
     ap.add_argument("--generation", action="store_true", help="also time sampling C tokens (reported apart)")
     ap.add_argument("--write", action="store_true", help="write the table and plot to benchmarks/results/")
     add_allocator_flag(ap)
@@ -352,7 +354,7 @@ def main(argv=None) -> list[dict]:
     if argv is None:  # this process is the command: it may re-execute itself under tcmalloc
         use_allocator(args, args.device)
     if args.quick:
-        args.prompt_lens, args.groups, args.completion_lens, args.repeats = [256], [4], [32], 2
+        args.prompt_lens, args.groups, args.completion_lens, args.repeats = [256], [4], [32], 5
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     transformers.logging.set_verbosity_error()
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
