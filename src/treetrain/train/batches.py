@@ -85,6 +85,7 @@ def _reader_options(cfg: TrainConfig, vocab_size: int) -> dict[str, Any]:
         "tokenizer": _tokenizer(cfg.tokenizer, cfg.trust_remote_code) if cfg.tokenizer else None,
         "max_line_bytes": cfg.max_line_bytes,
         "columns": cfg.columns,
+        "group_rows": cfg.group_rows,
     }
 
 
