@@ -14,17 +14,16 @@ from collections.abc import Sequence
 __all__ = ["build_parser", "main"]
 
 
-# ---- train: treetrain.train.loop (flags in treetrain.train.config) ---------------------------------------
+# ---- train: treetrain.train.flags (the run: treetrain.train.loop) ---------------------------------------
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
-    from treetrain.train.loop import add_parser
+    from treetrain.train.flags import add_parser
 
     add_parser(sub)
 
 
 # ---- stats: treetrain.bench.stats, tree statistics of a data file -------------------------------------
-# (to wire: ``from .stats import add_parser; add_parser(sub)``)
 
 
 def _add_stats(sub: argparse._SubParsersAction) -> None:

@@ -71,7 +71,7 @@ def _cost(model: str | None) -> tuple[CostModel, str]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from treetrain.data import records as data
+    from treetrain.data import reader as data
 
     if args.file and args.data and args.file != args.data:
         raise ValueError(f"two data files: {args.file} and --data {args.data}; give one (--data)")

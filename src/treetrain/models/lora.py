@@ -19,9 +19,10 @@ from __future__ import annotations
 import argparse
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
+if TYPE_CHECKING:
+    from torch import nn
 
 __all__ = [
     "add_lora_arguments",

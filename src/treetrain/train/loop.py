@@ -18,8 +18,8 @@ busiest one (idle passes add zero gradient) and gradients and metrics are summed
 step equals the single-process step. A non-finite loss or gradient norm stops the run before the
 optimizer step (:class:`NonFiniteError`), leaving the last checkpoint as it was.
 
-This module holds the loop and the command line; it composes pieces built elsewhere, along the
-data flow:
+This module holds the loop and the command's entry point (its flags: :mod:`treetrain.train.flags`);
+it composes pieces built elsewhere, along the data flow:
 
 - :mod:`treetrain.train.build`: device, dtype, model, reference model, optimizer, LR schedule;
 - :mod:`treetrain.train.batches`: trees from the data file, grouped per step and packed (:class:`StepBatch`);
@@ -69,7 +69,7 @@ from treetrain.train.build import (
     resolve_dtype,
 )
 from treetrain.train.checkpoint import CheckpointError
-from treetrain.train.config import TrainConfig, add_train_arguments, config_from_args, validate
+from treetrain.train.config import TrainConfig, config_from_args, validate
 from treetrain.train.outputs import (
     log_metrics,
     peak_memory_mib,
@@ -87,7 +87,6 @@ from treetrain.train.trackers import open_trackers
 
 __all__ = [
     "StepBatch",
-    "add_parser",
     "build_model",
     "build_optimizer",
     "build_scheduler",
@@ -336,19 +335,6 @@ def train(cfg: TrainConfig | dict[str, Any], *, quiet: bool = False) -> TrainRes
 
 
 # ---- command line ------------------------------------------------------------------------------
-
-
-def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """The ``treetrain train`` subcommand (flags: :func:`treetrain.train.config.add_train_arguments`)."""
-    p = sub.add_parser(
-        "train",
-        help="train a causal LM on tree-structured trajectories",
-        description="Train a causal LM on trees of token paths; every shared prefix is computed once. "
-        "With no arguments: a tiny random-init Qwen3 on the bundled sample, a few steps.",
-    )
-    add_train_arguments(p)
-    p.set_defaults(handler=main)
-    return p
 
 
 def main(args: argparse.Namespace) -> int:
