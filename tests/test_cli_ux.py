@@ -51,3 +51,64 @@ def test_help_takes_well_under_half_of_importing_torch():
     help_s = _best_seconds([sys.executable, "-m", "treetrain", "--help"])
     version_s = _best_seconds([sys.executable, "-m", "treetrain", "--version"])
     assert max(help_s, version_s) < 0.5 * torch_s, (help_s, version_s, torch_s)
+
+
+# ---- item 4: errors that say what is wrong, in one line ----------------------------------------
+
+
+@pytest.fixture
+def paths_file(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"paths": [[1, 2, 3], [1, 2, 4]]}\n{"paths": [[5, 6], [5, 7]]}\n')
+    return path
+
+
+def _one_line_error(proc: subprocess.CompletedProcess, command: str) -> str:
+    """Exit status 2, stderr one line ``treetrain COMMAND: error: ...``, no usage, no traceback."""
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith(f"treetrain {command}: error: "), lines
+    assert "usage:" not in proc.stderr and "Traceback" not in proc.stderr
+    return lines[0]
+
+
+def test_option_errors_name_the_option_and_every_choice(tmp_path):
+    line = _one_line_error(treetrain("train", "--objective", "foo", "--output", str(tmp_path)), "train")
+    assert "--objective" in line and "'foo'" in line
+    for name in ("sft", "reinforce", "grpo", "ppo", "gspo", "dpo", "reward", "ppo_critic"):
+        assert f" {name}," in line or f" {name};" in line
+    for value in ("-1e-3", "-2"):  # read as a value, then refused as one
+        line = _one_line_error(treetrain("train", "--lr", value, "--output", str(tmp_path)), "train")
+        assert line.endswith(f"--lr: must be a positive number, got {float(value)}"), line
+    assert "paths | messages | tree | preference" in treetrain("train", "--help").stdout
+    assert "paths | messages | tree | preference" in treetrain("stats", "--help").stdout
+
+
+def test_a_directory_as_data(tmp_path):
+    (tmp_path / "dir").mkdir()
+    for command in ("train", "stats"):
+        argv = [command, "--data", str(tmp_path / "dir")]
+        line = _one_line_error(
+            treetrain(*argv, *(["--output", str(tmp_path / "o")] * (command == "train"))), command
+        )
+        assert f"--data {tmp_path / 'dir'}: is a directory, not a data file" in line
+        assert "no such file" not in line
+
+
+def test_dpo_on_a_paths_file_names_file_and_line(paths_file, tmp_path):
+    proc = treetrain("train", "--objective", "dpo", "--data", str(paths_file), "--steps", "1",
+                     "--output", str(tmp_path / "o"), "--no-progress")  # fmt: skip
+    line = _one_line_error(proc, "train")
+    assert f"{paths_file}:1: --objective dpo trains on preference pairs" in line and "paths data" in line
+
+
+def test_stats_rejects_token_ids_that_train_rejects(tmp_path):
+    oov = tmp_path / "oov.jsonl"
+    oov.write_text('{"paths": [[1, 2, 151936], [1, 2, 4]]}\n')  # 151936: one past Qwen3's vocabulary
+    message = f'{oov}:1: field "paths"[0][2]: token id 151936 is outside the vocabulary (vocab_size=151936)'
+    assert message in _one_line_error(treetrain("stats", "--data", str(oov)), "stats")
+    proc = treetrain("train", "--data", str(oov), "--output", str(tmp_path / "o"), "--no-progress")
+    assert proc.returncode == 2 and message in proc.stderr  # train lists every invalid record
+    assert treetrain("stats", "--data", str(oov), "--vocab-size", "151937").returncode == 0
+    line = _one_line_error(treetrain("stats", "--data", str(oov), "--vocab-size", "100"), "stats")
+    assert "token id 151936 is outside the vocabulary (vocab_size=100)" in line and "--vocab-size 100" in line

@@ -8,6 +8,7 @@ lives here.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Sequence
 
@@ -55,7 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_stats(sub)
     _add_bench(sub)
+    for p in (parser, *sub.choices.values()):
+        p._negative_number_matcher = _NEGATIVE_NUMBER  # noqa: SLF001
     return parser
+
+
+# argparse takes "-1e-3" (an exponent) for a flag and then reports "expected one argument"; with this,
+# any number is a value (``--lr -1e-3``), and the option's own check says what is wrong with it
+_NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|nan)$", re.IGNORECASE)
 
 
 # the library's messages name Python arguments; on the command line they are flags

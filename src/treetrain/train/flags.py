@@ -56,7 +56,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         help="JSONL file of trees (.gz too), a Parquet/Arrow file or a datasets.save_to_disk directory "
         "(default: the bundled agent-dialogue sample)",
     )
-    g.add_argument("--data-format", help="paths | messages | tree (default: detected per line)")
+    g.add_argument(
+        "--data-format", help="paths | messages | tree | preference (default: detected per record)"
+    )
     g.add_argument(
         "--columns",
         metavar="FIELD=COLUMN,...",
