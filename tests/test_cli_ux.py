@@ -4,6 +4,7 @@ extending a finished run."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -112,3 +113,32 @@ def test_stats_rejects_token_ids_that_train_rejects(tmp_path):
     assert treetrain("stats", "--data", str(oov), "--vocab-size", "151937").returncode == 0
     line = _one_line_error(treetrain("stats", "--data", str(oov), "--vocab-size", "100"), "stats")
     assert "token id 151936 is outside the vocabulary (vocab_size=100)" in line and "--vocab-size 100" in line
+
+
+# ---- item 1: extending a finished run ----------------------------------------------------------
+
+
+def _lrs(out) -> dict[int, float]:
+    import json
+
+    return {r["step"]: r["lr"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+
+
+@pytest.mark.slow  # three training processes (about 30 s on a quiet 2-core machine)
+def test_extending_a_finished_run_follows_the_schedule_of_the_new_total(paths_file, tmp_path):
+    """2 steps, then ``--resume --steps 4``: steps 3 and 4 run at the lr of an uninterrupted 4-step
+    run (warmup 1, cosine to 0.1 of the peak), not at the finished schedule's 0 and a restarted decay."""
+    common = ["--data", str(paths_file), "--no-progress", "--warmup-steps", "1", "--min-lr-ratio", "0.1"]
+    extended, straight = tmp_path / "extended", tmp_path / "straight"
+    first = treetrain("train", *common, "--steps", "2", "--checkpoint-every", "2", "--output", str(extended))
+    assert first.returncode == 0, first.stderr[-3000:]
+    proc = treetrain("train", *common, "--steps", "4", "--resume", "--output", str(extended))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming step_2 with changed options: --steps 2 -> 4" in proc.stderr
+    assert "the cosine schedule (warmup 1) now spans 4 steps; step 3 runs at lr 0.000775" in proc.stderr
+    proc = treetrain("train", *common, "--steps", "4", "--output", str(straight))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got, want = _lrs(extended), _lrs(straight)
+    assert sorted(got) == sorted(want) == [1, 2, 3, 4]
+    assert got[3] == want[3] and got[4] == want[4]  # the same float computation: exactly equal
+    assert want[3] == pytest.approx(1e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 3))), rel=1e-12)

@@ -67,6 +67,8 @@ from treetrain.train.build import (
     lr_factor,
     resolve_device,
     resolve_dtype,
+    schedule_note,
+    set_schedule_step,
 )
 from treetrain.train.checkpoint import CheckpointError
 from treetrain.train.config import TrainConfig, config_from_args, validate
@@ -203,6 +205,10 @@ def setup(cfg: TrainConfig) -> Run:
         run.start_step, data_state = checkpoint.load_checkpoint(latest, *state, scheduler)
         guards.check_resume(latest, data_state, data_path(cfg), cfg, announce=info.is_main)
         run.trees_done = int(data_state.get("trees_consumed", 0))
+        lr = set_schedule_step(optimizer, scheduler, cfg, steps, run.start_step)  # not the saved lr
+        note = schedule_note(data_state.get("config"), cfg, steps, run.start_step, lr)
+        if note and info.is_main:
+            print(f"treetrain train: resuming {latest.name}: {note}", file=sys.stderr)
     return run
 
 
