@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -142,3 +143,43 @@ def test_extending_a_finished_run_follows_the_schedule_of_the_new_total(paths_fi
     assert sorted(got) == sorted(want) == [1, 2, 3, 4]
     assert got[3] == want[3] and got[4] == want[4]  # the same float computation: exactly equal
     assert want[3] == pytest.approx(1e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 3))), rel=1e-12)
+
+
+# ---- item 2: GRPO reward metrics in every sink -------------------------------------------------
+
+
+def test_grpo_logs_reward_statistics_in_every_sink(tmp_path):
+    """Two steps of two groups: [1, 0] and [1, 1] (all equal: zero advantage), then [0.5, 0.5, 2]
+    and [1, 0] again (the file's next epoch)."""
+    import json
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    data, out = tmp_path / "groups.jsonl", tmp_path / "run"
+    groups = [
+        ([[1, 2, 3], [1, 2, 4]], [1, 0]),
+        ([[5, 6], [5, 7]], [1, 1]),
+        ([[8, 9], [8, 10], [11]], [0.5, 0.5, 2]),
+    ]
+    data.write_text("".join(json.dumps({"paths": p, "rewards": r}) + "\n" for p, r in groups))
+    proc = treetrain("train", "--data", str(data), "--objective", "grpo", "--advantages", "group",
+                     "--batch-trees", "2", "--steps", "2", "--output", str(out), "--no-progress",
+                     "--report-to", "tensorboard")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want = {
+        1: dict(
+            reward_mean=0.75, reward_std=0.75**0.5 / 2, reward_min=0.0, reward_max=1.0, zero_adv_groups=0.5
+        ),
+        2: dict(reward_mean=0.8, reward_std=0.46**0.5, reward_min=0.0, reward_max=2.0, zero_adv_groups=0.0),
+    }
+    records = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+    acc = EventAccumulator(str(out / "tensorboard"))
+    acc.Reload()
+    for step, metrics in want.items():
+        for name, value in metrics.items():
+            assert records[step][name] == pytest.approx(value, rel=1e-12, abs=1e-15), (step, name)
+            (event,) = [e for e in acc.Scalars(name) if e.step == step]
+            assert event.value == pytest.approx(value, rel=1e-6, abs=1e-7)  # TensorBoard stores float32
+    for row in (r"reward mean first -> last +0\.75 -> 0\.8\n", r"reward min / max +0 / 2\n",
+                r"zero-advantage groups +25\.0% of groups"):  # fmt: skip
+        assert re.search(row, proc.stdout), proc.stdout  # the summary table
