@@ -183,3 +183,18 @@ def test_grpo_logs_reward_statistics_in_every_sink(tmp_path):
     for row in (r"reward mean first -> last +0\.75 -> 0\.8\n", r"reward min / max +0 / 2\n",
                 r"zero-advantage groups +25\.0% of groups"):  # fmt: skip
         assert re.search(row, proc.stdout), proc.stdout  # the summary table
+
+
+# ---- item 5: quiet runs ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("extra", [[], ["--lora-r", "2"]], ids=["full", "lora"])
+def test_no_progress_runs_print_nothing_on_stderr(paths_file, tmp_path, extra):
+    """No progress bar (transformers' "Writing model shards" of the final save included) and no
+    warning (PEFT's read of transformers' deprecated ``is_gradient_checkpointing``) with warnings shown
+    as Python shows them by default."""
+    proc = treetrain("train", "--data", str(paths_file), "--steps", "1", "--output", str(tmp_path / "o"),
+                     "--no-progress", *extra)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr == "", proc.stderr[-3000:]
+    assert "treetrain train: done" in proc.stdout and "Writing model shards" not in proc.stdout

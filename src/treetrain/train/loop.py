@@ -311,7 +311,7 @@ def save_step(run: Run, step: int, trees_consumed: int) -> Path:
 def train(cfg: TrainConfig | dict[str, Any], *, quiet: bool = False) -> TrainResult:
     """Run ``cfg`` end to end: setup, the loop, the final model (``save_pretrained``, safetensors,
     loadable with plain transformers), the plot and the summary table (unless ``quiet``)."""
-    from treetrain.train.checkpoint import export_pretrained
+    from treetrain.train.logs import library_progress_bars
 
     if isinstance(cfg, dict):  # the YAML form: {"steps": 1, "lr": 1e-4, "loss": {...}}
         from treetrain.train.config import merge
@@ -320,6 +320,13 @@ def train(cfg: TrainConfig | dict[str, Any], *, quiet: bool = False) -> TrainRes
     elif not isinstance(cfg, TrainConfig):
         raise ValueError(f"train: expected a TrainConfig or a dict of options, got {type(cfg).__name__}")
     cfg = validate(cfg)
+    with library_progress_bars(cfg.progress):  # --no-progress: transformers' bars too
+        return _train(cfg, quiet)
+
+
+def _train(cfg: TrainConfig, quiet: bool) -> TrainResult:
+    from treetrain.train.checkpoint import export_pretrained
+
     run = setup(cfg)
     metrics_path = run.out / "metrics.jsonl"
     t0 = time.perf_counter()
