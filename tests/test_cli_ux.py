@@ -36,7 +36,7 @@ def _best_seconds(cmd: list[str], repeats: int = 2) -> float:
 
 @pytest.mark.parametrize("argv", [["--help"], ["--version"], ["train", "--help"], ["stats", "--help"],
                                   ["bench", "--help"]])  # fmt: skip
-def test_help_imports_neither_torch_nor_transformers(argv):
+def test_help_imports_no_torch_transformers_or_numpy(argv):
     proc = subprocess.run(
         [sys.executable, "-X", "importtime", "-m", "treetrain", *argv],
         capture_output=True, text=True, timeout=120,
@@ -44,7 +44,7 @@ def test_help_imports_neither_torch_nor_transformers(argv):
     assert proc.returncode == 0, proc.stderr[-2000:]
     imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if "|" in line}
     assert "treetrain.cli" in imported  # the listing is real
-    assert not imported & {"torch", "transformers", "peft", "numpy.linalg.torch"}, sorted(imported)
+    assert not imported & {"torch", "transformers", "peft", "numpy"}, sorted(imported)
 
 
 def test_help_takes_well_under_half_of_importing_torch():

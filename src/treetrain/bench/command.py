@@ -31,16 +31,13 @@ import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from treetrain.bench import allocator
-from treetrain.trees.flops import CostModel
-from treetrain.trees.tree import TrajectoryTree
 
-if TYPE_CHECKING:  # torch is imported when the command runs, not for its --help
+if TYPE_CHECKING:  # torch and numpy are imported when the command runs, not for its --help
     import torch
 
     from treetrain.bench.cases import Result
+    from treetrain.trees.tree import TrajectoryTree
 
 # model and case sizes; every flag left unset takes its preset's value (``--preset``)
 PRESETS: dict[str, dict] = {
@@ -181,6 +178,10 @@ def _cases(args, vocab: int) -> list[tuple[str, list[TrajectoryTree]]]:
 
 
 def renumber(trees: list[TrajectoryTree], vocab: int) -> list[TrajectoryTree]:
+    import numpy as np
+
+    from treetrain.trees.tree import TrajectoryTree
+
     """Map the distinct token ids used to ``0..n-1`` (a bijection: the trees keep their shape)."""
     used = np.unique(np.concatenate([t.tokens for t in trees]))
     if used.size > vocab:
@@ -259,6 +260,7 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     from treetrain.bench.cases import bench_model, case_capacity, case_flops, matmul_rate, run_case
+    from treetrain.trees.flops import CostModel
 
     args = resolve(args)
     if args.device == "auto":

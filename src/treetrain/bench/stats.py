@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from treetrain.data.sources import is_table_source
-from treetrain.trees.flops import QWEN3_0_6B, CostModel, flop_bound, token_bound
+
+if TYPE_CHECKING:
+    from treetrain.trees.flops import CostModel
 
 QWEN3_VOCAB = 151936  # Qwen3's vocabulary: that of train's default model and of the Qwen3-0.6B shape
 
@@ -74,6 +77,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def _cost(model: str | None) -> tuple[CostModel, str, int]:
     """The FLOP cost model, its name and the vocabulary size: ``--model``'s, or Qwen3-0.6B's."""
+    from treetrain.trees.flops import QWEN3_0_6B, CostModel
+
     if model is None:
         return QWEN3_0_6B, "Qwen3-0.6B shape", QWEN3_VOCAB
     from transformers import AutoConfig
@@ -101,6 +106,7 @@ def _read(path, args, vocab_size: int, vocab_name: str) -> list:
 
 def main(args: argparse.Namespace) -> int:
     from treetrain.data import reader as data
+    from treetrain.trees.flops import flop_bound, token_bound
 
     if args.file and args.data and args.file != args.data:
         raise ValueError(f"two data files: {args.file} and --data {args.data}; give one (--data)")
