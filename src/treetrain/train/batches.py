@@ -117,12 +117,10 @@ def _read_trees(cfg: TrainConfig, vocab_size: int) -> Iterator[TrajectoryTree]:
             from treetrain.train.critic import check_record
 
             check_record(tree, _info)
-        if cfg.objective in ("dpo", "reward") and "margins" not in tree.fields:
-            raise ValueError(
-                f"{_info.file}:{_info.line}: --objective {cfg.objective} trains on preference pairs "
-                f"(prompt_ids/chosen_ids/rejected_ids, or prompt/chosen/rejected messages), but this record "
-                f"is {_info.format} data; pass a preference file, or another --objective for this one"
-            )
+        if cfg.objective in ("dpo", "reward"):  # a preference pair: named by file and line
+            from treetrain.objectives.preference import check_pair_record
+
+            check_pair_record(tree, _info, cfg.objective)
         yield tree
 
 
