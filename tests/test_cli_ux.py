@@ -114,6 +114,11 @@ def test_stats_rejects_token_ids_that_train_rejects(tmp_path):
     assert treetrain("stats", "--data", str(oov), "--vocab-size", "151937").returncode == 0
     line = _one_line_error(treetrain("stats", "--data", str(oov), "--vocab-size", "100"), "stats")
     assert "token id 151936 is outside the vocabulary (vocab_size=100)" in line and "--vocab-size 100" in line
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "qwen3", "vocab_size": 1000}')  # defaults otherwise
+    line = _one_line_error(treetrain("stats", "--data", str(oov), "--model", str(model)), "stats")
+    assert "(vocab_size=1000)" in line and f"--model {model}'s" in line
 
 
 # ---- item 1: extending a finished run ----------------------------------------------------------
