@@ -82,6 +82,12 @@ def test_option_errors_name_the_option_and_every_choice(tmp_path):
     for value in ("-1e-3", "-2"):  # read as a value, then refused as one
         line = _one_line_error(treetrain("train", "--lr", value, "--output", str(tmp_path)), "train")
         assert line.endswith(f"--lr: must be a positive number, got {float(value)}"), line
+    line = _one_line_error(treetrain("train", "--lrr", "1e-4"), "train")  # argparse's own errors too
+    assert line.endswith(
+        "unrecognized arguments: --lrr 1e-4; did you mean --lr? (see treetrain train --help)"
+    )
+    line = _one_line_error(treetrain("stats", "--capacity", "many"), "stats")
+    assert "argument --capacity: invalid int value: 'many'" in line
     assert "paths | messages | tree | preference" in treetrain("train", "--help").stdout
     assert "paths | messages | tree | preference" in treetrain("stats", "--help").stdout
 

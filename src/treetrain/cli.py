@@ -42,15 +42,21 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     add_parser(sub)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser (its subcommands' too), whose errors are one line, no usage: the option and
+    what is wrong with it, and where the help is."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 # ---- dispatch ----------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
     from treetrain import __version__
 
-    parser = argparse.ArgumentParser(
-        prog="treetrain", description="Train LLMs on tree-structured agent trajectories."
-    )
+    parser = _Parser(prog="treetrain", description="Train LLMs on tree-structured agent trajectories.")
     parser.add_argument("--version", action="version", version=f"treetrain {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", help="run treetrain COMMAND --help")
     _add_train(sub)
@@ -82,10 +88,29 @@ def cli_wording(message: str) -> str:
     return message
 
 
+def _unrecognized(parser: argparse.ArgumentParser, command: str | None, unknown: list[str]) -> None:
+    """Exit 2 naming the command, the unknown arguments and the nearest option (``--lrr``: ``--lr``)."""
+    import difflib
+
+    sub = _subparsers(parser).get(command, parser)
+    shown = [a for a in sub._actions if a.help != argparse.SUPPRESS]  # noqa: SLF001
+    flags = [s for a in shown for s in a.option_strings]
+    near = difflib.get_close_matches(unknown[0].split("=")[0], flags, n=1)
+    hint = f"; did you mean {near[0]}?" if near else ""
+    sub.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]  # noqa: SLF001
+    return actions[0].choices if actions else {}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``treetrain`` script. Bad options exit with status 2 and one message."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        _unrecognized(parser, args.command, unknown)
     args.from_command_line = argv is None  # the process is this command: it may re-execute itself
     if args.command is None:
         parser.print_help()
