@@ -33,24 +33,15 @@ import json
 import os
 import time
 from dataclasses import asdict
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
 from treetrain.bench import allocator, noise
-from treetrain.bench.cases import (
-    Result,
-    bench_model,
-    case_capacity,
-    case_flops,
-    group_tree,
-    matmul_rate,
-    one_path_tree,
-    per_turn_tree,
-    run_case,
-)
-from treetrain.trees.flops import CostModel
-from treetrain.trees.tree import TrajectoryTree
+
+if TYPE_CHECKING:  # torch and numpy are imported when the command runs, not for its --help
+    import torch
+
+    from treetrain.bench.cases import Result
+    from treetrain.trees.tree import TrajectoryTree
 
 # model and case sizes; every flag left unset takes its preset's value (``--preset``)
 PRESETS: dict[str, dict] = {
@@ -176,7 +167,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "less exact)",
     )
     p.add_argument("--backend", default=None, help="tree attention backend (default: by device)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="device")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (CUDA when available)")
     p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA default)")
     p.add_argument("--json", default=None, help="write results as JSON here")
     p.add_argument("--plot", default=None, help="write a PNG of speedup and bound vs POR here")
@@ -200,6 +191,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def _cases(args, vocab: int) -> list[tuple[str, list[TrajectoryTree]]]:
+    from treetrain.bench.cases import group_tree, one_path_tree, per_turn_tree
+
     cases = [(f"group POR {p:.0%}", [group_tree(p, args.paths, args.path_len, vocab)]) for p in args.por]
     if args.turns:
         cases.append((f"per-turn {args.turns} turns", [per_turn_tree(args.turns, args.turn_len, vocab)]))
@@ -219,6 +212,10 @@ def _cases(args, vocab: int) -> list[tuple[str, list[TrajectoryTree]]]:
 
 
 def renumber(trees: list[TrajectoryTree], vocab: int) -> list[TrajectoryTree]:
+    import numpy as np
+
+    from treetrain.trees.tree import TrajectoryTree
+
     """Map the distinct token ids used to ``0..n-1`` (a bijection: the trees keep their shape)."""
     used = np.unique(np.concatenate([t.tokens for t in trees]))
     if used.size > vocab:
@@ -341,7 +338,14 @@ def plot(results: list[Result], out: str) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    import torch
+
+    from treetrain.bench.cases import bench_model, case_capacity, case_flops, matmul_rate, run_case
+    from treetrain.trees.flops import CostModel
+
     args = resolve(args)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(args.device)
     if device.type == "cpu" and getattr(args, "from_command_line", False):
         allocator.use(args.allocator)  # may re-execute this command under tcmalloc
@@ -442,6 +446,8 @@ def main(args: argparse.Namespace) -> int:
 
 def hardware_slug(device: torch.device) -> str:
     """``cpu-2core-intel-xeon...`` or ``cuda-nvidia-h100...``: the hardware, for file names."""
+    import torch
+
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     else:
@@ -456,6 +462,8 @@ def hardware_slug(device: torch.device) -> str:
 def results_header(args, rate: float, dtype, device, load: str = "unknown") -> str:
     import platform
     import sys
+
+    import torch
 
     return (
         f"# treetrain bench, preset {args.preset}\n\n"

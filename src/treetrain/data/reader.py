@@ -21,6 +21,7 @@ from typing import Any
 
 from treetrain.data import rows, sources
 from treetrain.data.fields import DataError, _Invalid
+from treetrain.data.grouping import GROUPINGS
 from treetrain.data.records import FORMATS, _build, _parts
 from treetrain.trees.tree import TrajectoryTree
 
@@ -207,8 +208,8 @@ class TreeStream(Iterator[tuple[TrajectoryTree, SampleInfo]]):
             raise ValueError(f"max_line_bytes: expected a positive integer, got {max_line_bytes!r}")
         self.counts = DataCounts(file=str(path))
         self.max_line_bytes = max_line_bytes
-        if group_rows not in rows.GROUPINGS:
-            raise ValueError(f"group_rows: expected one of {', '.join(rows.GROUPINGS)}, got {group_rows!r}")
+        if group_rows not in GROUPINGS:
+            raise ValueError(f"group_rows: expected one of {', '.join(GROUPINGS)}, got {group_rows!r}")
         self.group = group_rows
         self.errors: list[DataError] = []
         self._gen = self._run()

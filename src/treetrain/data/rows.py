@@ -38,16 +38,10 @@ from typing import Any
 import numpy as np
 
 from treetrain.data.fields import _Invalid, _token_ids
+from treetrain.data.grouping import GROUPINGS
 
-__all__ = ["GROUPINGS", "GROUP_ROWS_HELP", "Row", "group_rows", "trl_record"]
+__all__ = ["Row", "group_rows", "trl_record"]
 
-GROUPINGS = ("consecutive", "file", "none")
-GROUP_ROWS_HELP = (
-    "TRL rows, one completion per row (prompt/completion, prompt_ids/completion_ids): merge rows with an "
-    "equal prompt into one tree. consecutive: runs of adjacent rows, as rollout dumps write them (memory: "
-    "one run); file: across the whole file (memory: every row until the end of the file); none: one tree "
-    "per row (default consecutive)"
-)
 _PER_ROW = ("advantages", "rewards", "weights")  # one number per row in TRL's layouts
 
 

@@ -47,6 +47,7 @@ __all__ = [
     "PREFERENCE_OBJECTIVES",
     "PairLayout",
     "PreferenceObjective",
+    "check_pair_record",
     "compute_preference_loss",
     "dpo_loss",
     "masked_path_sums",
@@ -160,6 +161,17 @@ def pair_layout(batch: PackedTree | TrajectoryTree | Sequence[TrajectoryTree]) -
         torch.as_tensor(rejected),
         torch.as_tensor(margins[chosen], dtype=torch.float64),
     )
+
+
+def check_pair_record(tree: TrajectoryTree, info, objective: str) -> None:
+    """A record for ``--objective dpo|reward``: a preference pair; the error names file and line
+    (``info``: the reader's ``SampleInfo``)."""
+    if "margins" not in tree.fields:
+        raise ValueError(
+            f"{info.file}:{info.line}: --objective {objective} trains on preference pairs "
+            f"(prompt_ids/chosen_ids/rejected_ids, or prompt/chosen/rejected messages), but this record "
+            f"is {info.format} data; pass a preference file, or another --objective for this one"
+        )
 
 
 def _check_pairs(trees: Sequence[TrajectoryTree]) -> Sequence[TrajectoryTree]:

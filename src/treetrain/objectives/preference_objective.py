@@ -19,6 +19,7 @@ import torch
 
 from treetrain.objectives.interface import Kit, TrainObjective, loss_options
 from treetrain.objectives.preference import PreferenceObjective as PreferenceConfig
+from treetrain.objectives.preference import check_pair_record
 from treetrain.trees.tree import TrajectoryTree
 
 __all__ = ["PreferenceTraining"]
@@ -38,6 +39,9 @@ class PreferenceTraining(TrainObjective):
     @classmethod
     def from_config(cls, cfg: Any) -> PreferenceTraining:
         return cls(loss_options(PreferenceConfig, cfg.objective, cfg.loss), cfg.ref_model)
+
+    def check_record(self, tree: TrajectoryTree, info) -> None:
+        check_pair_record(tree, info, self.config.name)
 
     def cp_refusal(self) -> str | None:
         """``dpo`` runs with ``--cp``: its log-probs come from ``tree_logprobs``, which context

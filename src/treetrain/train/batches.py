@@ -67,7 +67,12 @@ def data_path(cfg: TrainConfig) -> Path:
 
         return Path(sample_path(SAMPLE))
     path = Path(cfg.data)
-    if not path.is_file() and not (path.is_dir() and is_table_source(path)):
+    if path.is_dir() and not is_table_source(path):
+        raise ValueError(
+            f"--data {cfg.data}: is a directory, not a data file (nor a datasets.save_to_disk directory: "
+            "no state.json or dataset_dict.json in it); pass a JSONL file of trees or a Parquet/Arrow file"
+        )
+    if not path.is_file() and not path.is_dir():
         raise ValueError(
             f"--data {cfg.data}: no such file; pass a JSONL file of trees, a Parquet/Arrow file or a "
             "datasets.save_to_disk directory (or omit for the sample)"

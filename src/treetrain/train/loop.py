@@ -18,8 +18,8 @@ busiest one (idle passes add zero gradient) and gradients and metrics are summed
 step equals the single-process step. A non-finite loss or gradient norm stops the run before the
 optimizer step (:class:`NonFiniteError`), leaving the last checkpoint as it was.
 
-This module holds the loop and the command line; it composes pieces built elsewhere, along the
-data flow:
+This module holds the loop and the command's entry point (its flags: :mod:`treetrain.train.flags`);
+it composes pieces built elsewhere, along the data flow:
 
 - :mod:`treetrain.train.build`: device, dtype, model, reference model, optimizer, LR schedule;
 - :mod:`treetrain.train.batches`: trees from the data file, grouped per step and packed (:class:`StepBatch`);
@@ -71,9 +71,11 @@ from treetrain.train.build import (
     lr_factor,
     resolve_device,
     resolve_dtype,
+    schedule_note,
+    set_schedule_step,
 )
 from treetrain.train.checkpoint import CheckpointError
-from treetrain.train.config import TrainConfig, add_train_arguments, config_from_args, validate
+from treetrain.train.config import TrainConfig, config_from_args, validate
 from treetrain.train.kit import RunKit, checkpoint_state, drop_empty_groups, export_extras
 from treetrain.train.outputs import (
     log_metrics,
@@ -88,7 +90,6 @@ from treetrain.train.trackers import open_trackers
 
 __all__ = [
     "StepBatch",
-    "add_parser",
     "build_model",
     "build_optimizer",
     "build_scheduler",
@@ -194,6 +195,10 @@ def setup(cfg: TrainConfig) -> Run:
         run.start_step, data_state = checkpoint.load_checkpoint(latest, *state, scheduler)
         guards.check_resume(latest, data_state, data_path(cfg), cfg, announce=info.is_main)
         run.trees_done = int(data_state.get("trees_consumed", 0))
+        lr = set_schedule_step(optimizer, scheduler, cfg, steps, run.start_step)  # not the saved lr
+        note = schedule_note(data_state.get("config"), cfg, steps, run.start_step, lr)
+        if note and info.is_main:
+            print(f"treetrain train: resuming {latest.name}: {note}", file=sys.stderr)
     return run
 
 
@@ -294,7 +299,7 @@ def save_step(run: Run, step: int, trees_consumed: int) -> Path:
 def train(cfg: TrainConfig | dict[str, Any], *, quiet: bool = False) -> TrainResult:
     """Run ``cfg`` end to end: setup, the loop, the final model (``save_pretrained``, safetensors,
     loadable with plain transformers), the plot and the summary table (unless ``quiet``)."""
-    from treetrain.train.checkpoint import export_pretrained
+    from treetrain.train.logs import library_progress_bars
 
     if isinstance(cfg, dict):  # the YAML form: {"steps": 1, "lr": 1e-4, "loss": {...}}
         from treetrain.train.config import merge
@@ -303,6 +308,13 @@ def train(cfg: TrainConfig | dict[str, Any], *, quiet: bool = False) -> TrainRes
     elif not isinstance(cfg, TrainConfig):
         raise ValueError(f"train: expected a TrainConfig or a dict of options, got {type(cfg).__name__}")
     cfg = validate(cfg)
+    with library_progress_bars(cfg.progress):  # --no-progress: transformers' bars too
+        return _train(cfg, quiet)
+
+
+def _train(cfg: TrainConfig, quiet: bool) -> TrainResult:
+    from treetrain.train.checkpoint import export_pretrained
+
     run = setup(cfg)
     metrics_path = run.out / "metrics.jsonl"
     t0 = time.perf_counter()
@@ -323,19 +335,6 @@ def train(cfg: TrainConfig | dict[str, Any], *, quiet: bool = False) -> TrainRes
 
 
 # ---- command line ------------------------------------------------------------------------------
-
-
-def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """The ``treetrain train`` subcommand (flags: :func:`treetrain.train.config.add_train_arguments`)."""
-    p = sub.add_parser(
-        "train",
-        help="train a causal LM on tree-structured trajectories",
-        description="Train a causal LM on trees of token paths; every shared prefix is computed once. "
-        "With no arguments: a tiny random-init Qwen3 on the bundled sample, a few steps.",
-    )
-    add_train_arguments(p)
-    p.set_defaults(handler=main)
-    return p
 
 
 def main(args: argparse.Namespace) -> int:
