@@ -23,6 +23,7 @@ from torch import nn
 
 from treetrain.attention import check_features, default_backend, get_backend
 from treetrain.attention.mask import TreeMask
+from treetrain.models.support import check_model
 from treetrain.trees.packing import PackedTree
 
 ATTN_NAME = "treetrain"
@@ -139,7 +140,12 @@ def prepare_model(model: nn.Module) -> nn.Module:
     """Switch a model's attention to ``treetrain`` and route its recurrent layers along the tree.
 
     Called without a tree, the model still works as an ordinary model (plain SDPA). Returns it.
+    Raises ``ValueError`` for a model treetrain cannot run exactly (:mod:`treetrain.models.support`:
+    an architecture off the verified list, or a recurrent layer it does not route).
     """
+    if not model.__dict__.get("_treetrain_checked"):
+        check_model(model)
+        model.__dict__["_treetrain_checked"] = True
     register()
     if model.config._attn_implementation != ATTN_NAME:
         model.set_attn_implementation(ATTN_NAME)
