@@ -47,7 +47,8 @@ def _config(out) -> GRPOConfig:
     return GRPOConfig(
         output_dir=str(out), per_device_train_batch_size=4, num_generations=4, max_steps=1,
         max_completion_length=4, temperature=0.9, use_cpu=True, bf16=False, report_to="none",
-        save_strategy="no", disable_tqdm=True, model_init_kwargs={"dtype": torch.float32, "attn_implementation": "eager"},
+        save_strategy="no", disable_tqdm=True,
+        model_init_kwargs={"dtype": torch.float32, "attn_implementation": "eager"},
     )  # fmt: skip
 
 
