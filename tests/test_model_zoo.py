@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -36,7 +37,10 @@ GRAD_TOL = 1e-10
 def _bare(model_type: str) -> nn.Module:
     """A module that only carries ``model_type``'s default config (what the type check reads)."""
     m = nn.Module()
-    m.config = CONFIG_MAPPING[model_type]()
+    try:
+        m.config = CONFIG_MAPPING[model_type]()
+    except Exception:  # a few defaults fail their own validation: the type is all the check reads
+        m.config = SimpleNamespace(model_type=model_type)
     return m
 
 
