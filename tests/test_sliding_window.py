@@ -275,7 +275,8 @@ def test_gemma2_blocksparse_softcap_error_names_the_alternative():
     from treetrain.models.hf import auto_backend
 
     model = sliding_model("gemma2")
-    with pytest.raises(ValueError, match="'blocksparse' does not support attention logit softcapping.*'dense' or 'flex'"):
+    refusal = "'blocksparse' does not support attention logit softcapping.*'dense' or 'flex'"
+    with pytest.raises(ValueError, match=refusal):
         path_logprobs(model, PATHS, backend="blocksparse")
     # the automatic choice avoids it: dense on CPU (flex on CUDA)
     assert auto_backend(model, torch.device("cpu")) == "dense"
