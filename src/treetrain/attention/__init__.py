@@ -1,6 +1,8 @@
 """Tree attention backends over one mask representation (``subtree_end``).
 
 Every backend is ``fn(q [Hq, T, D], k [Hkv, T, D], v [Hkv, T, D], mask: TreeMask, scale) -> [Hq, T, D]``.
+
+May import: trees.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from treetrain.data.rows import GROUP_ROWS_HELP, GROUPINGS
 from treetrain.trees.flops import QWEN3_0_6B, CostModel, flop_bound, token_bound
 
 
@@ -41,8 +42,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="table sources: map treetrain fields to columns (default: treetrain's and TRL's names)",
     )
     p.add_argument(
-        "--tokenizer", default=None, help='messages format: a local tokenizer dir, or "qwen" (default none)'
+        "--tokenizer",
+        default=None,
+        help='messages and TRL text rows: a local tokenizer dir, or "qwen" (default none)',
     )
+    p.add_argument("--group-rows", default="consecutive", choices=GROUPINGS, help=GROUP_ROWS_HELP)
     p.add_argument(
         "--capacity", type=int, default=None, help="token budget: also report partition ERR (default off)"
     )
@@ -60,6 +64,14 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--plot-tree", type=int, default=0, help="which tree --plot draws (default 0, the first)")
     p.set_defaults(handler=main)
     return p
+
+
+def _rows_line(counts) -> list[tuple[str, str]]:
+    """``rows merged by prompt`` when TRL rows were merged."""
+    if not counts.grouped_rows:
+        return []
+    rows = counts.samples + counts.grouped_rows
+    return [("rows (merged by equal prompt)", f"{rows} -> {counts.samples} trees")]
 
 
 def _cost(model: str | None) -> tuple[CostModel, str]:
@@ -81,7 +93,9 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--data {path}: no such data file; pass {what}, or omit it for the sample")
     if args.model is not None and not (Path(args.model) / "config.json").is_file():
         raise ValueError(f"--model {args.model}: not a model directory (no config.json)")
-    stream = data.iter_trees(path, format=args.fmt, tokenizer=args.tokenizer, columns=args.columns)
+    stream = data.iter_trees(
+        path, format=args.fmt, tokenizer=args.tokenizer, columns=args.columns, group_rows=args.group_rows
+    )
     trees = [tree for tree, _ in stream]
     if not trees:
         raise ValueError(f"{path}: no samples")
@@ -91,6 +105,7 @@ def main(args: argparse.Namespace) -> int:
     rows = [
         ("file", str(path)),
         ("trees", f"{len(trees)}"),
+        *_rows_line(stream.counts),
         ("paths", f"{sum(t.num_paths for t in trees)}"),
         ("baseline tokens (sum of paths)", f"{base:,}"),
         ("tree tokens (distinct)", f"{tokens:,}"),

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from treetrain.data.rows import GROUP_ROWS_HELP, GROUPINGS
+
 __all__ = [
     "DEFAULT_STEPS",
     "TrainConfig",
@@ -56,6 +58,7 @@ class TrainConfig:
     data: str | None = None  # JSONL file; None: the bundled sample
     data_format: str | None = None  # paths | messages | tree; None: detect per line
     columns: Any = None  # table sources: "field=column,..." or a mapping (treetrain.data.sources)
+    group_rows: str = "consecutive"  # TRL rows with an equal prompt -> one tree (treetrain.data.rows)
     tokenizer: str | None = None  # for messages data: a local HF tokenizer dir, or "qwen"
     skip_oversized: bool = False  # drop (and count) paths longer than capacity instead of failing
     # model
@@ -323,6 +326,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         c.lora_alpha = _coerce("lora_alpha", c.lora_alpha, float)
     if c.lora_targets is not None and not isinstance(c.lora_targets, str):  # YAML list
         c.lora_targets = ",".join(map(str, c.lora_targets))
+    _choice("group_rows", c.group_rows, GROUPINGS)
     if c.columns is not None:
         from treetrain.data.sources import parse_columns
 
@@ -374,8 +378,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         help="Parquet/Arrow/datasets sources: map treetrain fields to columns, e.g. "
         "paths=input_ids,loss_masks=mask (default: treetrain's and TRL's column names)",
     )
+    g.add_argument("--group-rows", help=GROUP_ROWS_HELP)
     g.add_argument(
-        "--tokenizer", help='for messages data: a local tokenizer directory, or "qwen" (default: none)'
+        "--tokenizer", help='messages, TRL text rows: a local tokenizer dir, or "qwen" (default none)'
     )
     _bool_flag(g, "skip-oversized", "drop paths longer than --capacity instead of failing (default off)")
     g.add_argument(
