@@ -13,7 +13,8 @@ Tree attention is registered under the name ``treetrain`` in transformers' publi
 Sliding-window layers pass ``sliding_window`` to the attention function (Mistral, Qwen2, Gemma 2/3:
 ``None`` on global layers); it reaches the backend as ``window``, measured along each path.
 Gemma 2's ``softcap`` reaches it as ``softcap``; its ``scaling`` (``query_pre_attn_scalar``) as
-every model's does.
+every model's does. GPT-OSS's ``s_aux`` (per-head sink logits) reaches it as ``sinks``. A backend
+that lacks a feature the model uses is refused, naming the feature and the backends that can.
 """
 
 from __future__ import annotations
