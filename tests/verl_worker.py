@@ -268,6 +268,9 @@ def main(out_dir: str) -> None:
         return {"log_probs": both[0], "entropy": both[1]}
 
     lm["ref64"] = reference(model64, td, loss_fn, lm_outputs, world)
+    last = torch.zeros(td["input_ids"].values().numel(), dtype=torch.bool)
+    last[td["input_ids"].offsets()[1:] - 1] = True  # a row's last log-prob scores the next row's first token
+    lm["last"] = last
     results["lm"] = lm
 
     # critic: verl's value_loss

@@ -97,13 +97,18 @@ def split_rows(rows: list[np.ndarray], budget: int) -> list[np.ndarray]:
     """Row indices of micro-batches whose trees hold at most ``budget`` distinct tokens each.
 
     The rows become one tree, which treetrain's partitioner splits into parts of whole rows (a shared
-    prefix is recomputed once per part that needs it). A row longer than ``budget`` runs alone.
+    prefix is recomputed once per part that needs it). Like verl's own split, a row longer than the
+    budget is an error (``max_token_len_per_gpu`` must hold the longest row).
     """
     tree = TrajectoryTree.from_paths(rows)
-    capacity = max(int(budget), int(tree.path_lengths.max()))
-    if tree.num_tokens <= capacity:
+    longest = int(tree.path_lengths.max())
+    if longest > budget:
+        raise ValueError(
+            f"max_token_len_per_gpu ({budget}) must hold the longest row ({longest} tokens); raise it"
+        )
+    if tree.num_tokens <= budget:
         return [np.arange(len(rows))]
-    return [np.sort(part.path_ids) for part in tree.partition(capacity)]
+    return [np.sort(part.path_ids) for part in tree.partition(int(budget))]
 
 
 def balanced_parts(parts: list[np.ndarray], count: int) -> list[np.ndarray]:
