@@ -22,6 +22,10 @@ Turn it on with one setting per role (the reference follows the actor)::
     actor_rollout_ref.actor.strategy=treetrain
     critic.strategy=treetrain
 
+With data parallelism also set ``actor_rollout_ref.actor.use_prefix_grouper=True``: in verl 0.9.1 its only
+effect is that ``trainer.balance_batch`` keeps a prompt's samples together on one rank (else they are
+spread over ranks by length and each rank's tree shares little). See ``docs/guides/verl.md``.
+
 ``pip install "treetrain[verl]"`` registers the engines through verl's ``verl.plugins`` entry point,
 loaded by ``import verl`` in every process (driver and Ray workers). Where entry points are turned off
 (``VERL_USE_EXTERNAL_PLUGINS=none``), load it by name:
