@@ -8,8 +8,8 @@ through treetrain's engines, which split it by distinct tree tokens into several
 ``verl.workers.utils.losses.ppo_loss`` (GRPO advantages, entropy bonus, KL loss) and every parameter
 gradient (``forward_backward_batch``), ``train_batch``'s grad norm; critic values, ``value_loss``
 and its gradients. verl runs on the CPU through a platform registered in verl's platform registry
-(``tests/verl_cpu.py``: verl 0.9.1 has none for the CPU); its critic loads with SDPA because verl's
-value-model loader hard-codes flash-attention (CUDA-only).
+(``treetrain.integrations.verl_cpu``: verl 0.9.1 has none for the CPU); its critic loads with SDPA
+because verl's value-model loader hard-codes flash-attention (CUDA-only).
 
 Tolerances: both engines run float32, summing in different orders (tree attention vs packed SDPA, a
 chunked LM head vs full logits). An independent per-row float64 forward of the same weights through

@@ -9,14 +9,12 @@ the critic's values, ``value_loss`` and gradients; ``train_batch``'s grad norm. 
 from __future__ import annotations
 
 import functools
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(__file__))
-from verl_cpu import use_cpu_platform  # noqa: E402
+from treetrain.integrations.verl_cpu import use_cpu_platform
 
 use_cpu_platform()
 

@@ -1,10 +1,11 @@
-"""verl on the CPU for the treetrain engine's tests: a CPU platform, a tiny model, a verl batch.
+"""verl on the CPU (tests, benchmarks, debugging without an accelerator): a ``cpu`` verl platform.
 
 verl 0.9.1 has no CPU platform: on a machine without an accelerator it falls back to ``nvidia``,
-and its FSDP engine then calls ``torch.cuda.set_device``. Its platform registry is the extension
-point for other hardware (``verl.plugin.platform``), so the tests register ``cpu`` through it
-(``device_name`` ``cpu``, gloo collectives) before any engine is built. verl's engines, configs and
-losses run unmodified on it.
+and its FSDP engine then calls ``torch.cuda.set_device``. Its platform registry
+(``verl.plugin.platform``) is the extension point for other hardware, so :func:`use_cpu_platform`
+registers ``cpu`` there (device ``cpu``, gloo collectives). Call it before building an engine, in
+every process; verl's engines, configs and losses then run unmodified on the CPU (FSDP2 over gloo),
+both verl's own (``strategy=fsdp2``) and treetrain's (``strategy=treetrain``).
 """
 
 from __future__ import annotations
