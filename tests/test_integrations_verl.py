@@ -3,13 +3,16 @@
 The end-to-end cases run ``tests/verl_worker.py`` under torchrun on 1 and 2 gloo ranks: a verl
 rollout batch (two prompts x 4 samples, a duplicate sample, a sample that is a prefix of another,
 GRPO advantages) goes through verl's ``FSDPEngineWithLMHead`` / ``FSDPEngineWithValueHead`` and
-through treetrain's engines, which split it by distinct tree tokens into several micro-batches
-(verl runs it as one). Compared: per-token log-probs and entropies (``infer_batch``), the loss of
-``verl.workers.utils.losses.ppo_loss`` (GRPO advantages, entropy bonus, KL loss) and every parameter
-gradient (``forward_backward_batch``), ``train_batch``'s grad norm; critic values, ``value_loss``
-and its gradients. verl runs on the CPU through a platform registered in verl's platform registry
-(``treetrain.integrations.verl_cpu``: verl 0.9.1 has none for the CPU); its critic loads with SDPA
-because verl's value-model loader hard-codes flash-attention (CUDA-only).
+through treetrain's engines, which split it by distinct tree tokens into several micro-batches (verl
+runs it in micro-batches of 4 rows; at a row's last position verl's engine returns the log-prob of
+the next row's first token in the micro-batch, which no loss reads: it is compared where the micro-
+batches are verl's own). The actor runs with untied and (1 rank) tied embeddings. Compared: per-
+token log-probs and entropies (``infer_batch``), the loss of ``verl.workers.utils.losses.ppo_loss``
+(GRPO advantages, entropy bonus, KL loss) and every parameter gradient (``forward_backward_batch``),
+``train_batch``'s grad norm; critic values, ``value_loss`` and its gradients. verl runs on the CPU
+through a platform registered in verl's platform registry (``treetrain.integrations.verl_cpu``: verl
+0.9.1 has none for the CPU); its critic loads with SDPA because verl's value-model loader hard-codes
+flash-attention (CUDA-only).
 
 Tolerances: both engines run float32, summing in different orders (tree attention vs packed SDPA, a
 chunked LM head vs full logits). An independent per-row float64 forward of the same weights through
@@ -187,20 +190,18 @@ def _close(tree, verl, ref, what):
     )
 
 
-def _check_role(res: dict, outputs: tuple[str, ...], scored=None):
+def _check_role(res: dict, outputs: tuple[str, ...], last=None):
+    """``last [N]``: a row's last position, whose log-prob scores the next row of the micro-batch."""
     verl, tree, ref = res["verl"], res["tree"], res["ref64"]
     for key in outputs:
-        assert tree[key].shape == verl[key].shape, key  # verl's nested layout, position for position
+        for got in (tree[key], tree["same"][key]):
+            assert got.shape == verl[key].shape, key  # verl's nested layout, position for position
         keep = (
-            scored
-            if scored is not None and key == "log_probs"
-            else torch.ones_like(verl[key], dtype=torch.bool)
+            ~last if last is not None and key == "log_probs" else torch.ones_like(verl[key], dtype=torch.bool)
         )
-        _close(tree[key][keep], verl[key][keep], ref[key][keep], key)
-        if scored is not None and key == "log_probs":  # last positions: the next row's first token
-            last = ~keep
-            tol = 4 * EPS32 * verl[key][last].abs().max().item()
-            assert (tree[key][last] - verl[key][last]).abs().max().item() <= tol
+        _close(tree[key][keep], verl[key][keep], ref[key][keep], key)  # treetrain's micro-batches
+        _close(tree["same"][key], verl[key], verl[key], f"{key}, verl's micro-batches")
+        _close(tree["same"][key][keep], verl[key][keep], ref[key][keep], f"{key}, verl's micro-batches")
     _close(torch.tensor(tree["loss"]), torch.tensor(verl["loss"]), torch.tensor(ref["loss"]), "loss")
     assert set(tree["grads"]) == set(verl["grads"]) == set(ref["grads"])
     for name in verl["grads"]:
@@ -223,5 +224,7 @@ def test_tree_engine_equals_verl_engine(tmp_path, world):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     for rank in range(world):
         res = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
-        _check_role(res["lm"], ("log_probs", "entropy"), scored=~res["lm"]["last"])
+        _check_role(res["lm"], ("log_probs", "entropy"), last=res["lm"]["last"])
         _check_role(res["critic"], ("values",))
+        if world == 1:
+            _check_role(res["lm_tied"], ("log_probs", "entropy"), last=res["lm_tied"]["last"])

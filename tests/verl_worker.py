@@ -73,8 +73,10 @@ BUDGET = 20  # treetrain's micro-batches: at most 20 distinct tokens each (sever
 
 def save_models(root: str) -> None:
     torch.manual_seed(0)
-    cfg = Qwen3Config(**CONFIG)
-    Qwen3ForCausalLM(cfg).save_pretrained(f"{root}/actor")
+    Qwen3ForCausalLM(Qwen3Config(**CONFIG)).save_pretrained(f"{root}/actor")
+    Qwen3ForCausalLM(Qwen3Config(**{**CONFIG, "tie_word_embeddings": True})).save_pretrained(
+        f"{root}/actor_tied"
+    )
     AutoModelForTokenClassification.from_config(Qwen3Config(**CONFIG, num_labels=1)).save_pretrained(
         f"{root}/critic"
     )
@@ -160,11 +162,15 @@ def nested_values(nt) -> torch.Tensor:
     return nt.values().detach().clone()
 
 
-def run_engine(engine, td_fn, loss_fn, keys) -> dict:
-    """infer_batch outputs, then forward_backward_batch's loss and every parameter gradient."""
+def run_engine(engine, td_fn, loss_fn, keys, same_td_fn=None) -> dict:
+    """infer_batch outputs, forward_backward_batch's loss and every parameter gradient, train_batch's
+    grad norm. ``same_td_fn``: also infer with that batch (verl's own micro-batching) as ``same``."""
     with engine.eval_mode():
         out = engine.infer_batch(td_fn())["model_output"]
-    res = {k: nested_values(out[k]) for k in keys}
+        res = {k: nested_values(out[k]) for k in keys}
+        if same_td_fn is not None:
+            out = engine.infer_batch(same_td_fn())["model_output"]
+            res["same"] = {k: nested_values(out[k]) for k in keys}
     engine.optimizer_zero_grad()
     with engine.train_mode():
         out = engine.forward_backward_batch(td_fn(), loss_fn)
@@ -211,6 +217,57 @@ def reference(model, td: TensorDict, loss_fn, model_output, world: int) -> dict:
     return res
 
 
+def lm_outputs(model, td: TensorDict) -> dict:
+    both = per_row(model, td, lambda m, ids: lm_row(m, ids).T).T
+    return {"log_probs": both[0], "entropy": both[1]}
+
+
+def actor(path: str, full: dict, rank: int, world: int) -> dict:
+    """GRPO advantages through verl's ppo_loss with an entropy bonus and a KL loss."""
+    cfg = FSDPActorConfig(strategy="fsdp2", rollout_n=4, ppo_micro_batch_size_per_gpu=4, entropy_coeff=0.01,
+                          use_kl_loss=True, kl_loss_coef=0.1, loss_agg_mode="token-mean")  # fmt: skip
+    loss_fn = functools.partial(ppo_loss, config=cfg)
+    batch = functools.partial(rank_batch, full, rank, world, calculate_entropy=True)
+    verl_td = functools.partial(batch, use_dynamic_bsz=False, micro_batch_size_per_gpu=4)
+    tree_td = functools.partial(batch, use_dynamic_bsz=True, max_token_len_per_gpu=BUDGET)
+    keys = ("log_probs", "entropy")
+    res = {
+        "verl": run_engine(build("verl", "language_model", path), verl_td, loss_fn, keys),
+        "tree": run_engine(build("tree", "language_model", path), tree_td, loss_fn, keys, verl_td),
+    }
+    model64 = Qwen3ForCausalLM.from_pretrained(path, attn_implementation="eager").double()
+    td = verl_td()
+    tu.assign_non_tensor(td, dp_size=world, batch_num_tokens=int(full["response_mask"].sum()))
+    res["ref64"] = reference(model64, td, loss_fn, lm_outputs, world)
+    last = torch.zeros(td["input_ids"].values().numel(), dtype=torch.bool)
+    last[td["input_ids"].offsets()[1:] - 1] = True  # a row's last log-prob scores the next row's first token
+    res["last"] = last
+    return res
+
+
+def critic(path: str, full: dict, rank: int, world: int) -> dict:
+    """verl's value_loss (clipped)."""
+    cfg = FSDPCriticConfig(strategy="fsdp2", ppo_micro_batch_size_per_gpu=4, cliprange_value=0.5)
+    loss_fn = functools.partial(value_loss, config=cfg)
+    verl_td = functools.partial(
+        rank_batch, full, rank, world, use_dynamic_bsz=False, micro_batch_size_per_gpu=4
+    )
+    tree_td = functools.partial(
+        rank_batch, full, rank, world, use_dynamic_bsz=True, max_token_len_per_gpu=BUDGET
+    )
+    keys = ("values",)
+    res = {
+        "verl": run_engine(build("verl", "value_model", path), verl_td, loss_fn, keys),
+        "tree": run_engine(build("tree", "value_model", path), tree_td, loss_fn, keys, verl_td),
+    }
+    model64 = AutoModelForTokenClassification.from_pretrained(path, attn_implementation="eager").double()
+    td = verl_td()
+    tu.assign_non_tensor(td, dp_size=world, batch_num_tokens=int(full["response_mask"].sum()))
+    values = lambda m, td: {"values": per_row(m, td, lambda m, ids: m(input_ids=ids).logits[0, :, 0])}  # noqa: E731
+    res["ref64"] = reference(model64, td, loss_fn, values, world)
+    return res
+
+
 def main(out_dir: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -218,86 +275,12 @@ def main(out_dir: str) -> None:
         save_models(out_dir)
     dist.barrier()
     full = global_batch()
-    results = {}
-
-    # actor: GRPO advantages through verl's ppo_loss with entropy bonus and KL loss
-    actor_cfg = FSDPActorConfig(
-        strategy="fsdp2",
-        rollout_n=4,
-        ppo_micro_batch_size_per_gpu=4,
-        entropy_coeff=0.01,
-        use_kl_loss=True,
-        kl_loss_coef=0.1,
-        loss_agg_mode="token-mean",
-    )
-    loss_fn = functools.partial(ppo_loss, config=actor_cfg)
-    verl_td = functools.partial(
-        rank_batch,
-        full,
-        rank,
-        world,
-        calculate_entropy=True,
-        use_dynamic_bsz=False,
-        micro_batch_size_per_gpu=4,
-    )
-    tree_td = functools.partial(
-        rank_batch,
-        full,
-        rank,
-        world,
-        calculate_entropy=True,
-        use_dynamic_bsz=True,
-        max_token_len_per_gpu=BUDGET,
-    )
-    lm = {
-        "verl": run_engine(
-            build("verl", "language_model", f"{out_dir}/actor"), verl_td, loss_fn, ("log_probs", "entropy")
-        ),
-        "tree": run_engine(
-            build("tree", "language_model", f"{out_dir}/actor"), tree_td, loss_fn, ("log_probs", "entropy")
-        ),
+    results = {
+        "lm": actor(f"{out_dir}/actor", full, rank, world),
+        "critic": critic(f"{out_dir}/critic", full, rank, world),
     }
-    model64 = Qwen3ForCausalLM.from_pretrained(f"{out_dir}/actor", attn_implementation="eager").double()
-    td = verl_td()
-    tu.assign_non_tensor(td, dp_size=world, batch_num_tokens=int(full["response_mask"].sum()))
-
-    def lm_outputs(model, td):
-        both = per_row(model, td, lambda m, ids: lm_row(m, ids).T).T
-        return {"log_probs": both[0], "entropy": both[1]}
-
-    lm["ref64"] = reference(model64, td, loss_fn, lm_outputs, world)
-    last = torch.zeros(td["input_ids"].values().numel(), dtype=torch.bool)
-    last[td["input_ids"].offsets()[1:] - 1] = True  # a row's last log-prob scores the next row's first token
-    lm["last"] = last
-    results["lm"] = lm
-
-    # critic: verl's value_loss
-    critic_cfg = FSDPCriticConfig(strategy="fsdp2", ppo_micro_batch_size_per_gpu=4, cliprange_value=0.5)
-    vloss = functools.partial(value_loss, config=critic_cfg)
-    verl_td = functools.partial(
-        rank_batch, full, rank, world, use_dynamic_bsz=False, micro_batch_size_per_gpu=4
-    )
-    tree_td = functools.partial(
-        rank_batch, full, rank, world, use_dynamic_bsz=True, max_token_len_per_gpu=BUDGET
-    )
-    critic = {
-        "verl": run_engine(build("verl", "value_model", f"{out_dir}/critic"), verl_td, vloss, ("values",)),
-        "tree": run_engine(build("tree", "value_model", f"{out_dir}/critic"), tree_td, vloss, ("values",)),
-    }
-    model64 = AutoModelForTokenClassification.from_pretrained(
-        f"{out_dir}/critic", attn_implementation="eager"
-    )
-    model64 = model64.double()
-    td = verl_td()
-    tu.assign_non_tensor(td, dp_size=world, batch_num_tokens=int(full["response_mask"].sum()))
-    critic["ref64"] = reference(
-        model64,
-        td,
-        vloss,
-        lambda m, td: {"values": per_row(m, td, lambda m, ids: m(input_ids=ids).logits[0, :, 0])},
-        world,
-    )
-    results["critic"] = critic
+    if world == 1:  # tied embeddings (Qwen3 up to 4B): the LM head is the embedding, no FSDP unit of its own
+        results["lm_tied"] = actor(f"{out_dir}/actor_tied", full, rank, world)
     torch.save(results, f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()
 
