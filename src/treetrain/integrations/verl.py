@@ -186,10 +186,20 @@ class _TreeEngineMixin:
         ids = data["input_ids"]
         values, offsets = ids.values().cpu().numpy(), ids.offsets().cpu().numpy()
         rows = [values[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
-        parts = split_rows(rows, int(data["max_token_len_per_gpu"]))
-        count = torch.tensor([len(parts)], device=get_device_name())
-        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.get_data_parallel_group())
-        indices = [p.tolist() for p in balanced_parts(parts, int(count.item()))]
+        budget, longest = int(data["max_token_len_per_gpu"]), max(len(r) for r in rows)
+        parts = split_rows(rows, budget) if longest <= budget else []
+        # agreed on by every rank before any raises (a rank raising alone would hang the others)
+        agreed = torch.tensor([len(parts), longest, -len(rows)], device=get_device_name())
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.get_data_parallel_group())
+        count, longest, fewest_rows = int(agreed[0]), int(agreed[1]), -int(agreed[2])
+        if longest > budget:
+            raise ValueError(f"max_token_len_per_gpu ({budget}) must hold the longest row ({longest} tokens)")
+        if count > fewest_rows:
+            raise ValueError(
+                f"a rank has {fewest_rows} rows for {count} micro-batches (every rank runs as many as the "
+                "busiest): raise max_token_len_per_gpu or the mini-batch size"
+            )
+        indices = [p.tolist() for p in balanced_parts(parts, count)]
         return [tu.index_select_tensor_dict(data, idx) for idx in indices], indices
 
     def forward_backward_batch(self, data: TensorDict, loss_function, forward_only=False) -> list[TensorDict]:
