@@ -30,9 +30,6 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from treetrain.data.fields import DataError, _Invalid
-from treetrain.data.rows import trl_record
-
 __all__ = ["TABLE_SUFFIXES", "is_table_source", "iter_rows", "parse_columns", "rename_columns", "to_record"]
 
 TABLE_SUFFIXES = (".parquet", ".arrow", ".feather", ".ipc")
@@ -146,6 +143,9 @@ def to_record(
 ) -> dict[str, Any]:
     """A table row -> a :mod:`treetrain.data.records` record: :func:`rename_columns`, then TRL's
     names mapped (:func:`treetrain.data.rows.trl_record`; see the module docstring)."""
+    from treetrain.data.fields import DataError, _Invalid  # numpy: not for the CLI's --help
+    from treetrain.data.rows import trl_record
+
     try:
         return trl_record(rename_columns(row, columns), tokenizer)[0]
     except _Invalid as e:
