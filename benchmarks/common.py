@@ -1,4 +1,13 @@
-"""Shared helpers for the benchmark scripts: hardware description and result files."""
+"""Shared helpers for the benchmark scripts: hardware description, the machine's load and the noise
+of timed repeats (``treetrain.bench.noise``), and result files.
+
+Every script that times something should say how far to trust it::
+
+    before = machine_before()                 # prints the load; warns on a busy machine
+    with noise.Monitor() as mon:
+        times = {"tree": [...], "baseline": [...]}  # interleaved repeats
+    stats, reasons = judge(times, mon.load)   # best, median, spread per mode; why not to trust
+"""
 
 from __future__ import annotations
 
@@ -7,7 +16,7 @@ import os
 import platform
 from pathlib import Path
 
-from treetrain.bench import allocator
+from treetrain.bench import allocator, noise
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -28,6 +37,43 @@ def hardware() -> str:
         f"{cpu_name()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
         f"allocator {allocator.active()}"
     )
+
+
+def machine_before(seconds: float = 0.5) -> dict:
+    """The machine's load before a run (:func:`treetrain.bench.noise.snapshot`), printed, with a
+    WARNING line when it is busy; returns ``{"load", "top", "line", "busy"}`` for the result file."""
+    snap = noise.snapshot(seconds)
+    snap["line"] = noise.describe(snap["load"], snap["top"])
+    snap["busy"] = noise.busy(snap["load"])
+    print(f"machine before the run: {snap['line']}", flush=True)
+    if snap["busy"]:
+        print(
+            "  WARNING, a busy machine: " + "; ".join(snap["busy"]) + ". Timings will be marked.", flush=True
+        )
+    return snap
+
+
+def judge(times: dict[str, list[float]], load=None, bound: float | None = None) -> tuple[dict, list[str]]:
+    """Per mode :func:`treetrain.bench.noise.summary` (best, median, spread), and the reasons not to
+    trust them (:func:`treetrain.bench.noise.verdict`; empty: none found)."""
+    stats = {m: noise.summary(t) for m, t in times.items() if t}
+    return stats, noise.verdict(stats, load, bound)
+
+
+def noise_section(before: dict, cases: list[tuple[str, list[str]]]) -> str:
+    """Markdown for a result file: the load before the run and every case not to trust, with why."""
+    lines = [f"Machine before the run: {before['line']}."]
+    if before["busy"]:
+        lines.append("**A busy machine:** " + "; ".join(before["busy"]) + ". Every figure is suspect.")
+    bad = [(name, why) for name, why in cases if why]
+    if bad:
+        lines.append(
+            f"**NOT TRUSTWORTHY: {len(bad)} of {len(cases)} rows** (rerun on a quiet machine):\n"
+            + "\n".join(f"- {name}: " + "; ".join(why) for name, why in bad)
+        )
+    elif not before["busy"]:
+        lines.append("Timings: no sign of noise (every spread <= 10%, the machine otherwise idle).")
+    return "\n\n".join(lines) + "\n"
 
 
 def add_allocator_flag(parser) -> None:

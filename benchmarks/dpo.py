@@ -31,10 +31,12 @@ import time
 import numpy as np
 import torch
 import transformers
-from common import hardware, result_path
+from common import hardware, judge, machine_before, noise_section, result_path
 
+from treetrain.bench import noise
 from treetrain.data.records import parse_record
 from treetrain.objectives.preference import PreferenceObjective, pair_microbatches
+from treetrain.objectives.preference_objective import PreferenceTraining
 from treetrain.train.batches import StepBatch
 from treetrain.train.build import build_optimizer, configure_model
 from treetrain.train.step import train_step
@@ -82,12 +84,13 @@ def main() -> None:
     p.add_argument("--attention", default=None, help="tree attention backend (default: by device)")
     p.add_argument("--write", action="store_true", help="write a markdown table to benchmarks/results/")
     args = p.parse_args()
+    before = machine_before()
     device = torch.device(args.device)
     torch.manual_seed(0)
     config = model_config(args)
     base = transformers.AutoModelForCausalLM.from_config(config).to(device)
     trees = make_pairs(args.pairs, args.prompt_len, args.response_len, args.vocab, seed=0)
-    objective = PreferenceObjective("dpo")
+    loss = PreferenceObjective("dpo")
     capacity = 10**9
     runs = {}
     for mode in ("tree", "sequence"):
@@ -98,14 +101,16 @@ def main() -> None:
         )
         micro = [pack(mb) for mb in pair_microbatches(trees, mode, capacity)]
         batch = StepBatch(trees=trees, micro=micro, trees_consumed=len(trees), packing=mode)
-        runs[mode] = (model, ref, opt, batch)
+        objective = PreferenceTraining(loss)  # the train loop's view of the DPO objective
+        objective.reference = ref
+        runs[mode] = (model, objective, opt, batch)
 
     def step(mode):
-        model, ref, opt, batch = runs[mode]
+        model, objective, opt, batch = runs[mode]
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = train_step(model, opt, batch, objective, grad_clip=None, ref_model=ref, backend=args.attention)
+        out = train_step(model, opt, batch, objective, grad_clip=None, backend=args.attention)
         if device.type == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - t0, out["loss"]
@@ -113,22 +118,28 @@ def main() -> None:
     first = {mode: step(mode)[1] for mode in runs}  # warm-up; the same weights: the same loss
     assert abs(first["tree"] - math.log(2)) < 1e-4 and abs(first["sequence"] - first["tree"]) < 1e-4, first
     times = {mode: [] for mode in runs}
-    for _ in range(args.repeats):
-        for mode in runs:
-            times[mode].append(step(mode)[0])
+    with noise.Monitor() as monitor:
+        for r in range(args.repeats):
+            for mode in list(runs) if r % 2 == 0 else list(runs)[::-1]:  # interleaved, order alternating
+                times[mode].append(step(mode)[0])
+    stats, untrusted = judge({"tree": times["tree"], "baseline": times["sequence"]}, monitor.load)
     t_tree, t_seq = min(times["tree"]), min(times["sequence"])
     bound = flop_bound(trees, CostModel.from_config(config))
     speedup = t_seq / t_tree
     row = (
         f"| {args.pairs} | {args.prompt_len} | {args.response_len} "
         f"| {args.hidden}x{args.layers}, V={args.vocab} | {token_bound(trees):.2f} | {bound:.2f} "
-        f"| {t_seq * 1e3:.0f} | {t_tree * 1e3:.0f} | {speedup:.2f} | {speedup / bound:.0%} |"
+        f"| {t_seq * 1e3:.0f} | {t_tree * 1e3:.0f} | {speedup:.2f} "
+        f"| {stats['baseline']['median'] / stats['tree']['median']:.2f} "
+        f"({stats['baseline']['spread']:.0%}/{stats['tree']['spread']:.0%}) | {speedup / bound:.0%} "
+        f"| {'NOT TRUSTWORTHY' if untrusted else 'ok'} |"
     )
     header = (
         "| pairs | prompt | response | model (hidden x layers) | token ratio | FLOP bound | sequence ms "
-        "| tree ms | speedup | of bound |\n|---|---|---|---|---|---|---|---|---|---|"
+        "| tree ms | speedup | median (spread seq/tree) | of bound | timings |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
-    table = f"{header}\n{row}"
+    table = f"{header}\n{row}\n\n" + noise_section(before, [(f"{args.pairs} pairs", untrusted)])
     print(table)
     print(
         f"first losses: tree {first['tree']:.6f}, sequence {first['sequence']:.6f} (ln 2 = {math.log(2):.6f})"

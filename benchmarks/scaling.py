@@ -34,8 +34,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import add_allocator_flag, hardware, result_path, use_allocator  # noqa: E402
-from treetrain.bench import command as bench  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    add_allocator_flag,
+    hardware,
+    judge,
+    machine_before,
+    noise_section,
+    result_path,
+    use_allocator,
+)
+from treetrain.bench import cases as bench  # noqa: E402
+from treetrain.bench import noise  # noqa: E402
 from treetrain.trees.flops import CostModel  # noqa: E402
 
 
@@ -54,7 +63,10 @@ def measure(model, model_args, tree, args, cost, rate) -> dict:
     capacity = max(tree.num_tokens, int(tree.path_lengths.max()))
     micro = {m: bench.prepare(m, trees, capacity) for m in ("sequence", "tree")}
     times: dict[str, list[float]] = {"sequence": [], "tree": []}
+    monitor = noise.Monitor()
     for r in range(args.repeats + 1):
+        if r == 1:  # the warm-up round is not timed
+            monitor.start()
         for mode in ("sequence", "tree") if r % 2 == 0 else ("tree", "sequence"):
             model.zero_grad(set_to_none=True)
             t0 = time.perf_counter()
@@ -62,9 +74,13 @@ def measure(model, model_args, tree, args, cost, rate) -> dict:
             bench._sync(model.device)
             if r:
                 times[mode].append(time.perf_counter() - t0)
+    load = monitor.stop() if args.repeats else None
     model.zero_grad(set_to_none=True)
     base_flops, tree_flops, _ = bench.case_flops(trees, capacity, cost)
+    stats, untrusted = judge({"tree": times["tree"], "baseline": times["sequence"]}, load)
     row = {"tree_tokens": tree.num_tokens, "baseline_tokens": tree.num_path_tokens, "por": tree.por}
+    row["spread"] = {"sequence": stats["baseline"]["spread"], "tree": stats["tree"]["spread"]}
+    row["untrusted"] = untrusted
     for mode, flops in (("sequence", base_flops), ("tree", tree_flops)):
         t = statistics.median(times[mode])
         peak = (
@@ -90,8 +106,8 @@ def exponent(rows: list[dict], mode: str, per: str = "tokens") -> float:
 def table(results: dict[str, list[dict]]) -> str:
     out = [
         "| shape | tree tokens | baseline tokens | POR | tree s | baseline s | speedup | FLOP bound "
-        "| efficiency | MFU tree/base | peak MB tree/base |",
-        "|" + "---|" * 11,
+        "| efficiency | MFU tree/base | peak MB tree/base | spread tree/base | timings |",
+        "|" + "---|" * 13,
     ]
     for shape, rows in results.items():
         for r in rows:
@@ -100,7 +116,9 @@ def table(results: dict[str, list[dict]]) -> str:
             out.append(
                 f"| {shape} | {r['tree_tokens']:,} | {r['baseline_tokens']:,} | {r['por']:.1%} "
                 f"| {t['s']:.3f} | {b['s']:.3f} | {r['speedup']:.2f}x | {r['bound']:.2f}x "
-                f"| {r['speedup'] / r['bound']:.2f} | {t['mfu']:.2f}/{b['mfu']:.2f} | {mem} |"
+                f"| {r['speedup'] / r['bound']:.2f} | {t['mfu']:.2f}/{b['mfu']:.2f} | {mem} "
+                f"| {r['spread']['tree']:.0%}/{r['spread']['sequence']:.0%} "
+                f"| {'NOT TRUSTWORTHY' if r['untrusted'] else 'ok'} |"
             )
     out.append("")
     out.append(
@@ -203,6 +221,7 @@ def main() -> None:
     model_args = (args.hidden, args.layers, args.vocab, args.heads, device, dtype)
     model = bench.bench_model(*model_args)
     cost = CostModel.from_config(model.config)
+    before = machine_before()
     rate = bench.matmul_rate(dtype, device)
     print(f"dense matmul rate {rate / 1e9:,.1f} GFLOP/s ({dtype}, {device})", flush=True)
     results: dict[str, list[dict]] = {}
@@ -220,7 +239,10 @@ def main() -> None:
                 f"({time.perf_counter() - t0:.0f} s)",
                 flush=True,
             )
-    text = table(results)
+    cases = [
+        (f"{shape} {r['tree_tokens']:,}", r["untrusted"]) for shape, rows in results.items() for r in rows
+    ]
+    text = table(results) + "\n\n" + noise_section(before, cases)
     prof = None
     if args.profile:
         largest = make_tree(args.shapes[-1], max(args.sizes), args, args.vocab)

@@ -36,7 +36,7 @@ def write_sample(d: Path) -> int:
     import numpy as np
 
     from treetrain.bench.command import renumber
-    from treetrain.data import records as data
+    from treetrain.data import reader as data
 
     trees = [t for t, _ in data.iter_trees(data.sample_path("agent-dialogues"))]
     vocab = int(np.unique(np.concatenate([t.tokens for t in trees])).size)

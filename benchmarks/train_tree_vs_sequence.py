@@ -46,11 +46,12 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_allocator_flag, use_allocator  # noqa: E402
+from common import add_allocator_flag, judge, machine_before, noise_section, use_allocator  # noqa: E402
 
-from treetrain.bench import allocator  # noqa: E402
+from treetrain.bench import allocator, noise  # noqa: E402
 from treetrain.data.reader import iter_trees, sample_path
 from treetrain.objectives.policy_config import Objective
+from treetrain.objectives.policy_objective import PolicyObjective
 from treetrain.train.batches import StepBatch, make_microbatches
 from treetrain.train.build import build_optimizer, configure_model, default_model_config
 from treetrain.train.config import TrainConfig
@@ -120,7 +121,10 @@ def bench_tree(name, tree, vocab, args, objective, cost) -> dict:
     for packing in ("tree", "sequence"):
         model = copy.deepcopy(base)
         runs[packing] = {"model": model, "opt": build_optimizer(model, cfg), "wall": [], "cpu": []}
+    monitor = noise.Monitor()
     for rep in range(args.repeats + 1):  # step 0: the first-step losses, and a warm-up (not timed)
+        if rep == 1:
+            monitor.start()
         for packing in ("tree", "sequence") if rep % 2 == 0 else ("sequence", "tree"):
             r = runs[packing]
             wall, cpu, m = timed_step(r["model"], r["opt"], [tree], packing, args.capacity, objective)
@@ -129,7 +133,9 @@ def bench_tree(name, tree, vocab, args, objective, cost) -> dict:
             else:
                 r["wall"].append(wall)
                 r["cpu"].append(cpu)
+    load = monitor.stop() if args.repeats else None
     t, s = runs["tree"], runs["sequence"]
+    stats, untrusted = judge({"tree": t["wall"], "baseline": s["wall"]}, load)
     parts = [part for mb in make_microbatches([tree], "tree", args.capacity) for part in mb]
     flops_tree = tree_work(parts).flops(cost)
     flops_seq = baseline_work([tree]).flops(cost)
@@ -149,24 +155,30 @@ def bench_tree(name, tree, vocab, args, objective, cost) -> dict:
         "seq_cpu": min(s["cpu"]),
         "loss_tree": t["loss"],
         "loss_seq": s["loss"],
+        "speedup_median": stats["baseline"]["median"] / stats["tree"]["median"],
+        "spread": (stats["baseline"]["spread"], stats["tree"]["spread"]),
+        "untrusted": untrusted,
     }
 
 
 def table(rows: list[dict]) -> str:
     out = [
         "| tree | paths | path tokens | tree tokens | computed | token ratio | FLOP bound | tree s "
-        "| sequence s | speedup (wall) | efficiency | speedup (CPU time) | loss tree | loss sequence "
-        "| rel. diff |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| sequence s | speedup (wall) | median (spread seq/tree) | efficiency | speedup (CPU time) "
+        "| loss tree | loss sequence | rel. diff | timings |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         rel = abs(r["loss_tree"] - r["loss_seq"]) / abs(r["loss_seq"])
         out.append(
             f"| {r['name']} | {r['paths']} | {r['path_tokens']:,} | {r['tree_tokens']:,} | {r['computed']:,} "
             f"| {r['token_ratio']:.2f} | {r['flop_ratio']:.2f} | {r['tree_s']:.2f} | {r['seq_s']:.2f} "
-            f"| **{r['seq_s'] / r['tree_s']:.2f}x** | {r['seq_s'] / r['tree_s'] / r['flop_ratio']:.2f} "
+            f"| **{r['seq_s'] / r['tree_s']:.2f}x** "
+            f"| {r['speedup_median']:.2f}x ({r['spread'][0]:.0%}/{r['spread'][1]:.0%}) "
+            f"| {r['seq_s'] / r['tree_s'] / r['flop_ratio']:.2f} "
             f"| {r['seq_cpu'] / r['tree_cpu']:.2f}x "
-            f"| {r['loss_tree']:.6f} | {r['loss_seq']:.6f} | {rel:.1e} |"
+            f"| {r['loss_tree']:.6f} | {r['loss_seq']:.6f} | {rel:.1e} "
+            f"| {'NOT TRUSTWORTHY' if r['untrusted'] else 'ok'} |"
         )
     tot = {k: sum(r[k] for r in rows) for k in ("path_tokens", "tree_tokens", "computed", "tree_s", "seq_s")}
     cpu_t, cpu_s = sum(r["tree_cpu"] for r in rows), sum(r["seq_cpu"] for r in rows)
@@ -174,8 +186,9 @@ def table(rows: list[dict]) -> str:
     out.append(
         f"| **all** | {sum(r['paths'] for r in rows)} | {tot['path_tokens']:,} | {tot['tree_tokens']:,} "
         f"| {tot['computed']:,} | {tot['path_tokens'] / tot['computed']:.2f} | {flop_ratio:.2f} "
-        f"| {tot['tree_s']:.2f} | {tot['seq_s']:.2f} | **{tot['seq_s'] / tot['tree_s']:.2f}x** "
-        f"| {tot['seq_s'] / tot['tree_s'] / flop_ratio:.2f} | {cpu_s / cpu_t:.2f}x | | | |"
+        f"| {tot['tree_s']:.2f} | {tot['seq_s']:.2f} | **{tot['seq_s'] / tot['tree_s']:.2f}x** | "
+        f"| {tot['seq_s'] / tot['tree_s'] / flop_ratio:.2f} | {cpu_s / cpu_t:.2f}x | | | "
+        f"| {'NOT TRUSTWORTHY' if any(r['untrusted'] for r in rows) else 'ok'} |"
     )
     return "\n".join(out)
 
@@ -203,11 +216,12 @@ def main() -> None:
         trees, vocab = compact_vocab(trees)
     config = default_model_config(vocab)
     cost = CostModel.from_config(config)
-    objective = Objective(name="sft")
+    objective = PolicyObjective(Objective(name="sft"))
+    before = machine_before()
     rows = []
     for name, tree in zip(names, trees):
         rows.append(bench_tree(name, tree, vocab, args, objective, cost))
-        print(table(rows[-1:]).splitlines()[-2], flush=True)
+        print(table(rows[-1:]).splitlines()[-2], flush=True)  # as it comes; the table follows at the end
     hw = cpu_name()
     head = (
         f"## Training step, tree packing vs per-path sequences: vocab {args.vocab}\n\n"
@@ -217,7 +231,8 @@ def main() -> None:
         f"- model: the embedded tiny Qwen3 (hidden {config.hidden_size}, {config.num_hidden_layers} layers, "
         f"{config.num_attention_heads} heads, vocab {vocab:,} ({args.vocab})), float32, random init\n"
         f"- one optimizer step (SFT on the loss masks, AdamW) per sample tree, capacity {args.capacity}; "
-        f"a warm-up step, then the minimum of {args.repeats} steps per mode, modes alternating\n"
+        f"a warm-up step, then the minimum of {args.repeats} steps per mode, modes alternating (median "
+        "and spread beside it, the machine's load measured: see the notes below the table)\n"
         "- token ratio: path tokens / tokens the tree micro-batches compute; FLOP bound: "
         "treetrain.trees.flops training FLOPs of what each mode computes (head on trained targets only), "
         "baseline / tree; efficiency: speedup / bound\n"
@@ -227,7 +242,7 @@ def main() -> None:
         "- speedup (wall): sequence time / tree time; CPU time: process user+system time, less "
         "sensitive to other load on the machine\n\n"
     )
-    text = head + table(rows) + "\n"
+    text = head + table(rows) + "\n\n" + noise_section(before, [(r["name"], r["untrusted"]) for r in rows])
     print("\n" + text)
     if args.write:
         slug = re.sub(r"[^a-z0-9]+", "-", hw.lower()).strip("-")

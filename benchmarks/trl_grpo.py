@@ -7,8 +7,11 @@ lengths uniform in ``[C/2, C]`` (left-padded prompts, right-padded completions).
 through ``GRPOTrainer._get_per_token_logps_and_entropies`` (TRL: one padded forward) and the
 subclass's override (one tree forward per token budget), then ``backward`` of a GRPO-shaped loss
 ``-(A * logp * mask).sum() / mask.sum()``. Generation is not run: it is the same for all.
-Modes alternate; each time is the best of ``--repeats`` after a warm-up (the step least disturbed
-by other load on a shared machine).
+Modes are interleaved (the order reversed every round, so a slow phase of the machine hits each
+alike); each time is the best of ``--repeats`` after a warm-up (the step least disturbed by other
+load), with the median and the spread ``(max - min) / median`` beside it. The run measures its own
+noise (``treetrain.bench.noise``: load before, other processes' CPU and steal during each case) and
+marks a row NOT TRUSTWORTHY, with the reasons, when a spread exceeds 10% or the machine was busy.
 
 Three modes, the same batch and the same GRPO-shaped loss:
 
@@ -29,7 +32,8 @@ run, attention per pair computed, the LM head per target scored, x3 for forward 
 
 Usage::
 
-    python benchmarks/trl_grpo.py --quick                                # small CPU check (~1 min)
+    python benchmarks/trl_grpo.py --quick   # small CPU check: 27 s on a quiet 2-core AMD EPYC
+                                            # (glibc malloc), 15 min under a load average of 12
     python benchmarks/trl_grpo.py --model qwen3-0.6b --generation --write  # full sweep, a GPU
     python benchmarks/trl_grpo.py --groups 8 --completion-lens 64 256 --repeats 1 --write  # CPU
 
@@ -50,8 +54,17 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_allocator_flag, hardware, result_path, use_allocator  # noqa: E402
+from common import (  # noqa: E402
+    add_allocator_flag,
+    hardware,
+    judge,
+    machine_before,
+    noise_section,
+    result_path,
+    use_allocator,
+)
 
+from treetrain.bench import noise  # noqa: E402
 from treetrain.integrations.flat import FlatBatch  # noqa: E402
 from treetrain.trees.flops import CostModel, baseline_pairs, tree_pairs  # noqa: E402
 
@@ -213,8 +226,12 @@ def run_case(trainer, P, G, C, prompts, repeats, device, seed=0, generation=Fals
     runs = {m: (lambda s=s: step(s)) for m, s in modes.items()} | {"per_path": per_path_step}
     times = {k: [] for k in (*runs, "trl_nograd", "tree_nograd")}
     peak = {}
+    monitor = noise.Monitor()
     for r in range(repeats + 1):
-        for m, run in runs.items():
+        if r == 1:  # the first round is the warm-up
+            monitor.start()
+        for m in list(runs) if r % 2 == 0 else list(runs)[::-1]:  # interleaved, order alternating
+            run = runs[m]
             if device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             try:
@@ -228,6 +245,8 @@ def run_case(trainer, P, G, C, prompts, repeats, device, seed=0, generation=Fals
                 times[m].append(t_step)
                 if t_ng is not None:
                     times[m + "_nograd"].append(t_ng)
+    load = monitor.stop() if repeats else None
+    stats, untrusted = judge({k: v for k, v in times.items() if k in runs}, load)
     best = {k: min(v) for k, v in times.items()}
     speed = best["trl"] / best["tree"]
     speed_pp = best["per_path"] / best["tree"]
@@ -239,31 +258,46 @@ def run_case(trainer, P, G, C, prompts, repeats, device, seed=0, generation=Fals
         "tree_step": best["tree"], "speedup": speed, "bound_trl": b["bound_trl"],
         "efficiency_trl": speed / b["bound_trl"], "speedup_per_path": speed_pp, "bound": b["bound"],
         "efficiency": speed_pp / b["bound"], "nograd_speedup": best["trl_nograd"] / best["tree_nograd"],
-        "peak": peak,
+        "peak": peak, "repeats": repeats,
+        "speedup_median": stats["trl"]["median"] / stats["tree"]["median"],
+        "spread": {m: st["spread"] for m, st in stats.items()},
+        "others_cores": None if load is None else load.others_cores, "untrusted": untrusted,
     }  # fmt: skip
 
 
-def table(rows: list[dict]) -> str:
-    head = (
-        "| P | G | C | path tok | tree tok | TRL step s | per-path step s | tree step s | vs TRL: speedup "
-        "/ bound / efficiency | vs per-path: speedup / bound / efficiency | no-grad speedup vs TRL "
-        "| peak GiB TRL / tree | generate s (apart) |\n|" + "---|" * 13 + "\n"
-    )
-    lines = []
+HEAD = (
+    "| P | G | C | path tok | tree tok | TRL step s | per-path step s | tree step s | vs TRL: speedup "
+    "/ bound / efficiency | median speedup vs TRL (spread TRL/per-path/tree) | vs per-path: speedup / "
+    "bound / efficiency | no-grad speedup vs TRL | peak GiB TRL / tree | generate s (apart) | timings |\n|"
+    + "---|"
+    * 15
+)
+
+
+def case_name(r: dict) -> str:
+    return f"P={r['P']} G={r['G']} C={r['C']}"
+
+
+def table(rows: list[dict], head: bool = True) -> str:
+    """Markdown rows (with the header unless ``head=False``: rows printed as they come)."""
+    lines = [HEAD] if head else []
     for r in rows:
         if "oom" in r:
-            lines.append(f"| {r['P']} | {r['G']} | {r['C']} | OOM in {r['oom']} |" + " |" * 9)
+            lines.append(f"| {r['P']} | {r['G']} | {r['C']} | OOM in {r['oom']} |" + " |" * 11)
             continue
+        spread = "/".join(f"{r['spread'][m]:.0%}" for m in ("trl", "per_path", "tree"))
+        trust = f"NOT TRUSTWORTHY ({len(r['untrusted'])} reasons below)" if r["untrusted"] else "ok"
         peak = " / ".join(f"{r['peak'][m]:.1f}" for m in ("trl", "tree")) if r["peak"] else "-"
         lines.append(
             f"| {r['P']} | {r['G']} | {r['C']} | {r['path_tokens']} | {r['tree_tokens']} | "
             f"{r['trl_step']:.3f} | {r['per_path_step']:.3f} | {r['tree_step']:.3f} | "
             f"{r['speedup']:.2f}x / {r['bound_trl']:.2f}x / **{r['efficiency_trl']:.2f}** | "
+            f"{r['speedup_median']:.2f}x ({spread}) | "
             f"{r['speedup_per_path']:.2f}x / {r['bound']:.2f}x / **{r['efficiency']:.2f}** | "
             f"{r['nograd_speedup']:.2f}x | {peak} | "
-            f"{'-' if r['generate'] is None else format(r['generate'], '.2f')} |"
+            f"{'-' if r['generate'] is None else format(r['generate'], '.2f')} | {trust} |"
         )
-    return head + "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n"
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -298,7 +332,11 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="python benchmarks/trl_grpo.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--model", choices=sorted(MODELS), default="small")
     ap.add_argument("--prompt-lens", type=int, nargs="+", default=[1024, 2048, 4096])
     ap.add_argument("--groups", type=int, nargs="+", default=[8, 16])
@@ -306,7 +344,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--prompts", type=int, default=1, help="prompts per batch (rows = prompts x G)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--quick", action="store_true", help="one small case (P=256, G=4, C=32): a CPU check")
+    ap.add_argument(
+        "--quick", action="store_true", help="one small case (P=256, G=4, C=32, 5 repeats): a CPU check"
+    )
     ap.add_argument("--generation", action="store_true", help="also time sampling C tokens (reported apart)")
     ap.add_argument("--write", action="store_true", help="write the table and plot to benchmarks/results/")
     add_allocator_flag(ap)
@@ -314,10 +354,12 @@ def main(argv=None) -> list[dict]:
     if argv is None:  # this process is the command: it may re-execute itself under tcmalloc
         use_allocator(args, args.device)
     if args.quick:
-        args.prompt_lens, args.groups, args.completion_lens, args.repeats = [256], [4], [32], 2
+        args.prompt_lens, args.groups, args.completion_lens, args.repeats = [256], [4], [32], 5
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     transformers.logging.set_verbosity_error()
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    before = machine_before()
+    print(HEAD, flush=True)  # then each row as it is measured
     rows = []
     with tempfile.TemporaryDirectory() as workdir:
         for G in args.groups:
@@ -336,16 +378,17 @@ def main(argv=None) -> list[dict]:
                             generation=args.generation,
                         )
                     )
-                    print(table(rows[-1:]).splitlines()[-1], flush=True)
+                    print(table(rows[-1:], head=False), end="", flush=True)
             del trainer
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else hardware()
+    notes = noise_section(before, [(case_name(r), r.get("untrusted", [])) for r in rows])
+    print("\n" + notes, end="")  # the rows are printed above, as they came
     text = (
         f"# GRPO scoring + backward: TreeGRPOTrainer vs trl.GRPOTrainer ({args.model}, {dtype})\n\n"
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {device_name}, torch "
         f"{torch.__version__}, command: `python benchmarks/{Path(__file__).name} "
-        f"{' '.join(argv if argv is not None else sys.argv[1:])}`\n\n" + table(rows)
+        f"{' '.join(argv if argv is not None else sys.argv[1:])}`\n\n" + table(rows) + "\n" + notes
     )
-    print(text)
     if args.write:
         md = result_path(f"trl_grpo_{args.model}", args.device)
         md.write_text(text)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from soak import cpu_name
 
-from treetrain.data import records as data
+from treetrain.data import reader as data
 from treetrain.train.guards import validate_data
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -72,7 +72,7 @@ def float64_casts():
     Inside, ``Tensor.float()`` and ``Tensor.to(torch.float32)`` give float64. Both the reference
     and the tree run inside it, so a float64 comparison measures the algorithm, not the casts.
     """
-    orig_float, orig_to = torch.Tensor.float, torch.Tensor.to
+    orig_float, orig_to, orig_type = torch.Tensor.float, torch.Tensor.to, torch.Tensor.type
 
     def f64_float(self, *a, **k):
         return orig_to(self, torch.float64)
@@ -83,11 +83,16 @@ def float64_casts():
             kwargs["dtype"] = torch.float64
         return orig_to(self, *args, **kwargs)
 
-    torch.Tensor.float, torch.Tensor.to = f64_float, f64_to
+    def f64_type(self, dtype=None, *args, **kwargs):  # MoE routers: hidden.type(torch.float32)
+        if dtype is torch.float32 or dtype in ("torch.FloatTensor", "torch.float32"):
+            dtype = torch.float64
+        return orig_type(self, dtype, *args, **kwargs) if dtype is not None else orig_type(self)
+
+    torch.Tensor.float, torch.Tensor.to, torch.Tensor.type = f64_float, f64_to, f64_type
     try:
         yield
     finally:
-        torch.Tensor.float, torch.Tensor.to = orig_float, orig_to
+        torch.Tensor.float, torch.Tensor.to, torch.Tensor.type = orig_float, orig_to, orig_type
 
 
 def grads(model) -> dict[str, torch.Tensor]:

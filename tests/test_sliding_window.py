@@ -275,7 +275,8 @@ def test_gemma2_blocksparse_softcap_error_names_the_alternative():
     from treetrain.models.hf import auto_backend
 
     model = sliding_model("gemma2")
-    with pytest.raises(ValueError, match="blocksparse backend; use attention backend 'dense'"):
+    refusal = "'blocksparse' does not support attention logit softcapping.*'dense' or 'flex'"
+    with pytest.raises(ValueError, match=refusal):
         path_logprobs(model, PATHS, backend="blocksparse")
     # the automatic choice avoids it: dense on CPU (flex on CUDA)
     assert auto_backend(model, torch.device("cpu")) == "dense"
@@ -287,6 +288,7 @@ def test_final_logit_softcap_head_matches_autograd():
     """The chunked head with Gemma 2's final softcap: log-probs, entropies and their gradients
     against autograd through ``log_softmax(cap * tanh(h W^T / cap))``."""
     from treetrain.logprobs import target_logprobs
+    from treetrain.models.head import LMHead
 
     g = torch.Generator().manual_seed(0)
     head = torch.nn.Linear(8, 11, bias=True).double()
@@ -298,7 +300,7 @@ def test_final_logit_softcap_head_matches_autograd():
         torch.randn(7, generator=g, dtype=torch.float64),
         torch.randn(7, generator=g, dtype=torch.float64),
     )
-    logp, ent = target_logprobs(h, head, t, chunk=3, softcap=2.0)
+    logp, ent = target_logprobs(h, LMHead(head.weight, head.bias, softcap=2.0), t, chunk=3)
     got = [logp, ent, *torch.autograd.grad((cl * logp + ce * ent).sum(), (h, head.weight, head.bias))]
     lsm = torch.log_softmax(torch.tanh(head(h) / 2.0) * 2.0, -1)
     ref_logp, ref_ent = lsm.gather(1, t[:, None])[:, 0], -(lsm.exp() * lsm).sum(-1)

@@ -21,9 +21,10 @@ import pytest
 import torch
 import transformers
 
+from treetrain.objectives.ppo_critic import build_critic
 from treetrain.train.build import build_model
 from treetrain.train.config import TrainConfig
-from treetrain.train.critic import build_critic
+from treetrain.train.kit import RunKit
 from treetrain.train.loop import train
 from treetrain.train.step import NonFiniteError
 
@@ -180,5 +181,8 @@ def test_bad_records_and_options(setup_dir, tmp_path):
     with pytest.raises(ValueError, match="bogus"):
         run(setup_dir, tmp_path / "d", loss={"bogus": 1}, steps=1)
     policy = build_model(str(setup_dir / "tiny"), 0, torch.float32, torch.device("cpu"))
-    with pytest.raises(ValueError, match="one process only"):  # what a torchrun rank would get
-        build_critic(policy, TrainConfig(objective="ppo_critic"), distributed=True)
+    kit = RunKit(TrainConfig(objective="ppo_critic"), torch.device("cpu"), torch.float32)
+    critic = build_critic(policy, kit)  # torchrun is no longer refused: test_train_objectives_distributed
+    assert critic.name == "critic" and critic.model.score.out_features == 1
+    with pytest.raises(ValueError, match=r"--cp 2 is not supported: the critic's values and GAE"):
+        run(setup_dir, tmp_path / "cp", cp=2, steps=1)

@@ -64,14 +64,16 @@ def train_args(workdir: Path, out: Path, *extra: str) -> list[str]:
 THREADS_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
-def launch(nproc: int, args: list[str], env: dict | None = None) -> subprocess.Popen:
-    """``torchrun --nproc_per_node N -m treetrain.cli ARGS`` in its own session (to SIGKILL it all);
+def launch(
+    nproc: int, args: list[str], env: dict | None = None, module: str = "treetrain.cli"
+) -> subprocess.Popen:
+    """``torchrun --nproc_per_node N -m MODULE ARGS`` in its own session (to SIGKILL it all);
     ``nproc=0``: one plain process (no torchrun), with the same thread settings."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     dist_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     base = {k: v for k, v in os.environ.items() if k not in dist_vars}
     return subprocess.Popen(
-        [*(cmd if nproc else [sys.executable]), "-m", "treetrain.cli", *args],
+        [*(cmd if nproc else [sys.executable]), "-m", module, *args],
         cwd=ROOT,
         env={**base, **THREADS_ENV, **(env or {})},
         stdout=subprocess.PIPE,

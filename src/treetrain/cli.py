@@ -8,23 +8,23 @@ lives here.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Sequence
 
 __all__ = ["build_parser", "main"]
 
 
-# ---- train: treetrain.train.loop (flags in treetrain.train.config) ---------------------------------------
+# ---- train: treetrain.train.flags (the run: treetrain.train.loop) ---------------------------------------
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
-    from treetrain.train.loop import add_parser
+    from treetrain.train.flags import add_parser
 
     add_parser(sub)
 
 
 # ---- stats: treetrain.bench.stats, tree statistics of a data file -------------------------------------
-# (to wire: ``from .stats import add_parser; add_parser(sub)``)
 
 
 def _add_stats(sub: argparse._SubParsersAction) -> None:
@@ -42,21 +42,34 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     add_parser(sub)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser (its subcommands' too), whose errors are one line, no usage: the option and
+    what is wrong with it, and where the help is."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 # ---- dispatch ----------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
     from treetrain import __version__
 
-    parser = argparse.ArgumentParser(
-        prog="treetrain", description="Train LLMs on tree-structured agent trajectories."
-    )
+    parser = _Parser(prog="treetrain", description="Train LLMs on tree-structured agent trajectories.")
     parser.add_argument("--version", action="version", version=f"treetrain {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", help="run treetrain COMMAND --help")
     _add_train(sub)
     _add_stats(sub)
     _add_bench(sub)
+    for p in (parser, *sub.choices.values()):
+        p._negative_number_matcher = _NEGATIVE_NUMBER  # noqa: SLF001
     return parser
+
+
+# argparse takes "-1e-3" (an exponent) for a flag and then reports "expected one argument"; with this,
+# any number is a value (``--lr -1e-3``), and the option's own check says what is wrong with it
+_NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|nan)$", re.IGNORECASE)
 
 
 # the library's messages name Python arguments; on the command line they are flags
@@ -75,10 +88,29 @@ def cli_wording(message: str) -> str:
     return message
 
 
+def _unrecognized(parser: argparse.ArgumentParser, command: str | None, unknown: list[str]) -> None:
+    """Exit 2 naming the command, the unknown arguments and the nearest option (``--lrr``: ``--lr``)."""
+    import difflib
+
+    sub = _subparsers(parser).get(command, parser)
+    shown = [a for a in sub._actions if a.help != argparse.SUPPRESS]  # noqa: SLF001
+    flags = [s for a in shown for s in a.option_strings]
+    near = difflib.get_close_matches(unknown[0].split("=")[0], flags, n=1)
+    hint = f"; did you mean {near[0]}?" if near else ""
+    sub.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]  # noqa: SLF001
+    return actions[0].choices if actions else {}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``treetrain`` script. Bad options exit with status 2 and one message."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        _unrecognized(parser, args.command, unknown)
     args.from_command_line = argv is None  # the process is this command: it may re-execute itself
     if args.command is None:
         parser.print_help()

@@ -19,11 +19,12 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
+from treetrain.models.head import LMHead, lm_head
 from treetrain.models.hf import tree_forward
 from treetrain.trees.packing import PackedTree, pack
 from treetrain.trees.tree import TrajectoryTree
 
-__all__ = ["expand_to_paths", "path_logprobs", "target_logprobs", "tree_logprobs"]
+__all__ = ["expand_to_paths", "head_logprobs", "path_logprobs", "target_logprobs", "tree_logprobs"]
 
 DEFAULT_CHUNK: int | None = None  # None: rows for about 64 MiB of logits (auto_chunk)
 # Logits kept from forward for backward (all chunks or none): 1 GiB is 4,096 rows at vocab 65k in
@@ -45,7 +46,8 @@ class _TargetLogprobs(torch.autograd.Function):
     matmul: an unchunked head's cost, and the logits an unchunked head holds); otherwise only the
     inputs are saved and backward recomputes each chunk's logits (one more head matmul, at most
     ``[chunk, V]`` logits at a time). ``softcap`` (Gemma 2's ``final_logit_softcapping``): the logits
-    are ``softcap * tanh(z / softcap)`` (always recomputed: backward needs the tanh).
+    are ``post * softcap * tanh(z / softcap)`` (always recomputed: backward needs the tanh); without a
+    cap callers fold any scale into ``hidden`` and ``bias`` instead (``post`` must then be 1).
 
     Example: N = 4,096 targets, V = 32,000, float32, chunk 524: 8 chunks, 524 MB of logits, kept
     under the default 1 GiB; at N = 16,384 (2.1 GB) backward recomputes them chunk by chunk.
@@ -62,7 +64,9 @@ class _TargetLogprobs(torch.autograd.Function):
         entropy: bool,
         softcap: float | None = None,
         keep_bytes: int | None = None,
+        post: float = 1.0,
     ):
+        assert softcap is not None or post == 1.0, "without a cap, fold the scale into hidden and bias"
         acc = _acc_dtype(hidden.dtype)
         N = hidden.shape[0]
         budget = LOGITS_KEEP_BYTES if keep_bytes is None else keep_bytes
@@ -73,7 +77,7 @@ class _TargetLogprobs(torch.autograd.Function):
         for s in range(0, N, chunk):
             z = nn.functional.linear(hidden[s : s + chunk], weight, bias).to(acc)
             if softcap is not None:
-                z = torch.tanh(z / softcap).mul_(softcap)
+                z = torch.tanh(z / softcap).mul_(softcap * post)
             lse = torch.logsumexp(z, dim=-1)
             logp[s : s + chunk] = z.gather(1, targets[s : s + chunk, None])[:, 0] - lse
             if entropy:  # H = lse - sum_v p_v z_v
@@ -81,7 +85,7 @@ class _TargetLogprobs(torch.autograd.Function):
             if keep:
                 kept.append(z)
         ctx.save_for_backward(hidden, weight, bias, targets)
-        ctx.chunk, ctx.entropy, ctx.softcap = chunk, entropy, softcap
+        ctx.chunk, ctx.entropy, ctx.softcap, ctx.post = chunk, entropy, softcap, post
         ctx.logits = kept or None  # released chunk by chunk in the first backward
         return logp, ent
 
@@ -106,7 +110,7 @@ class _TargetLogprobs(torch.autograd.Function):
                 z = nn.functional.linear(h, weight, bias).to(acc)
             if ctx.softcap is not None:  # d capped / dz = 1 - tanh^2, applied to g_z below
                 tanh = torch.tanh(z / ctx.softcap)
-                z = tanh * ctx.softcap
+                z = tanh * (ctx.softcap * ctx.post)
             p = torch.softmax(z, dim=-1)
             if with_ent:  # d entropy / dz = -p * (z - E_p[z]), formed in z's buffer
                 expect = torch.einsum("nv,nv->n", p, z)[:, None]
@@ -116,7 +120,7 @@ class _TargetLogprobs(torch.autograd.Function):
                 g_z = p.mul_(-gl)
             g_z.scatter_add_(1, targets[rows, None], gl)
             if ctx.softcap is not None:
-                g_z.mul_(1 - tanh * tanh)
+                g_z.mul_((1 - tanh * tanh).mul_(ctx.post))
             g_z = g_z.to(hidden.dtype)
             if need_h:
                 g_h[rows] = g_z @ weight
@@ -128,7 +132,7 @@ class _TargetLogprobs(torch.autograd.Function):
                 g_b += g_z.sum(0).to(acc)
         g_w = g_w.to(weight.dtype) if g_w is not None else None
         g_b = g_b.to(bias.dtype) if g_b is not None else None
-        return g_h, g_w, g_b, None, None, None, None, None
+        return g_h, g_w, g_b, None, None, None, None, None, None
 
 
 def auto_chunk(vocab: int, budget_bytes: int = 64 * 2**20) -> int:
@@ -138,30 +142,46 @@ def auto_chunk(vocab: int, budget_bytes: int = 64 * 2**20) -> int:
 
 def target_logprobs(
     hidden: torch.Tensor,
-    head: nn.Module,
+    head: LMHead | nn.Linear,
     targets: torch.Tensor,
     chunk: int | None = DEFAULT_CHUNK,
     entropy: bool = True,
-    softcap: float | None = None,
+    keep_bytes: int | None = None,
+    post: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of ``targets [N]`` under ``head`` at ``hidden [N, H]`` and the entropy, each ``[N]``.
+
+    ``head``: the model's exact head (:func:`treetrain.models.head.lm_head`: projection, scales,
+    cap), or a bare ``nn.Linear``. ``post`` multiplies the final logits (TRL's ``1 / temperature``).
+    The ``N x vocab`` logits are kept for backward when they fit ``keep_bytes`` (default
+    :data:`LOGITS_KEEP_BYTES`, 1 GiB); beyond that, peak extra memory is a few ``chunk x vocab``
+    blocks (default chunk: about 64 MiB of float32 logits) and backward recomputes them. With
+    ``entropy=False`` the entropy is an empty tensor and costs nothing.
+    """
+    if isinstance(head, nn.Linear):
+        head = LMHead(head.weight, head.bias)
+    if not isinstance(head, LMHead):
+        raise ValueError(f"output head must be an nn.Linear, got {type(head).__name__}")
+    chunk = chunk or auto_chunk(head.vocab)
+    # scales before the cap fold into the rows and the bias (linear): h W^T s + b s = (s h) W^T + s b
+    pre = head.logit_scale * (post if head.softcap is None else 1.0)
+    rows = hidden * (head.hidden_scale * pre) if head.hidden_scale * pre != 1.0 else hidden
+    bias = head.bias * pre if head.bias is not None and pre != 1.0 else head.bias
+    post = 1.0 if head.softcap is None else post
+    w = head.weight
+    return _TargetLogprobs.apply(rows, w, bias, targets, chunk, entropy, head.softcap, keep_bytes, post)
+
+
+def head_logprobs(
+    model: nn.Module,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    chunk: int | None = DEFAULT_CHUNK,
+    entropy: bool = True,
     keep_bytes: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob of ``targets [N]`` under ``head(hidden [N, H])`` and the entropy, each ``[N]``.
-
-    ``head`` is the model's output ``nn.Linear``. The ``N x vocab`` logits are kept for backward
-    when they fit ``keep_bytes`` (default :data:`LOGITS_KEEP_BYTES`, 1 GiB); beyond that, peak
-    extra memory is a few ``chunk x vocab`` blocks (default chunk: about 64 MiB of float32 logits)
-    and backward recomputes them. With ``entropy=False`` the entropy is an empty tensor and costs
-    nothing.
-    """
-    if not isinstance(head, nn.Linear):
-        raise ValueError(f"output head must be an nn.Linear, got {type(head).__name__}")
-    chunk = chunk or auto_chunk(head.out_features)
-    return _TargetLogprobs.apply(hidden, head.weight, head.bias, targets, chunk, entropy, softcap, keep_bytes)
-
-
-def logit_softcap(model: nn.Module) -> float | None:
-    """The model's final-logit soft-capping (Gemma 2: ``final_logit_softcapping``), or None."""
-    return getattr(model.config.get_text_config(), "final_logit_softcapping", None) or None
+    """:func:`target_logprobs` under ``model``'s exact head (:func:`treetrain.models.head.lm_head`)."""
+    return target_logprobs(hidden, lm_head(model), targets, chunk, entropy, keep_bytes)
 
 
 # Scorers that replace the single-device tree forward while a scope is open, innermost last:
@@ -203,10 +223,7 @@ def tree_logprobs(
         has_prev &= needed.to(has_prev.device)
     targets = torch.nonzero(has_prev)[:, 0]
     rows = hidden.index_select(0, packed.prev[targets])
-    head = model.get_output_embeddings()
-    logp, ent = target_logprobs(
-        rows, head, packed.input_ids[targets], chunk, entropy, softcap=logit_softcap(model)
-    )
+    logp, ent = head_logprobs(model, rows, packed.input_ids[targets], chunk, entropy)
     T = packed.num_tokens
     full_logp = logp.new_zeros(T).index_copy(0, targets, logp)
     full_ent = logp.new_zeros(T)

@@ -1,6 +1,8 @@
 """Tree attention backends over one mask representation (``subtree_end``).
 
 Every backend is ``fn(q [Hq, T, D], k [Hkv, T, D], v [Hkv, T, D], mask: TreeMask, scale) -> [Hq, T, D]``.
+
+May import: trees.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from treetrain.attention.mask import TreeMask, block_classes, dense_tree_mask
 
 __all__ = [
     "BACKENDS",
+    "FEATURES",
+    "check_features",
     "TreeMask",
     "block_classes",
     "default_backend",
@@ -33,6 +37,34 @@ BACKENDS: dict[str, tuple[str, str]] = {
     "cp": ("treetrain.parallel.cp", "cp_attention"),  # context parallel (inside parallel.cp only)
     "depth_first": ("treetrain.parallel.depth_first", "stack_attention"),  # inside parallel.depth_first
 }
+
+
+# what each backend computes besides the tree mask (keyword arguments it takes)
+FEATURES: dict[str, frozenset[str]] = {
+    "dense": frozenset({"window", "softcap", "sinks"}),
+    "blocksparse": frozenset({"window", "sinks"}),
+    "flex": frozenset({"window", "softcap", "sinks"}),
+    "triton": frozenset({"window", "sinks"}),
+    "cp": frozenset(),
+    "depth_first": frozenset(),
+}
+_FEATURE_NAMES = {
+    "window": "sliding-window attention",
+    "softcap": "attention logit softcapping",
+    "sinks": "attention sinks",
+}
+
+
+def check_features(name: str, features) -> None:
+    """``ValueError`` naming the first of ``features`` that backend ``name`` cannot compute and the
+    backends that can."""
+    for f in sorted(features):
+        if f not in FEATURES.get(name, frozenset()):
+            can = [b for b, fs in FEATURES.items() if f in fs and b not in ("cp", "depth_first")]
+            raise ValueError(
+                f"attention backend {name!r} does not support {_FEATURE_NAMES.get(f, f)} ({f}), which "
+                f"this model uses; use attention backend {' or '.join(repr(b) for b in can)}"
+            )
 
 
 def get_backend(name: str) -> Callable:

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from treetrain.attention.mask import TreeMask, check_inputs
+from treetrain.attention.sinks import add_sinks, check_sinks, sink_grad
 
 try:  # the CPU flash kernel behind SDPA, called directly for its log-sum-exp and backward
     _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -333,20 +334,33 @@ def _backward(do, q, k, v, out, lse, plan: BlockSparsePlan, scale: float, pos=No
     return dq, dk, dv
 
 
+def _per_head(x: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``_grouped``: ``[rep, Hkv, T]`` -> ``[Hq, T]`` (query head ``kv * rep + r``)."""
+    return x.transpose(0, 1).flatten(0, 1)
+
+
 class _BlockSparseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan: BlockSparsePlan, scale: float, pos, window):
+    def forward(ctx, q, k, v, plan: BlockSparsePlan, scale: float, pos, window, sinks):
         out, lse = _forward(q, k, v, plan, scale, pos, window)
-        ctx.save_for_backward(q, k, v, out, lse)
+        if sinks is not None:  # rescale by the sink's share; the backward then runs with out', lse'
+            hkv = k.shape[0]
+            sunk, new_lse = add_sinks(out, _per_head(lse), sinks)
+            out.copy_(sunk)
+            lse = _grouped(new_lse, hkv)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.plan, ctx.scale, ctx.pos, ctx.window = plan, scale, pos, window
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         dq, dk, dv = _backward(do, q, k, v, out, lse, ctx.plan, ctx.scale, ctx.pos, ctx.window)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        ds = None
+        if sinks is not None and ctx.needs_input_grad[7]:
+            ds = sink_grad(do, out, _per_head(lse), sinks)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, ds
 
 
 def blocksparse_attention(
@@ -359,6 +373,7 @@ def blocksparse_attention(
     *,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Tree attention that computes (nearly) only the pairs the tree allows, with autograd. CPU only.
 
@@ -368,6 +383,7 @@ def blocksparse_attention(
     smaller masks fewer pairs but makes more kernel calls (64 measured best,
     benchmarks/attention_cpu.py). float64, float32, bfloat16 (accumulated in float32).
     ``window``: sliding window along each path (an extra mask on the tiles that cross it).
+    ``sinks [Hq]``: GPT-OSS's per-head sink logits (see :mod:`.sinks`), forward and gradient.
     ``softcap`` is not supported (the CPU flash kernel has no score hook).
     """
     if softcap is not None:
@@ -376,6 +392,8 @@ def blocksparse_attention(
             "use attention backend 'dense' (CPU) or 'flex'"
         )
     check_inputs("blocksparse_attention", q, k, v, mask)
+    if sinks is not None:
+        check_sinks("blocksparse_attention", sinks, q.shape[0])
     if q.device.type != "cpu":
         raise ValueError(f"blocksparse_attention runs on CPU, got {q.device}; use flex or triton")
     if q.shape[1] == 0:
@@ -383,4 +401,4 @@ def blocksparse_attention(
     pos = mask.window_positions(window)
     pos = None if pos is None else pos.detach().to("cpu", torch.int64)
     plan = mask.cached(("blocksparse", block), lambda: build_plan(mask.subtree_end, block))
-    return _BlockSparseAttention.apply(q, k, v, plan, scale, pos, window)
+    return _BlockSparseAttention.apply(q, k, v, plan, scale, pos, window, sinks)

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from treetrain.attention.mask import TreeMask, check_inputs, dense_tree_mask
+from treetrain.attention.sinks import check_sinks
 
 
 def dense_attention(
@@ -17,24 +18,34 @@ def dense_attention(
     *,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Tree attention with an explicit mask.
 
     Shapes: ``q [Hq, T, D]``, ``k, v [Hkv, T, D]`` with ``Hq % Hkv == 0`` (GQA); returns ``[Hq, T, D]``.
     ``window``: sliding window along each path (``pos[q] - pos[k] < window``, see ``mask.py``).
     ``softcap``: Gemma 2's attention logit soft-capping, ``softcap * tanh(scores / softcap)``.
+    ``sinks [Hq]``: GPT-OSS's per-head sink logits, one more softmax column with a zero value (as HF's
+    eager attention: the column joins the softmax and is dropped after it).
     """
     check_inputs("dense_attention", q, k, v, mask)
+    if sinks is not None:
+        check_sinks("dense_attention", sinks, q.shape[0])
     pos = mask.window_positions(window)
     dense = mask.cached(("dense", window), lambda: dense_tree_mask(mask.subtree_end, pos, window))
     rep = q.shape[0] // k.shape[0]
     if rep > 1:
         k = k.repeat_interleave(rep, dim=0)
         v = v.repeat_interleave(rep, dim=0)
-    if softcap is not None:  # SDPA has no score hook: the scores in full, as HF's eager attention
+    if softcap is not None or sinks is not None:  # SDPA has neither: the scores in full, as HF's eager
         scores = (q @ k.transpose(-1, -2)) * scale
-        scores = torch.tanh(scores / softcap) * softcap
-        probs = torch.softmax(scores.masked_fill(~dense, float("-inf")), dim=-1)
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.masked_fill(~dense, float("-inf"))
+        if sinks is None:
+            return torch.softmax(scores, dim=-1) @ v
+        sink = sinks.to(scores.dtype)[:, None, None].expand(-1, scores.shape[1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
         return probs @ v
     # 4-D inputs: with 3-D ones SDPA takes a slow path that builds the T x T score matrix
     return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=dense, scale=scale)[0]

@@ -10,9 +10,10 @@ import functools
 import warnings
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
 from treetrain.attention.mask import TreeMask, block_classes, check_inputs
+from treetrain.attention.sinks import add_sinks, check_sinks
 
 FLEX_BLOCK = 128
 
@@ -83,18 +84,28 @@ def flex_tree_attention(
     *,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``q [Hq, T, D]``, ``k, v [Hkv, T, D]`` -> ``[Hq, T, D]``. CPU: forward only (no flex backward).
 
     ``window``: sliding window along each path; ``softcap``: Gemma 2's logit soft-capping (a
-    ``score_mod`` on the scaled scores).
+    ``score_mod`` on the scaled scores); ``sinks [Hq]``: GPT-OSS's sink logits, applied from the
+    kernel's log-sum-exp (:mod:`.sinks`; the gradient flows through flex's differentiable lse).
     """
     check_inputs("flex_tree_attention", q, k, v, mask)
     pos = mask.window_positions(window)
     bm = mask.cached(("flex", window), lambda: tree_block_mask(mask.subtree_end, FLEX_BLOCK, pos, window))
     gqa = q.shape[0] != k.shape[0]
     score_mod = None if softcap is None else _softcap_mod(softcap)
-    out = _flex(q.device)(
-        q[None], k[None], v[None], score_mod=score_mod, block_mask=bm, scale=scale, enable_gqa=gqa
-    )
-    return out[0]
+    if sinks is None:
+        out = _flex(q.device)(
+            q[None], k[None], v[None], score_mod=score_mod, block_mask=bm, scale=scale, enable_gqa=gqa
+        )
+        return out[0]
+    check_sinks("flex_tree_attention", sinks, q.shape[0])
+    out, aux = _flex(q.device)(
+        q[None], k[None], v[None], score_mod=score_mod, block_mask=bm, scale=scale, enable_gqa=gqa,
+        return_aux=AuxRequest(lse=True),
+    )  # fmt: skip
+    lse = aux.lse[0].to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+    return add_sinks(out[0], lse, sinks)[0]

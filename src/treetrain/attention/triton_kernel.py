@@ -20,6 +20,7 @@ import os
 import torch
 
 from treetrain.attention.mask import TreeMask, block_bounds, check_inputs
+from treetrain.attention.sinks import add_sinks, check_sinks, sink_grad
 
 try:
     import triton
@@ -346,7 +347,7 @@ def _launch_args(q: torch.Tensor, k: torch.Tensor, block_m: int, block_n: int, w
 
 class _TreeAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask: TreeMask, scale: float, block_m: int, block_n: int, window):
+    def forward(ctx, q, k, v, mask: TreeMask, scale: float, block_m: int, block_n: int, window, sinks):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         end = mask.subtree_end.contiguous()
         pos = end if window is None else mask.window_positions(window).contiguous()  # unread if no window
@@ -358,13 +359,17 @@ class _TreeAttention(torch.autograd.Function):
         args = _launch_args(q, k, block_m, block_n, window)
         grid = (triton.cdiv(T, block_m), Hq)
         _fwd_kernel[grid](q, k, v, end, pos, w, k_min, k_max, o, lse, T, scale * _LOG2E, **args)
-        ctx.save_for_backward(q, k, v, o, lse, end, pos, k_min, k_max)
+        if sinks is not None:  # rescale by the sink's share; the backward kernels then see the sink's
+            sunk, new_lse = add_sinks(o, lse / _LOG2E, sinks)  # probabilities through o' and lse'
+            o.copy_(sunk)
+            lse = new_lse * _LOG2E
+        ctx.save_for_backward(q, k, v, o, lse, end, pos, k_min, k_max, sinks)
         ctx.scale, ctx.block_m, ctx.block_n, ctx.window = scale, block_m, block_n, window
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse, end, pos, k_min, k_max = ctx.saved_tensors
+        q, k, v, o, lse, end, pos, k_min, k_max, sinks = ctx.saved_tensors
         do = do.contiguous()
         (Hq, T, _), Hkv = q.shape, k.shape[0]
         args = _launch_args(q, k, ctx.block_m, ctx.block_n, ctx.window)
@@ -384,7 +389,10 @@ class _TreeAttention(torch.autograd.Function):
         _bwd_dq_kernel[(m_blocks, Hq)](
             q, k, v, do, lse, delta, end, pos, w, k_min, k_max, dq, T, qk_scale, ctx.scale, **args
         )
-        return dq, dk, dv, None, None, None, None, None
+        ds = None
+        if sinks is not None and ctx.needs_input_grad[8]:
+            ds = sink_grad(do, o, lse / _LOG2E, sinks)
+        return dq, dk, dv, None, None, None, None, None, ds
 
 
 def triton_tree_attention(
@@ -398,6 +406,7 @@ def triton_tree_attention(
     block_n: int | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Tree attention through the fused Triton kernels, differentiable in ``q``, ``k``, ``v``.
 
@@ -405,7 +414,8 @@ def triton_tree_attention(
     fp32 / fp16 / bf16 inputs, fp32 accumulation. ``block_m`` / ``block_n`` (powers of two >= 16) are
     the query / key tile sizes (defaults: ``_CUDA_CONFIGS`` on CUDA, 32 under the interpreter).
     ``window``: sliding window along each path (``pos[q] - pos[k] < window``; every visited tile is
-    then masked). ``softcap`` is not supported.
+    then masked). ``sinks [Hq]``: GPT-OSS's sink logits (:mod:`.sinks`), forward and gradient.
+    ``softcap`` is not supported.
     """
     if softcap is not None:
         raise ValueError(
@@ -413,6 +423,8 @@ def triton_tree_attention(
             "use attention backend 'flex' (CUDA) or 'dense'"
         )
     check_inputs("triton_tree_attention", q, k, v, mask)
+    if sinks is not None:
+        check_sinks("triton_tree_attention", sinks, q.shape[0])
     if triton is None:
         raise RuntimeError("the triton attention backend needs the triton package")
     default_m, default_n, _ = _config(q)
@@ -420,4 +432,4 @@ def triton_tree_attention(
     for b in (block_m, block_n):
         if b < 16 or b & (b - 1):
             raise ValueError(f"triton_tree_attention: block sizes must be powers of two >= 16, got {b}")
-    return _TreeAttention.apply(q, k, v, mask, scale, block_m, block_n, window)
+    return _TreeAttention.apply(q, k, v, mask, scale, block_m, block_n, window, sinks)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from treetrain.bench import noise
 from treetrain.trees.flops import CostModel, baseline_work, tree_work
 from treetrain.trees.packing import pack
 from treetrain.trees.tree import TrajectoryTree
@@ -209,6 +210,18 @@ class Result:
     max_logprob_diff: float
     loss_diff: float  # |tree loss - baseline loss| of the warm-up step (same weights)
     matmul_gflops: float = 0.0  # the dense matmul rate the MFUs use (the best of the run's and the case's)
+    # noise (treetrain.bench.noise): the times above are the best of `repeats`; medians and spreads
+    # ((max - min) / median) of the same repeats, the load during the case, and why not to trust it
+    repeats: int = 0
+    baseline_median_s: float = 0.0
+    tree_median_s: float = 0.0
+    speedup_median: float = 0.0
+    baseline_spread: float = 0.0
+    tree_spread: float = 0.0
+    others_cores: float | None = None  # CPU other processes used during the case, in cores
+    loadavg: float | None = None  # 1-minute load average at the end of the case
+    steal: float | None = None
+    untrusted: list[str] = dataclasses.field(default_factory=list)  # reasons; empty: none found
 
 
 def _timed(fn, device) -> tuple[float, float]:
@@ -241,8 +254,20 @@ def case_capacity(trees: list[TrajectoryTree], capacity: int) -> int:
 
 
 def run_case(
-    name, model, model_args, trees, capacity, repeats, backend, cost: CostModel, rate: float, memory: bool
+    name,
+    model,
+    model_args,
+    trees,
+    capacity,
+    repeats,
+    backend,
+    cost: CostModel,
+    rate: float,
+    memory: bool,
+    matmul_size: int = 2048,
 ) -> Result:
+    """One case: both modes (and a plain HF step on one-path cases) timed ``repeats`` times each,
+    interleaved, after an untimed warm-up round; the load while they ran and the verdict on them."""
     device = model.get_input_embeddings().weight.device
     capacity = case_capacity(trees, capacity)
     base_flops, tree_flops, computed = case_flops(trees, capacity, cost)
@@ -251,26 +276,41 @@ def run_case(
     times: dict[str, list[float]] = {m: [] for m in modes}
     losses: dict[str, float] = {}
     # the rate right before this case's steps: on a shared machine the load changes during a run
-    rate = max(rate, matmul_rate(next(model.parameters()).dtype, device))
+    rate = max(rate, matmul_rate(next(model.parameters()).dtype, device, matmul_size))
+    monitor = noise.Monitor()
     for r in range(repeats + 1):  # the first round warms up and is not timed
-        for mode in modes if r % 2 == 0 else modes[::-1]:
+        if r == 1:
+            monitor.start()
+        for mode in modes if r % 2 == 0 else modes[::-1]:  # interleaved: slow phases hit both modes
             model.zero_grad(set_to_none=True)
             dt, loss = _timed(lambda m=mode: train_step(m, model, trees, micro[m], backend), device)
             if r > 0:
                 times[mode].append(dt)
             else:
                 losses[mode] = loss
+    load = monitor.stop() if repeats else None
     model.zero_grad(set_to_none=True)
     peaks = {
         m: peak_memory(m, model, model_args, trees, capacity, backend) / 2**20 if memory else None
         for m in ("sequence", "tree")
     }
+    stats = {("baseline" if m == "sequence" else m): noise.summary(v) for m, v in times.items()}
     med = {m: min(v) for m, v in times.items()}
     tb, tt = med["sequence"], med["tree"]
     base_tok = sum(t.num_path_tokens for t in trees)
     tree_tok = sum(t.num_tokens for t in trees)
     bound = base_flops / tree_flops
     return Result(
+        repeats=repeats,
+        baseline_median_s=stats["baseline"]["median"],
+        tree_median_s=stats["tree"]["median"],
+        speedup_median=stats["baseline"]["median"] / stats["tree"]["median"],
+        baseline_spread=stats["baseline"]["spread"],
+        tree_spread=stats["tree"]["spread"],
+        others_cores=None if load is None else load.others_cores,
+        steal=None if load is None else load.steal,
+        loadavg=None if load is None else load.loadavg,
+        untrusted=noise.verdict(stats, load, bound),
         name=name,
         paths=sum(t.num_paths for t in trees),
         baseline_tokens=base_tok,

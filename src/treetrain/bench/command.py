@@ -10,8 +10,12 @@ through the same library code, :mod:`treetrain.train.strategies`:
   prefix once, the same head on the distinct trained targets.
 
 Micro-batches are built and packed before the clock starts, for both modes. Modes alternate
-(a warm-up round first, not timed) and each time is the best of ``--repeats`` steps: on a shared
-machine the fastest step is the one least disturbed by other load, for either mode alike.
+(a warm-up round first, not timed; then tree, baseline, baseline, tree, ...) and each time is the
+best of ``--repeats`` steps, the one least disturbed by other load, with the median and the spread
+(``(max - min) / median``) beside it. The run measures its own noise (:mod:`treetrain.bench.noise`):
+the machine's load before the run and, per case, the CPU other processes used and the hypervisor's
+steal; a case whose spread exceeds 10%, that ran beside other work or after a load above the core
+count, is marked NOT TRUSTWORTHY with the reasons, in the output, the table and the result files.
 
 The bound beside each speedup is the FLOP ratio of what each mode computes
 (:mod:`treetrain.trees.flops`: linear layers on tokens run, attention on allowed pairs, LM head on
@@ -29,27 +33,34 @@ import json
 import os
 import time
 from dataclasses import asdict
+from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
+from treetrain.bench import allocator, noise
 
-from treetrain.bench import allocator
-from treetrain.bench.cases import (
-    Result,
-    bench_model,
-    case_capacity,
-    case_flops,
-    group_tree,
-    matmul_rate,
-    one_path_tree,
-    per_turn_tree,
-    run_case,
-)
-from treetrain.trees.flops import CostModel
-from treetrain.trees.tree import TrajectoryTree
+if TYPE_CHECKING:  # torch and numpy are imported when the command runs, not for its --help
+    import torch
+
+    from treetrain.bench.cases import Result
+    from treetrain.trees.tree import TrajectoryTree
 
 # model and case sizes; every flag left unset takes its preset's value (``--preset``)
 PRESETS: dict[str, dict] = {
+    "tiny": dict(  # a check that the command and its noise report work: seconds, not a measurement
+        hidden=16,
+        layers=1,
+        heads=2,
+        vocab=64,
+        paths=4,
+        path_len=16,
+        por=[0.5],
+        turns=0,
+        turn_len=8,
+        one_path=0,
+        repeats=3,
+        sample_trees=1,
+        capacity=64,
+        matmul_size=128,
+    ),
     "small": dict(
         hidden=512,
         layers=2,
@@ -64,6 +75,7 @@ PRESETS: dict[str, dict] = {
         repeats=4,
         sample_trees=1,
         capacity=4096,
+        matmul_size=2048,
     ),
     "mid": dict(
         hidden=1024,
@@ -79,6 +91,7 @@ PRESETS: dict[str, dict] = {
         repeats=2,
         sample_trees=2,
         capacity=8192,
+        matmul_size=2048,
     ),
 }
 
@@ -98,8 +111,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--preset",
         choices=sorted(PRESETS),
         default="small",
-        help="sizes: small (a couple of minutes on a 2-core CPU) or mid (hidden 1024, 8 layers, >= 4k "
-        f"tokens per tree step; minutes per step on CPU). small: {small}; mid: {PRESETS['mid']}",
+        help="sizes: tiny (a seconds-long check of the command, no measurement), small or mid (hidden "
+        "1024, 8 layers, >= 4k tokens per tree step). Times measured on a quiet 2-core AMD EPYC CPU "
+        "(docs/guides/benchmarks.md): small 43 s (glibc malloc), small with --turns 20 --sample 81 s and "
+        "mid with --sample 22 min (tcmalloc); a loaded machine takes several times longer (478 s seen "
+        "for small with --turns 20 --sample at load average 12), and the run says so. "
+        f"tiny: {PRESETS['tiny']}; small: {small}; mid: {PRESETS['mid']}",
     )
     p.add_argument("--hidden", type=int, default=None, help="model hidden size")
     p.add_argument("--layers", type=int, default=None, help="decoder layers")
@@ -135,14 +152,22 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--repeats",
         type=int,
         default=None,
-        help="timed steps per mode (the best is reported), after a warm-up",
+        help="timed steps per mode, after a warm-up: the best is reported, with the median and the "
+        "spread over them (2 or more needed to judge the noise)",
     )
     p.add_argument(
         "--memory", action="store_true", help="also peak memory per mode (CPU: a fresh process each)"
     )
     allocator.add_flag(p)
+    p.add_argument(
+        "--matmul-size",
+        type=int,
+        default=None,
+        help="side of the square matmul that measures the machine's rate for MFU (smaller: quicker, "
+        "less exact)",
+    )
     p.add_argument("--backend", default=None, help="tree attention backend (default: by device)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="device")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (CUDA when available)")
     p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA default)")
     p.add_argument("--json", default=None, help="write results as JSON here")
     p.add_argument("--plot", default=None, help="write a PNG of speedup and bound vs POR here")
@@ -166,13 +191,15 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def _cases(args, vocab: int) -> list[tuple[str, list[TrajectoryTree]]]:
+    from treetrain.bench.cases import group_tree, one_path_tree, per_turn_tree
+
     cases = [(f"group POR {p:.0%}", [group_tree(p, args.paths, args.path_len, vocab)]) for p in args.por]
     if args.turns:
         cases.append((f"per-turn {args.turns} turns", [per_turn_tree(args.turns, args.turn_len, vocab)]))
     if args.one_path:
         cases.append((f"one path {args.one_path}", [one_path_tree(args.one_path, vocab)]))
     if args.sample:
-        from treetrain.data import records as data
+        from treetrain.data import reader as data
 
         trees = [t for t, _ in data.iter_trees(data.sample_path("agent-dialogues"))]
         if args.sample_trees:  # the N smallest by baseline tokens, in file order
@@ -185,6 +212,10 @@ def _cases(args, vocab: int) -> list[tuple[str, list[TrajectoryTree]]]:
 
 
 def renumber(trees: list[TrajectoryTree], vocab: int) -> list[TrajectoryTree]:
+    import numpy as np
+
+    from treetrain.trees.tree import TrajectoryTree
+
     """Map the distinct token ids used to ``0..n-1`` (a bijection: the trees keep their shape)."""
     used = np.unique(np.concatenate([t.tokens for t in trees]))
     if used.size > vocab:
@@ -198,69 +229,123 @@ def _opt(x: float | None, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
-def format_table(results: list[Result]) -> str:
+def format_table(results: list[Result], machine: list[str] = ()) -> str:
+    """The results as a Markdown table; speedup and efficiency from the best times, the median
+    speedup and each mode's spread beside them, and whether the case's timings can be trusted."""
     head = (
-        "| case | paths | baseline tok | tree tok | POR | speedup | FLOP bound | efficiency "
-        "| baseline s | tree s | MFU base/tree | HF s (tree/HF) | peak MB base/tree | max lp diff |"
+        "| case | paths | baseline tok | tree tok | POR | speedup (best) | median (spread base/tree) "
+        "| FLOP bound | efficiency | baseline s | tree s | MFU base/tree | HF s (tree/HF) "
+        "| peak MB base/tree | max lp diff | timings |"
     )
-    lines = [head, "|" + "---|" * 14]
+    lines = [head, "|" + "---|" * 16]
     for r in results:
         hf = "-" if r.hf_s is None else f"{r.hf_s:.3f} ({r.tree_vs_hf:.3f})"
+        trust = f"NOT TRUSTWORTHY ({len(r.untrusted)} reasons below)" if r.untrusted else "ok"
+        if machine and not r.untrusted:
+            trust = "suspect (busy machine)"
         lines.append(
             f"| {r.name} | {r.paths} | {r.baseline_tokens:,} | {r.computed_tokens:,} | {r.por:.1%} "
-            f"| {r.speedup:.2f}x | {r.flop_bound:.2f}x | **{r.efficiency:.2f}** | {r.baseline_s:.3f} "
+            f"| {r.speedup:.2f}x | {r.speedup_median:.2f}x ({r.baseline_spread:.0%}/{r.tree_spread:.0%}) "
+            f"| {r.flop_bound:.2f}x | **{r.efficiency:.2f}** | {r.baseline_s:.3f} "
             f"| {r.tree_s:.3f} | {r.baseline_mfu:.2f}/{r.tree_mfu:.2f} | {hf} "
-            f"| {_opt(r.baseline_peak_mb, '.0f')}/{_opt(r.tree_peak_mb, '.0f')} | {r.max_logprob_diff:.1e} |"
+            f"| {_opt(r.baseline_peak_mb, '.0f')}/{_opt(r.tree_peak_mb, '.0f')} | {r.max_logprob_diff:.1e} "
+            f"| {trust} |"
         )
-    return "\n".join(lines)
+    return "\n".join(lines) + noise_notes(results, machine)
+
+
+def noise_notes(results: list[Result], machine: list[str] = ()) -> str:
+    """The reasons behind every NOT TRUSTWORTHY row and a busy machine, or a line saying none was found."""
+    bad = [r for r in results if r.untrusted]
+    lines = []
+    if machine:
+        lines.append(
+            "**A busy machine before the run:** " + "; ".join(machine) + ". Every figure is suspect, even "
+            "where its own repeats agree."
+        )
+    if bad:
+        lines.append(
+            f"**NOT TRUSTWORTHY: {len(bad)} of {len(results)} cases.** Their speedups and efficiencies are "
+            "the machine's load as much as the code's; rerun on a quiet machine (or with more --repeats):"
+        )
+        lines[-1] += "\n" + "\n".join(f"- {r.name}: " + "; ".join(r.untrusted) for r in bad)
+    if not lines:
+        lines.append(
+            "Timings: no sign of noise (every spread <= 10%, the machine otherwise idle); the best "
+            "times are the figures."
+        )
+    return "\n\n" + "\n\n".join(lines)
 
 
 def plot(results: list[Result], out: str) -> None:
-    """Speedup and FLOP bound vs POR (log scale), efficiency annotated."""
+    """Speedup and FLOP bound vs POR (log scale). Names and efficiencies go in the legend, below
+    the axes, never beside the points: points at nearly the same place (a case and its bound, the
+    sample beside a group tree) would print their labels over each other."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
     sweep = sorted((r for r in results if r.name.startswith("group")), key=lambda r: r.por)
     others = [r for r in results if not r.name.startswith("group")]
+    fig, ax = plt.subplots(figsize=(7, 4.2 + 0.22 * (len(others) + 2)))
     if sweep:
         por = [r.por * 100 for r in sweep]
-        ax.plot(por, [r.flop_bound for r in sweep], "k--o", label="FLOP bound (group trees)")
-        ax.plot(por, [r.speedup for r in sweep], "C0-o", label="measured (group trees)")
+        effs = ", ".join(f"{r.efficiency:.2f}" for r in sweep)
+        ax.plot(
+            por,
+            [r.flop_bound for r in sweep],
+            "k--",
+            marker="o",
+            mfc="none",
+            label="FLOP bound (group trees)",
+        )
+        ax.plot(por, [r.speedup for r in sweep], "C0-o", label=f"measured, group trees (efficiency {effs})")
+    markers = "s^vDP*Xh"
     for i, r in enumerate(others):
-        ax.plot(r.por * 100, r.flop_bound, "k^", label="FLOP bound (other)" if i == 0 else None)
-        ax.plot(r.por * 100, r.speedup, "C1s", label="measured (other)" if i == 0 else None)
-        ax.annotate(r.name, (r.por * 100, r.speedup), fontsize=7, xytext=(-60, 6), textcoords="offset points")
-    for r in results:
-        ax.annotate(
-            f"{r.efficiency:.2f}",
-            (r.por * 100, r.speedup),
-            fontsize=7,
-            xytext=(4, -10),
-            textcoords="offset points",
+        color, m = f"C{i + 1}", markers[i % len(markers)]
+        ax.plot(r.por * 100, r.flop_bound, m, color=color, mfc="none", ms=9)
+        ax.plot(
+            r.por * 100,
+            r.speedup,
+            m,
+            color=color,
+            label=f"{r.name}: {r.speedup:.2f}x, bound {r.flop_bound:.2f}x (hollow), "
+            f"efficiency {r.efficiency:.2f}",
         )
     ax.set_xlabel("POR (%)")
     ax.set_ylabel("speedup over per-path baseline (x)")
     ax.set_yscale("log")
+    top = max(max(r.speedup, r.flop_bound) for r in results)
+    low = min(min(r.speedup, r.flop_bound) for r in results)
+    ax.set_ylim(min(0.9, low / 1.15), top * 1.3)
     ticks = [
-        t
-        for t in (1, 1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-        if t <= 1.3 * max(max(r.speedup, r.flop_bound) for r in results)
+        t for t in (0.5, 0.75, 1, 1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if low / 1.15 <= t <= 1.3 * top
     ]
     ax.set_yticks(ticks, [f"{t:g}x" for t in ticks])
     ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    ax.set_title("tree vs per-path baseline (numbers: efficiency = speedup / bound)", fontsize=9)
+    ax.set_xlim(-5, 105)
+    untrusted = sum(bool(r.untrusted) for r in results)
+    title = "tree vs per-path baseline: speedup (filled) and FLOP bound"
+    if untrusted:
+        title += f"\n{untrusted} of {len(results)} cases NOT TRUSTWORTHY (noisy machine, see the table)"
+    ax.set_title(title, fontsize=9, color="C3" if untrusted else "black")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=1, frameon=False)
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    fig.savefig(out, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 
 def main(args: argparse.Namespace) -> int:
+    import torch
+
+    from treetrain.bench.cases import bench_model, case_capacity, case_flops, matmul_rate, run_case
+    from treetrain.trees.flops import CostModel
+
     args = resolve(args)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(args.device)
     if device.type == "cpu" and getattr(args, "from_command_line", False):
         allocator.use(args.allocator)  # may re-execute this command under tcmalloc
@@ -273,13 +358,19 @@ def main(args: argparse.Namespace) -> int:
     model_args = (args.hidden, args.layers, args.vocab, args.heads, device, dtype)
     model = bench_model(*model_args)
     cost = CostModel.from_config(model.config)
-    rate = matmul_rate(dtype, device)
+    rate = matmul_rate(dtype, device, args.matmul_size)
     print(
         f"treetrain bench: preset {args.preset}, hidden {args.hidden}, {args.layers} layers, "
         f"vocab {args.vocab}, "
         f"{dtype}, {device}; dense matmul rate {rate / 1e9:,.1f} GFLOP/s; allocator {args.allocator_used}",
         flush=True,
     )
+    before = noise.snapshot()
+    load_line = noise.describe(before["load"], before["top"])
+    print(f"machine before the run: {load_line}", flush=True)
+    machine = noise.busy(before["load"])
+    if machine:
+        print("  WARNING, a busy machine: " + "; ".join(machine) + ". Timings will be marked.", flush=True)
     cases = _cases(args, args.vocab)
     # work of every case: both modes, warm-up + repeats, plus the untimed log-prob check (~1/3 step)
     work = [
@@ -295,7 +386,17 @@ def main(args: argparse.Namespace) -> int:
             flush=True,
         )
         r = run_case(
-            name, model, model_args, trees, args.capacity, args.repeats, args.backend, cost, rate, args.memory
+            name,
+            model,
+            model_args,
+            trees,
+            args.capacity,
+            args.repeats,
+            args.backend,
+            cost,
+            rate,
+            args.memory,
+            args.matmul_size,
         )
         sec_per_flop = (time.perf_counter() - t_start) / sum(work[: i + 1])
         print(
@@ -305,12 +406,22 @@ def main(args: argparse.Namespace) -> int:
             + f"; max log-prob diff {r.max_logprob_diff:.1e}",
             flush=True,
         )
+        print(
+            f"  median speedup {r.speedup_median:.2f}x; spread over {r.repeats} repeats: baseline "
+            f"{r.baseline_spread:.0%}, tree {r.tree_spread:.0%}; "
+            + noise.describe(noise.Load(before["load"].cores, 0, r.loadavg, r.others_cores, r.steal))
+            + ("" if not r.untrusted else "\n  NOT TRUSTWORTHY: " + "; ".join(r.untrusted)),
+            flush=True,
+        )
         results.append(r)
     print(f"\ndone in {time.perf_counter() - t_start:.0f} s\n")
-    print(format_table(results))
+    print(format_table(results, machine))
     report = {
         "matmul_gflops": rate / 1e9,
         "allocator": args.allocator_used,
+        "load_before": {**asdict(before["load"]), "busiest": before["top"]},
+        "machine_busy": machine,
+        "trustworthy": not machine and not any(r.untrusted for r in results),
         "results": [asdict(r) for r in results],
     }
     if args.out:
@@ -320,7 +431,9 @@ def main(args: argparse.Namespace) -> int:
         os.makedirs(args.out, exist_ok=True)
         args.json, args.plot = args.json or stem + ".json", args.plot or stem + ".png"
         with open(stem + ".md", "w") as f:
-            f.write(results_header(args, rate, dtype, device) + format_table(results) + "\n")
+            f.write(
+                results_header(args, rate, dtype, device, load_line) + format_table(results, machine) + "\n"
+            )
         print(f"wrote {stem}.md")
     if args.json:
         with open(args.json, "w") as f:
@@ -333,6 +446,8 @@ def main(args: argparse.Namespace) -> int:
 
 def hardware_slug(device: torch.device) -> str:
     """``cpu-2core-intel-xeon...`` or ``cuda-nvidia-h100...``: the hardware, for file names."""
+    import torch
+
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     else:
@@ -344,9 +459,11 @@ def hardware_slug(device: torch.device) -> str:
     return f"{device.type}-" + "-".join(filter(None, slug.split("-")))[:48]
 
 
-def results_header(args, rate: float, dtype, device) -> str:
+def results_header(args, rate: float, dtype, device, load: str = "unknown") -> str:
     import platform
     import sys
+
+    import torch
 
     return (
         f"# treetrain bench, preset {args.preset}\n\n"
@@ -354,6 +471,7 @@ def results_header(args, rate: float, dtype, device) -> str:
         f"- hardware: {hardware_slug(device)} ({platform.processor() or platform.machine()}), torch "
         f"{torch.__version__}, {torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d %H:%M')}, "
         f"allocator {getattr(args, 'allocator_used', allocator.active())}\n"
+        f"- machine before the run: {load}\n"
         f"- model: Qwen3-shaped, hidden {args.hidden}, {args.layers} layers, {args.heads} heads, vocab "
         f"{args.vocab}, {dtype}; dense matmul rate {rate / 1e9:,.1f} GFLOP/s\n"
         "- baseline: treetrain.objectives.baseline, every path its own sequence, packed padding-free "

@@ -8,8 +8,15 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from treetrain.trees.flops import QWEN3_0_6B, CostModel, flop_bound, token_bound
+from treetrain.data.grouping import GROUP_ROWS_HELP, GROUPINGS
+from treetrain.data.sources import is_table_source
+
+if TYPE_CHECKING:
+    from treetrain.trees.flops import CostModel
+
+QWEN3_VOCAB = 151936  # Qwen3's vocabulary: that of train's default model and of the Qwen3-0.6B shape
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -25,13 +32,13 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         default=None,
         help="JSONL (.gz), Parquet/Arrow file or datasets directory (default: the bundled sample)",
     )
-    formats = ["paths", "messages", "tree"]
+    formats = ["paths", "messages", "tree", "preference"]
     p.add_argument(
         "--data-format",
         dest="fmt",
         default=None,
         choices=formats,
-        help="the data format (default: detected per record)",
+        help="paths | messages | tree | preference (default: detected per record)",
     )
     p.add_argument("--format", dest="fmt", choices=formats, help=argparse.SUPPRESS)  # alias
     p.add_argument(
@@ -49,6 +56,14 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument(
         "--model", default=None, help="local model dir/config for the FLOP bound (default: Qwen3-0.6B shape)"
     )
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="token ids must be below this, as train checks them (default: --model's vocabulary, else "
+        f"{QWEN3_VOCAB:,}: Qwen3's, that of train's default model)",
+    )
+    p.add_argument("--group-rows", default="consecutive", choices=GROUPINGS, help=GROUP_ROWS_HELP)
     p.add_argument("--show", type=int, default=0, help="draw the first N trees as text (default 0)")
     p.add_argument(
         "--plot",
@@ -62,35 +77,82 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return p
 
 
-def _cost(model: str | None) -> tuple[CostModel, str]:
+def _cost(model: str | None) -> tuple[CostModel, str, int]:
+    """The FLOP cost model, its name and the vocabulary size: ``--model``'s, or Qwen3-0.6B's."""
+    from treetrain.trees.flops import QWEN3_0_6B, CostModel
+
     if model is None:
-        return QWEN3_0_6B, "Qwen3-0.6B shape"
+        return QWEN3_0_6B, "Qwen3-0.6B shape", QWEN3_VOCAB
     from transformers import AutoConfig
 
-    return CostModel.from_config(AutoConfig.from_pretrained(model)), model
+    config = AutoConfig.from_pretrained(model)
+    return CostModel.from_config(config), model, config.get_text_config().vocab_size
+
+
+def _rows_line(counts) -> list[tuple[str, str]]:
+    """``rows merged by prompt`` when TRL rows were merged."""
+    if not counts.grouped_rows:
+        return []
+    rows = counts.samples + counts.grouped_rows
+    return [("rows (merged by equal prompt)", f"{rows} -> {counts.samples} trees")]
+
+
+def _read(path, args, vocab_size: int, vocab_name: str) -> tuple[list, object]:
+    """Every tree of ``path`` and the pass's counts; an out-of-vocabulary token id is an error, as in
+    ``train``."""
+    from treetrain.data import reader
+
+    stream = reader.iter_trees(
+        path,
+        format=args.fmt,
+        tokenizer=args.tokenizer,
+        columns=args.columns,
+        vocab_size=vocab_size,
+        group_rows=args.group_rows,
+    )
+    try:
+        return [tree for tree, _ in stream], stream.counts
+    except ValueError as e:
+        if "outside the vocabulary" not in str(e):
+            raise
+        raise ValueError(
+            f"{e}; the vocabulary checked is {vocab_name}: pass --model DIR or --vocab-size N for another's"
+        ) from None
 
 
 def main(args: argparse.Namespace) -> int:
-    from treetrain.data import records as data
+    from treetrain.data import reader as data
+    from treetrain.trees.flops import flop_bound, token_bound
 
     if args.file and args.data and args.file != args.data:
         raise ValueError(f"two data files: {args.file} and --data {args.data}; give one (--data)")
     path = args.data or args.file or data.sample_path("agent-dialogues")
+    if Path(path).is_dir() and not is_table_source(path):
+        raise ValueError(
+            f"--data {path}: is a directory, not a data file (nor a datasets.save_to_disk directory); "
+            "pass a JSONL file of trees or a Parquet/Arrow file"
+        )
     if not Path(path).exists():
         what = "a JSONL (or Parquet/Arrow/datasets) file of trees"
         raise ValueError(f"--data {path}: no such data file; pass {what}, or omit it for the sample")
     if args.model is not None and not (Path(args.model) / "config.json").is_file():
         raise ValueError(f"--model {args.model}: not a model directory (no config.json)")
-    stream = data.iter_trees(path, format=args.fmt, tokenizer=args.tokenizer, columns=args.columns)
-    trees = [tree for tree, _ in stream]
+    if args.vocab_size is not None and args.vocab_size < 1:
+        raise ValueError(f"--vocab-size: must be a positive integer, got {args.vocab_size}")
+    cost, cost_name, vocab_size = _cost(args.model)
+    if args.vocab_size is not None:
+        vocab_name = f"--vocab-size {args.vocab_size}"
+    else:
+        vocab_name = f"--model {args.model}'s" if args.model else "Qwen3's (train's default model)"
+    trees, counts = _read(path, args, args.vocab_size or vocab_size, vocab_name)
     if not trees:
         raise ValueError(f"{path}: no samples")
-    cost, cost_name = _cost(args.model)
     tokens = sum(t.num_tokens for t in trees)
     base = sum(t.num_path_tokens for t in trees)
     rows = [
         ("file", str(path)),
         ("trees", f"{len(trees)}"),
+        *_rows_line(counts),
         ("paths", f"{sum(t.num_paths for t in trees)}"),
         ("baseline tokens (sum of paths)", f"{base:,}"),
         ("tree tokens (distinct)", f"{tokens:,}"),

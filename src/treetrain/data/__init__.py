@@ -2,7 +2,8 @@
 
 Holds the field validators (:mod:`.fields`), the record formats (:mod:`.records`: paths, explicit
 trees, chat messages, preference pairs), the lazy readers (:mod:`.reader`), chat rendering
-(:mod:`.chat`), preference records (:mod:`.preference`) and table sources (:mod:`.sources`).
+(:mod:`.chat`), preference records (:mod:`.preference`), table sources (:mod:`.sources`) and
+TRL's one-completion-per-row layouts merged by prompt (:mod:`.rows`).
 
 May import: :mod:`treetrain.trees`.
 """

@@ -178,7 +178,7 @@ _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 class ChatError(ValueError):
     """A conversation that cannot be rendered. ``where`` locates it inside the conversation,
-    e.g. ``(3, "content")`` for the content of message 3; data.py prefixes the file, line, path."""
+    e.g. ``(3, "content")`` for the content of message 3; data.reader prefixes the file, line, path."""
 
     def __init__(self, message: str, where: tuple = ()):
         super().__init__(message)

@@ -19,9 +19,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from treetrain.data import sources
+from treetrain.data import rows, sources
 from treetrain.data.fields import DataError, _Invalid
-from treetrain.data.records import FORMATS, _parse
+from treetrain.data.grouping import GROUPINGS
+from treetrain.data.records import FORMATS, _build, _parts
 from treetrain.trees.tree import TrajectoryTree
 
 __all__ = [
@@ -49,12 +50,13 @@ class SampleInfo:
     line: int
     format: str
     id: str | int | None = None
+    rows: int = 1  # table rows / JSONL lines merged into this tree (rows with an equal prompt)
 
 
 @dataclass
 class DataCounts:
-    """What a pass over a file saw. ``lines == blank_lines + samples + skipped_oversized + errors``
-    for a complete pass; token counts cover the ``samples`` only."""
+    """What a pass over a file saw. ``lines == blank_lines + samples + grouped_rows +
+    skipped_oversized + errors`` for a complete pass; token counts cover the ``samples`` only."""
 
     file: str
     lines: int = 0  # lines read, blank ones included
@@ -62,6 +64,7 @@ class DataCounts:
     samples: int = 0  # valid trees yielded
     skipped_oversized: int = 0  # valid but a path is longer than ``capacity`` (skip_oversized=True)
     errors: int = 0  # invalid records (on_error="collect")
+    grouped_rows: int = 0  # rows merged into the tree of an earlier row with the same prompt
     paths: int = 0
     tree_tokens: int = 0  # distinct tokens: what tree training computes
     path_tokens: int = 0  # sum of path lengths: what the per-path baseline computes
@@ -87,6 +90,9 @@ class DataCounts:
     def summary(self) -> str:
         skipped = f", {self.skipped_oversized} skipped (oversized)" if self.skipped_oversized else ""
         errors = f", {self.errors} invalid" if self.errors else ""
+        if self.grouped_rows:
+            merged = self.grouped_rows + self.samples + self.skipped_oversized
+            errors += f" (from {merged} rows merged by prompt)"
         return (
             f"{self.file}: {self.samples} trees{skipped}{errors}, {self.paths} paths, "
             f"{self.tree_tokens} tree tokens / {self.path_tokens} path tokens (POR {self.por:.1%}), "
@@ -155,7 +161,7 @@ def _decode(raw: bytes, lineno: int) -> Any:
 def _row_record(row: dict, columns: dict[str, str]) -> dict:
     """A table row -> a record (``treetrain.data.sources``); raises _Invalid."""
     try:
-        return sources.to_record(row, columns)
+        return sources.rename_columns(row, columns)
     except ValueError as e:
         raise _Invalid(str(e)) from None
 
@@ -176,6 +182,7 @@ class TreeStream(Iterator[tuple[TrajectoryTree, SampleInfo]]):
         on_error: str = "raise",
         max_line_bytes: int = MAX_LINE_BYTES,
         columns: dict[str, str] | str | None = None,
+        group_rows: str = "consecutive",
     ):
         if format is not None and format not in FORMATS:
             raise ValueError(f"format: expected one of {FORMATS} or None, got {format!r}")
@@ -201,6 +208,9 @@ class TreeStream(Iterator[tuple[TrajectoryTree, SampleInfo]]):
             raise ValueError(f"max_line_bytes: expected a positive integer, got {max_line_bytes!r}")
         self.counts = DataCounts(file=str(path))
         self.max_line_bytes = max_line_bytes
+        if group_rows not in GROUPINGS:
+            raise ValueError(f"group_rows: expected one of {', '.join(GROUPINGS)}, got {group_rows!r}")
+        self.group = group_rows
         self.errors: list[DataError] = []
         self._gen = self._run()
 
@@ -210,8 +220,9 @@ class TreeStream(Iterator[tuple[TrajectoryTree, SampleInfo]]):
     def close(self) -> None:
         self._gen.close()
 
-    def _run(self) -> Iterator[tuple[TrajectoryTree, SampleInfo]]:
-        file, c = str(self.path), self.counts
+    def _rows(self) -> Iterator[rows.Row | _Invalid]:
+        """Each non-blank line or row, parsed (an ``_Invalid`` with its ``line`` for a bad one)."""
+        c = self.counts
         raws = sources.iter_rows(self.path) if self.table else _open_lines(self.path, self.max_line_bytes)
         for lineno, raw in enumerate(raws, start=1):
             c.lines += 1
@@ -220,22 +231,46 @@ class TreeStream(Iterator[tuple[TrajectoryTree, SampleInfo]]):
                 continue
             try:
                 record = _row_record(raw, self.columns) if self.table else _decode(raw, lineno)
-                tree, fmt, where = _parse(record, self.format, self.vocab_size, self.tokenizer)
+                ident = record.get("id") if isinstance(record, dict) else None
+                key = None
+                if isinstance(record, dict):  # TRL's names (JSONL and tables), see treetrain.data.rows
+                    try:
+                        record, key = rows.trl_record(record, self.tokenizer, self.vocab_size)
+                    except ValueError as e:
+                        raise _Invalid(str(e)) from None
+                paths, fields, where, fmt = _parts(record, self.format, self.vocab_size, self.tokenizer)
+            except _Invalid as e:
+                e.line = lineno
+                yield e
+                continue
+            yield rows.Row(lineno, key if self.group != "none" else None, paths, fields, where, fmt, ident)
+
+    def _run(self) -> Iterator[tuple[TrajectoryTree, SampleInfo]]:
+        file, c = str(self.path), self.counts
+        for group in rows.group_rows(self._rows(), self.group):
+            try:
+                if isinstance(group, _Invalid):
+                    raise group
+                paths, fields, where = rows.merge(group)
+                tree = _build(paths, fields)
                 longest = int(tree.path_lengths.max())
                 if self.capacity is not None and longest > self.capacity:
                     if self.skip_oversized:
                         c.skipped_oversized += 1
+                        c.grouped_rows += len(group) - 1
                         continue
-                    p = int(tree.path_lengths.argmax())
-                    raise _Invalid(
+                    line, at = where[int(tree.path_lengths.argmax())]
+                    err = _Invalid(
                         f"a path of {longest} tokens is longer than the token budget "
                         f"capacity={self.capacity} (raise the capacity, or pass skip_oversized=True to skip "
                         f"and count such samples)",
-                        *where[p],
+                        *at,
                     )
+                    err.line = line
+                    raise err
             except _Invalid as e:
                 err = DataError(
-                    e.reason, file=file, line=lineno, field=e.where, unit="row" if self.table else "line"
+                    e.reason, file=file, line=e.line, field=e.where, unit="row" if self.table else "line"
                 )
                 if self.on_error == "raise":
                     raise err from None
@@ -243,9 +278,13 @@ class TreeStream(Iterator[tuple[TrajectoryTree, SampleInfo]]):
                 if len(self.errors) < _MAX_STORED_ERRORS:
                     self.errors.append(err)
                 continue
-            c.add(tree, fmt)
-            ident = record.get("id")
-            yield tree, SampleInfo(file=file, line=lineno, format=fmt, id=ident)
+            c.add(tree, group[0].format)
+            c.grouped_rows += len(group) - 1
+            first = group[0]
+            yield (
+                tree,
+                SampleInfo(file=file, line=first.line, format=first.format, id=first.id, rows=len(group)),
+            )
 
 
 def iter_trees(
@@ -259,6 +298,7 @@ def iter_trees(
     on_error: str = "raise",
     max_line_bytes: int = MAX_LINE_BYTES,
     columns: dict[str, str] | str | None = None,
+    group_rows: str = "consecutive",
 ) -> TreeStream:
     """Read a JSONL file (``.gz`` too) lazily, one line at a time, and yield ``(tree, SampleInfo)``.
 
@@ -268,6 +308,9 @@ def iter_trees(
     Face tokenizer, a local directory, or ``"qwen"``. ``on_error="collect"`` skips invalid records
     into ``stream.errors`` instead of raising at the first one. A line longer than
     ``max_line_bytes`` is an invalid record (checked while reading, in bounded memory).
+    ``group_rows``: rows in TRL's one-completion-per-row layouts whose prompts are equal become one
+    tree: ``"consecutive"`` runs of rows (bounded memory), ``"file"`` (every row held until the end)
+    or ``"none"`` (see :mod:`treetrain.data.rows`).
 
     Example::
 
@@ -286,6 +329,7 @@ def iter_trees(
         on_error=on_error,
         max_line_bytes=max_line_bytes,
         columns=columns,
+        group_rows=group_rows,
     )
 
 
@@ -300,6 +344,7 @@ def validate_file(
     max_errors: int = 20,
     max_line_bytes: int = MAX_LINE_BYTES,
     columns: dict[str, str] | str | None = None,
+    group_rows: str = "consecutive",
 ) -> DataCounts:
     """One full streaming pass (every tree built, then dropped) before any compute.
 
@@ -322,6 +367,7 @@ def validate_file(
         on_error="collect",
         max_line_bytes=max_line_bytes,
         columns=columns,
+        group_rows=group_rows,
     )
     for _ in stream:
         pass

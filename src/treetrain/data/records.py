@@ -304,15 +304,31 @@ def parse_record(
 def _parse(
     record: Any, fmt: str | None, vocab_size: int | None, tokenizer
 ) -> tuple[TrajectoryTree, str, list]:
+    paths, fields, where, fmt = _parts(record, fmt, vocab_size, tokenizer)
+    return _build(paths, fields), fmt, where
+
+
+def _parts(
+    record: Any, fmt: str | None, vocab_size: int | None, tokenizer
+) -> tuple[list[np.ndarray], dict, list, str]:
+    """A record's validated ``(paths, per-path fields, where each path came from, format)``; raises
+    _Invalid."""
     try:
-        return _parse_unguarded(record, fmt, vocab_size, tokenizer)
+        return _parse_parts(record, fmt, vocab_size, tokenizer)
     except RecursionError:  # JSON nested just below the parser's limit, deeper in a validator
         raise _Invalid("nested too deeply") from None
 
 
-def _parse_unguarded(
+def _build(paths: list, fields: dict) -> TrajectoryTree:
+    try:
+        return TrajectoryTree.from_paths(paths, **fields)
+    except ValueError as e:  # already validated above; kept so nothing escapes as a bare ValueError
+        raise _Invalid(f"cannot build the tree: {e}") from None
+
+
+def _parse_parts(
     record: Any, fmt: str | None, vocab_size: int | None, tokenizer
-) -> tuple[TrajectoryTree, str, list]:
+) -> tuple[list[np.ndarray], dict, list, str]:
     if not isinstance(record, dict):
         raise _Invalid(f"expected a JSON object, got {_type_name(record)}")
     from treetrain.data.preference import is_preference_record, parse_preference
@@ -331,7 +347,4 @@ def _parse_unguarded(
         paths, fields, where = _parse_tree(record, vocab_size)
     else:
         paths, fields, where = _parse_messages(record, vocab_size, tokenizer)
-    try:
-        return TrajectoryTree.from_paths(paths, **fields), fmt, where
-    except ValueError as e:  # already validated above; kept so nothing escapes as a bare ValueError
-        raise _Invalid(f"cannot build the tree: {e}") from None
+    return paths, fields, where, fmt

@@ -9,10 +9,12 @@ Field names, in order of precedence:
 
 1. ``columns``: an explicit mapping ``treetrain field -> column`` (``--columns paths=ids,loss_masks=m``);
 2. treetrain's own names (``paths``, ``loss_masks``, ``advantages``, ``messages``, ``nodes``, ...);
-3. TRL's dataset conventions, one sequence per row:
+3. TRL's dataset conventions, one sequence per row (:mod:`treetrain.data.rows`, which JSONL uses
+   too; rows with an equal prompt merge into one tree):
 
    - conversational ``messages`` (a list of ``{"role", "content"}``): one conversation;
    - conversational ``prompt`` + ``completion`` (message lists): ``messages = prompt + completion``;
+   - standard ``prompt`` + ``completion`` (text): tokenized as TRL does (needs a tokenizer);
    - tokenized ``input_ids`` (+ ``completion_mask`` or ``assistant_masks``):
      ``paths = [input_ids]``, ``loss_masks = [mask]``;
    - tokenized ``prompt_ids`` + ``completion_ids``: one path, loss on the completion.
@@ -28,7 +30,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TABLE_SUFFIXES", "is_table_source", "iter_rows", "parse_columns", "to_record"]
+__all__ = ["TABLE_SUFFIXES", "is_table_source", "iter_rows", "parse_columns", "rename_columns", "to_record"]
 
 TABLE_SUFFIXES = (".parquet", ".arrow", ".feather", ".ipc")
 BATCH_ROWS = 64  # rows per record batch read
@@ -122,12 +124,10 @@ def iter_rows(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
         yield from batch.to_pylist()
 
 
-def to_record(row: dict[str, Any], columns: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """A table row -> a :mod:`treetrain.data.records` record (see the module docstring for the names).
-
-    Columns the mapping does not name keep their names, so an unknown one is reported by the
-    parser like an unknown JSON key. ``None`` values (a column absent from this row) are dropped.
-    """
+def rename_columns(row: dict[str, Any], columns: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """A table row with ``columns`` (``treetrain field -> column``) applied and ``None`` values (a
+    column absent from this row) dropped. Columns the mapping does not name keep their names, so an
+    unknown one is reported by the parser like an unknown JSON key."""
     columns = dict(columns or {})
     missing = [c for c in columns.values() if c not in row]
     if missing:
@@ -135,42 +135,18 @@ def to_record(row: dict[str, Any], columns: Mapping[str, str] | None = None) -> 
     renamed = set(columns.values())
     rec = {f: row[c] for f, c in columns.items()}
     rec |= {k: v for k, v in row.items() if k not in renamed and k not in rec}
-    rec = {k: v for k, v in rec.items() if v is not None}
-    return _trl_names(rec)
+    return {k: v for k, v in rec.items() if v is not None}
 
 
-def _trl_names(rec: dict[str, Any]) -> dict[str, Any]:
-    """TRL's per-row fields -> treetrain's (rows already in treetrain's names pass unchanged)."""
-    if any(k in rec for k in ("paths", "nodes", "chosen_ids", "rejected_ids", "chosen", "rejected")):
-        return rec  # treetrain's own formats, or preference data (not handled here)
-    if "messages" in rec:
-        return rec
-    if "prompt" in rec and "completion" in rec:
-        prompt, completion = rec.pop("prompt"), rec.pop("completion")
-        if not (isinstance(prompt, list) and isinstance(completion, list)):
-            raise ValueError(
-                "prompt/completion as plain text (TRL's standard format) has no chat turns to render; "
-                "give conversational prompt/completion (lists of messages), or tokenized "
-                "prompt_ids/completion_ids"
-            )
-        return {"messages": prompt + completion, **rec}
-    if "prompt_ids" in rec and "completion_ids" in rec:
-        prompt, completion = rec.pop("prompt_ids"), rec.pop("completion_ids")
-        if isinstance(prompt, list) and isinstance(completion, list):
-            rec["paths"] = [prompt + completion]
-            rec["loss_masks"] = [[0] * len(prompt) + [1] * len(completion)]
-            return rec
-        rec["prompt_ids"], rec["completion_ids"] = prompt, completion  # let the parser say what's wrong
-        return rec
-    if "input_ids" in rec:
-        rec["paths"] = [rec.pop("input_ids")]
-        for mask in ("completion_mask", "assistant_masks"):
-            if mask in rec:
-                rec["loss_masks"] = [rec.pop(mask)]
-                break
-        attn = rec.pop("attention_mask", None)
-        if attn is not None and not all(a == 1 for a in attn):
-            raise ValueError(
-                "attention_mask has padding (zeros): store unpadded rows (treetrain packs them itself)"
-            )
-    return rec
+def to_record(
+    row: dict[str, Any], columns: Mapping[str, str] | None = None, tokenizer=None
+) -> dict[str, Any]:
+    """A table row -> a :mod:`treetrain.data.records` record: :func:`rename_columns`, then TRL's
+    names mapped (:func:`treetrain.data.rows.trl_record`; see the module docstring)."""
+    from treetrain.data.fields import DataError, _Invalid  # numpy: not for the CLI's --help
+    from treetrain.data.rows import trl_record
+
+    try:
+        return trl_record(rename_columns(row, columns), tokenizer)[0]
+    except _Invalid as e:
+        raise DataError(e.reason, field=e.where) from None

@@ -23,13 +23,15 @@ computes too (attention sees only relative offsets), up to float rounding.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
 
-from treetrain.logprobs import _TargetLogprobs, auto_chunk
+from treetrain.logprobs import auto_chunk, target_logprobs
+from treetrain.models.head import lm_head
 from treetrain.models.hf import tree_forward
 from treetrain.trees.packing import PackedTree, pack
 from treetrain.trees.tree import TrajectoryTree
@@ -212,20 +214,18 @@ def score_packed(
     hidden = tree_forward(model, packed, backend)
     packed = packed.to(hidden.device)
     targets = torch.nonzero((packed.prev >= 0) & needed.to(hidden.device))[:, 0]
-    head = model.get_output_embeddings()
-    if not isinstance(head, nn.Linear):
-        raise ValueError(f"output head must be an nn.Linear, got {type(head).__name__}")
+    head = lm_head(model)  # the exact head: projection, logit scales, final softcap
     rows = hidden.index_select(0, packed.prev[targets]).to(head.weight.dtype)  # fp32 heads (TRL's cast)
-    bias = head.bias
-    if temperature != 1.0:  # (h W^T + b) / t == (h / t) W^T + b / t
-        rows = rows / temperature
-        bias = None if bias is None else bias / temperature
-    chunk = chunk or auto_chunk(head.out_features)
-    weight = head.weight
     if head_fp32:
-        rows, weight, bias = rows.float(), weight.float(), None if bias is None else bias.float()
+        rows = rows.float()
+        bias = None if head.bias is None else head.bias.float()
+        head = dataclasses.replace(head, weight=head.weight.float(), bias=bias)
+    chunk = chunk or auto_chunk(head.vocab)
+    # TRL divides the model's final logits (after any cap) by the temperature
     with torch.autocast(rows.device.type, enabled=False) if head_fp32 else contextlib.nullcontext():
-        logp, ent = _TargetLogprobs.apply(rows, weight, bias, packed.input_ids[targets], chunk, entropy)
+        logp, ent = target_logprobs(
+            rows, head, packed.input_ids[targets], chunk, entropy, post=1.0 / temperature
+        )
     T = packed.num_tokens
     full_logp = logp.new_zeros(T).index_copy(0, targets, logp)
     full_ent = logp.new_zeros(T)

@@ -13,7 +13,8 @@ Tree attention is registered under the name ``treetrain`` in transformers' publi
 Sliding-window layers pass ``sliding_window`` to the attention function (Mistral, Qwen2, Gemma 2/3:
 ``None`` on global layers); it reaches the backend as ``window``, measured along each path.
 Gemma 2's ``softcap`` reaches it as ``softcap``; its ``scaling`` (``query_pre_attn_scalar``) as
-every model's does.
+every model's does. GPT-OSS's ``s_aux`` (per-head sink logits) reaches it as ``sinks``. A backend
+that lacks a feature the model uses is refused, naming the feature and the backends that can.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from treetrain.attention import default_backend, get_backend
+from treetrain.attention import check_features, default_backend, get_backend
 from treetrain.attention.mask import TreeMask
+from treetrain.models.support import check_model
 from treetrain.trees.packing import PackedTree
 
 ATTN_NAME = "treetrain"
@@ -33,8 +35,9 @@ def _tree_attention(module, query, key, value, attention_mask, scaling=None, dro
     """``AttentionInterface`` function: ``query [1, Hq, T, D]`` -> ``([1, T, Hq, D], None)``."""
     mask: TreeMask | None = kwargs.get("tree_mask")
     softcap = kwargs.get("softcap")
-    if mask is None and softcap is not None:  # SDPA has no softcap: scores in full, as HF's eager
-        return _softcap_attention(query, key, value, attention_mask, scaling, softcap), None
+    sinks = kwargs.get("s_aux")  # GPT-OSS: per-head sink logits [Hq]
+    if mask is None and (softcap is not None or sinks is not None):  # SDPA has neither: HF's eager
+        return _eager_attention(query, key, value, attention_mask, scaling, softcap, sinks), None
     if mask is None:  # an ordinary (non-tree) call of a prepared model: plain SDPA
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -57,6 +60,8 @@ def _tree_attention(module, query, key, value, attention_mask, scaling=None, dro
         extra["window"] = window
     if softcap is not None:
         extra["softcap"] = softcap
+    if sinks is not None:
+        extra["sinks"] = sinks
     if not extra and mask.backend not in ("cp", "depth_first") and _one_sequence(mask):
         # one plain causal sequence (e.g. a one-path tree): SDPA's causal kernel, as the HF model runs
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -65,6 +70,7 @@ def _tree_attention(module, query, key, value, attention_mask, scaling=None, dro
         return sdpa_attention_forward(
             module, query, key, value, None, scaling=scaling, is_causal=True, **kwargs
         )
+    check_features(mask.backend, extra)
     out = get_backend(mask.backend)(query[0], key[0], value[0], mask, scaling, **extra)
     return out.transpose(0, 1).unsqueeze(0), None
 
@@ -83,8 +89,9 @@ def _effective_window(mask: TreeMask, window: int | None) -> int | None:
     return window if window < longest else None
 
 
-def _softcap_attention(query, key, value, attention_mask, scaling, softcap):
-    """Gemma 2 style attention for ordinary calls: ``[B, Hq, Tq, D]`` -> ``[B, Tq, Hq, D]``.
+def _eager_attention(query, key, value, attention_mask, scaling, softcap=None, sinks=None):
+    """HF's eager attention with a logit cap (Gemma 2) and/or sinks (GPT-OSS), for ordinary calls:
+    ``[B, Hq, Tq, D]`` -> ``[B, Tq, Hq, D]``.
 
     ``attention_mask``: boolean (True = attend) or additive ``[B, 1, Tq, Tk]``, or None (causal).
     """
@@ -92,7 +99,9 @@ def _softcap_attention(query, key, value, attention_mask, scaling, softcap):
         scaling = query.shape[-1] ** -0.5
     rep = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
-    scores = torch.tanh((query @ key.transpose(-1, -2)) * scaling / softcap) * softcap
+    scores = (query @ key.transpose(-1, -2)) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if attention_mask is None:
         tq, tk = scores.shape[-2:]
         attention_mask = torch.ones(tq, tk, dtype=torch.bool, device=scores.device).tril(tk - tq)
@@ -100,7 +109,11 @@ def _softcap_attention(query, key, value, attention_mask, scaling, softcap):
         scores = scores.masked_fill(~attention_mask, float("-inf"))
     else:
         scores = scores + attention_mask[..., : key.shape[-2]]
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    else:
+        sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1].to(query.dtype)
     return (probs @ value).transpose(1, 2).contiguous()
 
 
@@ -128,7 +141,12 @@ def prepare_model(model: nn.Module) -> nn.Module:
     """Switch a model's attention to ``treetrain`` and route its recurrent layers along the tree.
 
     Called without a tree, the model still works as an ordinary model (plain SDPA). Returns it.
+    Raises ``ValueError`` for a model treetrain cannot run exactly (:mod:`treetrain.models.support`:
+    an architecture off the verified list, or a recurrent layer it does not route).
     """
+    if not model.__dict__.get("_treetrain_checked"):
+        check_model(model)
+        model.__dict__["_treetrain_checked"] = True
     register()
     if model.config._attn_implementation != ATTN_NAME:
         model.set_attn_implementation(ATTN_NAME)

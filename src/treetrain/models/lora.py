@@ -17,11 +17,13 @@ YAML/Python: ``peft_config: {r: 16, lora_alpha: 32, target_modules: [q_proj, v_p
 from __future__ import annotations
 
 import argparse
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
+if TYPE_CHECKING:
+    from torch import nn
 
 __all__ = [
     "add_lora_arguments",
@@ -111,8 +113,16 @@ def apply_lora(model: nn.Module, config) -> nn.Module:
     from treetrain.models.hf import prepare_model
 
     prepare_model(model)  # before wrapping: PEFT's layers then sit inside the tree-aware modules
+    peft = _peft()
     try:
-        return _peft().get_peft_model(model, config)
+        with warnings.catch_warnings():
+            # PeftModel.__init__ (peft 0.21) reads the model's ``is_gradient_checkpointing``, an alias
+            # transformers 5 deprecates with a FutureWarning on every read: a warning about PEFT's code
+            # that no user can act on; treetrain reads no deprecated attribute itself
+            warnings.filterwarnings(
+                "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
+            )
+            return peft.get_peft_model(model, config)
     except ValueError as e:
         raise ValueError(f"LoRA: {e} (name the layers with --lora-targets, e.g. q_proj,v_proj)") from None
 

@@ -123,20 +123,17 @@ def _unsupported(module: nn.Module) -> NoReturn:
     )
 
 
-def _tree_aware_forward(
-    self: nn.Module,
-    hidden_states: torch.Tensor,
-    cache_params=None,
-    attention_mask: torch.Tensor | None = None,
-    **kwargs,
-):
-    """Instance ``forward`` of a patched layer: along the tree when ``packed_tree`` is given."""
+def _tree_aware_forward(self: nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
+    """Instance ``forward`` of a patched layer: along the tree when ``packed_tree`` is given.
+
+    Other arguments pass through as the caller gave them: the cache is ``cache`` in recent transformers
+    and ``cache_params`` in older ones (passing the old name to a new layer is a FutureWarning).
+    """
     packed = kwargs.get("packed_tree")
     if packed is None:
-        return type(self).forward(
-            self, hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs
-        )
-    if cache_params is not None:
+        return type(self).forward(self, hidden_states, *args, **kwargs)
+    cache = kwargs.get("cache", kwargs.get("cache_params", args[0] if args else None))
+    if cache is not None:
         raise ValueError("a tree forward takes no cache (use_cache=False): states are routed per node")
     mask = kwargs.get("tree_mask")
     if mask is not None and "cp" in mask.cache:  # context parallel: this rank holds a chunk of the tree

@@ -5,5 +5,9 @@ Per-path tensors come from the tree forward or from the per-path baseline (:mod:
 (:mod:`.policy`: SFT and the policy-gradient family), :mod:`.advantages`, :mod:`.preference` (DPO
 family, reward models), :mod:`.value` (critic, GAE) and the MoE router aux loss (:mod:`.moe_aux`).
 
+What the training loop composes: :mod:`.interface` (``TrainObjective``), one module per family
+(:mod:`.policy_objective`, :mod:`.preference_objective`, :mod:`.ppo_critic`) and :mod:`.registry`
+(``--objective NAME`` -> its module).
+
 May import: trees, data, attention, models, logprobs.
 """

@@ -47,12 +47,15 @@ __all__ = [
     "PREFERENCE_OBJECTIVES",
     "PairLayout",
     "PreferenceObjective",
+    "check_pair_record",
     "compute_preference_loss",
     "dpo_loss",
     "masked_path_sums",
     "merge_pairs",
+    "pack_pair_units",
     "pair_layout",
     "pair_microbatches",
+    "pair_units",
     "preference_normalizer",
     "reward_loss",
     "reward_head",
@@ -107,7 +110,7 @@ class PreferenceObjective:
         """DPO sigmoid and ipo score the pair under a frozen reference model; simpo and reward do not."""
         return self.name == "dpo" and self.loss_type != "simpo"
 
-    kl_coef = 0.0  # the policy objectives' KL option, read by the training loop: not used here
+    kl_coef = 0.0  # the policy objectives' KL option: not used here
 
 
 def _finite(x) -> bool:
@@ -160,6 +163,17 @@ def pair_layout(batch: PackedTree | TrajectoryTree | Sequence[TrajectoryTree]) -
     )
 
 
+def check_pair_record(tree: TrajectoryTree, info, objective: str) -> None:
+    """A record for ``--objective dpo|reward``: a preference pair; the error names file and line
+    (``info``: the reader's ``SampleInfo``)."""
+    if "margins" not in tree.fields:
+        raise ValueError(
+            f"{info.file}:{info.line}: --objective {objective} trains on preference pairs "
+            f"(prompt_ids/chosen_ids/rejected_ids, or prompt/chosen/rejected messages), but this record "
+            f"is {info.format} data; pass a preference file, or another --objective for this one"
+        )
+
+
 def _check_pairs(trees: Sequence[TrajectoryTree]) -> Sequence[TrajectoryTree]:
     for t in trees:
         if "margins" not in t.fields:
@@ -184,8 +198,15 @@ def pair_microbatches(
     that share a prompt (several pairs per prompt, pairs from one multi-turn history) share its
     tokens too; a pair over ``capacity`` runs as its two paths, one-path trees. ``sequence``: every
     path its own one-path tree. Pairs are never split across micro-batches, so each micro-batch's
-    loss is a sum over its pairs.
+    loss is a sum over its pairs. (:func:`pair_units`, then :func:`pack_pair_units`.)
     """
+    return pack_pair_units(pair_units(trees, packing, capacity), packing, capacity)
+
+
+def pair_units(trees: Sequence[TrajectoryTree], packing: str, capacity: int) -> list[list[TrajectoryTree]]:
+    """The step's units of whole pairs, one per record: ``[tree]`` (``tree`` packing, when it fits
+    ``capacity``) or the record's paths as one-path trees, in order. A unit is never split across
+    micro-batches or ranks."""
     units = []
     for t in trees:
         if t.num_paths % 2:
@@ -194,6 +215,14 @@ def pair_microbatches(
             units.append([t])
         else:
             units.append([t.subset([i]) for i in range(t.num_paths)])
+    return units
+
+
+def pack_pair_units(
+    units: Sequence[Sequence[TrajectoryTree]], packing: str, capacity: int
+) -> list[list[TrajectoryTree]]:
+    """Units of :func:`pair_units` into micro-batches, in order, a new one when the next unit would
+    pass ``capacity``; ``tree``: each micro-batch of pair trees merged into one tree."""
     micro: list[list[TrajectoryTree]] = []
     size = 0
     for unit in units:

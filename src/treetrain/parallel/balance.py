@@ -8,6 +8,9 @@ shared prefix, which the cost counts) while that shortens the busiest rank.
 
 Example: trees of cost 10, 1, 1 on 2 ranks: loads 10 | 2, imbalance ``10 / 6 = 1.67``; splitting
 the big tree into two parts of cost 5.5 (its prefix counted twice) gives loads 6.5 | 6.5.
+
+An objective whose units must stay whole (preference pairs: :func:`balanced_units` with
+``split=False``) is balanced by LPT on the units' costs alone.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from collections.abc import Callable, Sequence
 from treetrain.parallel.fsdp import assign_to_ranks
 from treetrain.trees.tree import TrajectoryTree
 
-__all__ = ["balanced_plan", "imbalance", "makespan", "rank_loads", "split_in_two"]
+__all__ = ["balanced_plan", "balanced_units", "imbalance", "makespan", "rank_loads", "split_in_two"]
 
 
 def rank_loads(costs: Sequence[float], plan: Sequence[Sequence[int]]) -> list[float]:
@@ -79,3 +82,23 @@ def balanced_plan(
             pieces, costs = new_pieces, new_costs
     plan = assign_to_ranks(costs, world_size)
     return pieces, plan, imbalance(rank_loads(costs, plan))
+
+
+def balanced_units(
+    units: list[list[TrajectoryTree]],
+    world_size: int,
+    cost: Callable[[TrajectoryTree], float],
+    split: bool,
+) -> tuple[list[list[TrajectoryTree]], list[list[int]], float]:
+    """Units (groups of trees that stay on one rank) to ranks: ``(units, plan, imbalance)``.
+
+    ``split``: the units are single trees that :func:`balanced_plan` may cut into parts of whole
+    paths; otherwise each unit stays whole (a unit's cost: the sum of its trees') and LPT places it.
+    """
+    if split:
+        assert all(len(u) == 1 for u in units), "only one-tree units can be split"
+        pieces, plan, imb = balanced_plan([u[0] for u in units], world_size, cost)
+        return [[p] for p in pieces], plan, imb
+    costs = [float(sum(cost(t) for t in u)) for u in units]
+    plan = assign_to_ranks(costs, world_size)
+    return list(units), plan, imbalance(rank_loads(costs, plan))

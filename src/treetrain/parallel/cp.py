@@ -239,7 +239,7 @@ def cp_tree_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`treetrain.logprobs.tree_logprobs` over the ranks of ``group``: the same ``[T]`` log-probs
     and entropies on every rank (each rank scores the targets whose context row it holds)."""
-    from treetrain.logprobs import target_logprobs
+    from treetrain.logprobs import head_logprobs
 
     part = make_chunk(packed, group, per_token)
     hidden = cp_tree_forward(model, packed, part)
@@ -249,8 +249,7 @@ def cp_tree_logprobs(
         mine &= needed.to(mine.device)
     targets = torch.nonzero(mine)[:, 0]
     rows = hidden.index_select(0, packed.prev[targets] - part.start)
-    head = model.get_output_embeddings()
-    logp, ent = target_logprobs(rows, head, packed.input_ids[targets], chunk, entropy)
+    logp, ent = head_logprobs(model, rows, packed.input_ids[targets], chunk, entropy)
     T = packed.num_tokens
     full_logp = _SumSameLoss.apply(logp.new_zeros(T).index_copy(0, targets, logp), group)
     full_ent = logp.new_zeros(T)

@@ -147,6 +147,7 @@ def depth_first_backward(
     DFS order (0 for a root's first token), equal to ``tree_logprobs`` of the packed run.
     """
     from treetrain.logprobs import target_logprobs
+    from treetrain.models.head import lm_head
     from treetrain.models.hf import prepare_model
 
     prepare_model(model)
@@ -154,7 +155,7 @@ def depth_first_backward(
     packed = batch if isinstance(batch, PackedTree) else pack(batch)
     device = model.get_input_embeddings().weight.device
     packed = packed.to(device)
-    head = model.get_output_embeddings()
+    head = lm_head(model)
     decoder = getattr(model, "treetrain_decoder", None) or model.base_model
     kids = node_children(packed.node_parent.cpu())
     starts, ends = packed.node_start.tolist(), packed.node_end.tolist()

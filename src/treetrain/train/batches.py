@@ -67,7 +67,12 @@ def data_path(cfg: TrainConfig) -> Path:
 
         return Path(sample_path(SAMPLE))
     path = Path(cfg.data)
-    if not path.is_file() and not (path.is_dir() and is_table_source(path)):
+    if path.is_dir() and not is_table_source(path):
+        raise ValueError(
+            f"--data {cfg.data}: is a directory, not a data file (nor a datasets.save_to_disk directory: "
+            "no state.json or dataset_dict.json in it); pass a JSONL file of trees or a Parquet/Arrow file"
+        )
+    if not path.is_file() and not path.is_dir():
         raise ValueError(
             f"--data {cfg.data}: no such file; pass a JSONL file of trees, a Parquet/Arrow file or a "
             "datasets.save_to_disk directory (or omit for the sample)"
@@ -85,6 +90,7 @@ def _reader_options(cfg: TrainConfig, vocab_size: int) -> dict[str, Any]:
         "tokenizer": _tokenizer(cfg.tokenizer, cfg.trust_remote_code) if cfg.tokenizer else None,
         "max_line_bytes": cfg.max_line_bytes,
         "columns": cfg.columns,
+        "group_rows": cfg.group_rows,
     }
 
 
@@ -103,15 +109,14 @@ def _tokenizer(name: str, trust_remote_code: bool):
         return load_tokenizer(name, trust_remote_code=trust_remote_code)
 
 
-def _read_trees(cfg: TrainConfig, vocab_size: int) -> Iterator[TrajectoryTree]:
-    """One lazy pass over the data file; errors name file, line and field."""
+def _read_trees(cfg: TrainConfig, vocab_size: int, check=None) -> Iterator[TrajectoryTree]:
+    """One lazy pass over the data file; errors name file, line and field. ``check(tree, info)``:
+    the objective's record check (``TrainObjective.check_record``)."""
     from treetrain.data.reader import iter_trees
 
     for tree, _info in iter_trees(data_path(cfg), **_reader_options(cfg, vocab_size)):
-        if cfg.objective == "ppo_critic":  # rewards per path, no advantages: named by file and line
-            from treetrain.train.critic import check_record
-
-            check_record(tree, _info)
+        if check is not None:
+            check(tree, _info)
         yield tree
 
 
@@ -126,22 +131,22 @@ def count_trees(cfg: TrainConfig, vocab_size: int) -> int:
 
 
 def tree_stream(
-    cfg: TrainConfig, vocab_size: int, skip: int = 0, total: int | None = None
+    cfg: TrainConfig, vocab_size: int, skip: int = 0, total: int | None = None, check=None
 ) -> Iterator[TrajectoryTree]:
     """Trees in file order, epoch after epoch, lazily: trees ``skip`` (resume) to ``total`` (the end
-    of a fractional last epoch; None: no end) of that endless stream."""
-    stream = _epochs(cfg, vocab_size)
+    of a fractional last epoch; None: no end) of that endless stream; ``check``: see :func:`_read_trees`."""
+    stream = _epochs(cfg, vocab_size, check)
     first = next(stream, None)
     if first is None:
         raise ValueError(f"--data {data_path(cfg)}: the file holds no trees")
     return itertools.islice(itertools.chain([first], stream), skip, total)
 
 
-def _epochs(cfg: TrainConfig, vocab_size: int) -> Iterator[TrajectoryTree]:
+def _epochs(cfg: TrainConfig, vocab_size: int, check=None) -> Iterator[TrajectoryTree]:
     """The data file's trees, epoch after epoch; an epoch without a tree is an error (not a spin)."""
     for _ in itertools.count():
         n = 0
-        for n, tree in enumerate(_read_trees(cfg, vocab_size), start=1):  # noqa: B007
+        for n, tree in enumerate(_read_trees(cfg, vocab_size, check), start=1):  # noqa: B007
             yield tree
         if n == 0:
             raise ValueError(f"--data {data_path(cfg)}: the file holds no trees")
@@ -157,12 +162,29 @@ def make_microbatches(trees: list[TrajectoryTree], packing: str, capacity: int) 
 
 
 def rank_microbatches(
-    trees: list[TrajectoryTree], packing: str, capacity: int, rank: int, world_size: int, model_config
+    objective,
+    trees: list[TrajectoryTree],
+    packing: str,
+    capacity: int,
+    rank: int,
+    world_size: int,
+    model_config,
 ) -> tuple[list[list[TrajectoryTree]], int, int, float]:
-    """This rank's micro-batches, the most any rank has, the tokens all ranks compute and the
-    FLOP imbalance (:meth:`treetrain.train.strategies.TreePacking.rank_plan`). Idle ranks pad with dummy
-    passes."""
-    return get_strategy(packing).rank_plan(trees, capacity, rank, world_size, model_config)
+    """This rank's micro-batches, the most any rank has, the tokens all ranks compute and the FLOP
+    imbalance. The objective's units (whole trees or parts of whole paths; whole preference pairs)
+    go to ranks by their training FLOPs (:func:`treetrain.parallel.balance.balanced_units`), then each
+    rank packs its own (``objective.pack``). Every rank computes the same plan from the same trees,
+    with no communication. Idle ranks pad with dummy passes."""
+    from treetrain.parallel import fsdp as distributed
+    from treetrain.parallel.balance import balanced_units
+
+    units = objective.units(trees, packing, capacity)
+    units, plan, imbalance = balanced_units(
+        units, world_size, lambda t: distributed.tree_cost(t, model_config), split=objective.split_units
+    )
+    per_rank = [objective.pack([units[i] for i in idx], packing, capacity) for idx in plan]
+    computed = sum(t.num_tokens for mbs in per_rank for mb in mbs for t in mb)
+    return per_rank[rank], max(len(mbs) for mbs in per_rank), computed, imbalance
 
 
 def make_batches(
@@ -175,13 +197,20 @@ def make_batches(
     world_size: int = 1,
     model_config=None,
     total_trees: int | None = None,
+    objective=None,
 ) -> Iterator[StepBatch]:
     """``steps`` optimizer-step batches of ``batch_trees`` trees, packed and ready to run.
 
-    With ``world_size > 1`` each batch holds every tree of the step (for the loss normalizer and
-    the metrics) but only this rank's micro-batches (:func:`rank_microbatches`).
+    ``objective`` (a :class:`treetrain.objectives.interface.TrainObjective`; default: the one of
+    ``cfg``) checks the records and groups the trees into micro-batches. With ``world_size > 1``
+    each batch holds every tree of the step (for the loss normalizer and the metrics) but only
+    this rank's micro-batches (:func:`rank_microbatches`).
     """
-    stream = tree_stream(cfg, vocab_size, skip=start_tree, total=total_trees)
+    if objective is None:
+        from treetrain.objectives.registry import build_objective
+
+        objective = build_objective(cfg)
+    stream = tree_stream(cfg, vocab_size, skip=start_tree, total=total_trees, check=objective.check_record)
     consumed = start_tree
     for _ in range(steps):
         trees = list(itertools.islice(stream, cfg.batch_trees))
@@ -192,20 +221,12 @@ def make_batches(
 
             trees = assign_advantages(trees, cfg.advantages)
         consumed += len(trees)
-        if cfg.objective in ("dpo", "reward"):  # whole pairs per micro-batch
-            from treetrain.objectives.preference import pair_microbatches
-
-            if world_size > 1:
-                raise ValueError(f"--objective {cfg.objective}: one process only (no torchrun) for now")
-            micro = [pack(mb) for mb in pair_microbatches(trees, cfg.packing, cfg.capacity)]
-            yield StepBatch(trees=trees, micro=micro, trees_consumed=consumed, packing=cfg.packing)
-            continue
         if world_size == 1:
-            micro = [pack(mb) for mb in make_microbatches(trees, cfg.packing, cfg.capacity)]
+            micro = [pack(mb) for mb in objective.microbatches(trees, cfg.packing, cfg.capacity)]
             yield StepBatch(trees=trees, micro=micro, trees_consumed=consumed, packing=cfg.packing)
             continue
         mine, passes, computed, imbalance = rank_microbatches(
-            trees, cfg.packing, cfg.capacity, rank, world_size, model_config
+            objective, trees, cfg.packing, cfg.capacity, rank, world_size, model_config
         )
         yield StepBatch(
             trees=trees,

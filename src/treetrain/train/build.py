@@ -185,3 +185,42 @@ def build_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, cfg.warmup_steps, total_steps, cfg.schedule, cfg.min_lr_ratio)
     )
+
+
+def set_schedule_step(
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LambdaLR,
+    cfg: TrainConfig,
+    total_steps: int,
+    step: int,
+) -> float:
+    """Put the schedule at optimizer step ``step`` (0-based; ``step`` steps are done) of a
+    ``total_steps``-step run of ``cfg``, whatever a restored state held: every group's lr becomes
+    ``cfg.lr * lr_factor(step, ...)``. The lr is so a function of (step, total steps) alone: a run
+    extended with ``--resume --steps MORE`` runs each added step at the lr an uninterrupted run of the
+    new total has there (and a changed ``--lr`` applies). Returns the lr of step ``step``."""
+    factor = lr_factor(step, cfg.warmup_steps, total_steps, cfg.schedule, cfg.min_lr_ratio)
+    scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
+    scheduler.last_epoch = step
+    for group in optimizer.param_groups:
+        group["initial_lr"], group["lr"] = cfg.lr, cfg.lr * factor
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]  # what get_last_lr() reports
+    return cfg.lr * factor
+
+
+def schedule_note(old: dict | None, cfg: TrainConfig, total_steps: int, step: int, lr: float) -> str | None:
+    """What a changed run length (``--steps``/``--epochs`` since the checkpoint's ``old`` config) does
+    to the schedule of a run resumed after ``step`` steps; None if the length did not change."""
+    if old is None or (old.get("steps"), old.get("epochs")) == (cfg.steps, cfg.epochs):
+        return None
+    if total_steps <= step:
+        return f"the run now has {total_steps} steps and {step} are done: no step is left to run"
+    if cfg.schedule == "constant" and step >= cfg.warmup_steps:
+        shape = f"the lr stays {lr:g} (constant schedule)"
+    else:
+        shape = f"the {cfg.schedule} schedule (warmup {cfg.warmup_steps}) now spans {total_steps} steps"
+    return (
+        f"the run now has {total_steps} steps: {shape}; step {step + 1} runs at lr {lr:g}, as in an "
+        f"uninterrupted {total_steps}-step run (the lr is a function of step and total steps; the {step} "
+        "steps done ran under the earlier total)"
+    )

@@ -73,7 +73,7 @@ FAULT_ENV = "TREETRAIN_CHECKPOINT_FAULT"  # tests: "STAGE" or "STAGE@STEP" -> SI
 
 
 # one optimizer, or several over the model's parameters (e.g. a policy's and a critic's under one
-# ModuleDict, treetrain.train.critic.with_critic): DCP's get_state_dict/set_state_dict take either
+# ModuleDict, treetrain.train.kit.checkpoint_state): DCP's get_state_dict/set_state_dict take either
 Optimizers = torch.optim.Optimizer | list[torch.optim.Optimizer]
 
 

@@ -28,9 +28,10 @@ __all__ = [
     "validate_data",
 ]
 
-# options that may change between a run and its resumption without changing what it computes
+# options that may change between a run and its resumption without changing what it computes (not
+# steps or epochs: the LR schedule spans the run's total steps, so they are listed when they change)
 RUN_CONTROL = {
-    "steps", "epochs", "resume", "output", "progress", "plot", "checkpoint_every", "prefetch",
+    "resume", "output", "progress", "plot", "checkpoint_every", "prefetch",
     "allow_data_change", "lazy_validate", "verbose", "device", "attention",
 }  # fmt: skip
 _PROGRESS_BYTES = 64 * 2**20  # show a validation progress bar for files larger than this

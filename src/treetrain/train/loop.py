@@ -7,7 +7,7 @@ One optimizer step takes ``batch_trees`` whole trees (a tree never straddles two
    of whole paths, and trees and parts are packed together into micro-batches;
    ``packing="sequence"`` (the baseline, :mod:`treetrain.objectives.baseline`): every path becomes its own
    sequence (a one-path tree, so the mask is block-diagonal causal), packed into micro-batches under
-   the same token budget; both are :mod:`treetrain.train.strategies` objects with the same loss entry;
+   the same token budget; the objective makes the micro-batches and gives their loss;
 3. every micro-batch runs forward and backward; its loss is already divided by the global
    normalizer, so accumulating gradients over micro-batches gives the full-batch gradient;
 4. grad clipping, AdamW step, LR schedule step, one line of ``metrics.jsonl``.
@@ -18,13 +18,17 @@ busiest one (idle passes add zero gradient) and gradients and metrics are summed
 step equals the single-process step. A non-finite loss or gradient norm stops the run before the
 optimizer step (:class:`NonFiniteError`), leaving the last checkpoint as it was.
 
-This module holds the loop and the command line; it composes pieces built elsewhere, along the
-data flow:
+This module holds the loop and the command's entry point (its flags: :mod:`treetrain.train.flags`);
+it composes pieces built elsewhere, along the data flow:
 
 - :mod:`treetrain.train.build`: device, dtype, model, reference model, optimizer, LR schedule;
 - :mod:`treetrain.train.batches`: trees from the data file, grouped per step and packed (:class:`StepBatch`);
-- :mod:`treetrain.train.strategies`: how a step's trees become micro-batches (tree | sequence) and their loss;
-- :mod:`treetrain.train.step`: the objective and one optimizer step (:func:`train_step`);
+- :mod:`treetrain.objectives.registry`: the objective, a
+  :class:`treetrain.objectives.interface.TrainObjective`: model class, record check, extra models
+  (reference, critic), how the step's trees become micro-batches (tree | sequence), loss, metrics;
+- :mod:`treetrain.train.kit`: what the objective's extra models get from the run (FSDP2, AdamW,
+  checkpoint state, export);
+- :mod:`treetrain.train.step`: one optimizer step (:func:`train_step`);
 - :mod:`treetrain.train.outputs`: metrics lines, the summary table, the plot.
 
 The names of those modules stay importable from here (``from treetrain.train.loop import build_model``).
@@ -46,6 +50,7 @@ from torch import nn
 
 from treetrain.models.lora import apply_lora, is_peft_model, save_adapter
 from treetrain.models.lora import config_from_train as lora_config_of
+from treetrain.objectives.registry import build_objective
 from treetrain.parallel import fsdp as distributed
 from treetrain.train.batches import (
     StepBatch,
@@ -60,16 +65,18 @@ from treetrain.train.batches import (
 from treetrain.train.build import (
     build_model,
     build_optimizer,
-    build_reference_model,
     build_scheduler,
     configure_model,
     default_model_config,
     lr_factor,
     resolve_device,
     resolve_dtype,
+    schedule_note,
+    set_schedule_step,
 )
 from treetrain.train.checkpoint import CheckpointError
-from treetrain.train.config import TrainConfig, add_train_arguments, config_from_args, validate
+from treetrain.train.config import TrainConfig, config_from_args, validate
+from treetrain.train.kit import RunKit, checkpoint_state, drop_empty_groups, export_extras
 from treetrain.train.outputs import (
     log_metrics,
     peak_memory_mib,
@@ -78,16 +85,11 @@ from treetrain.train.outputs import (
     summary_table,
     truncate_metrics,
 )
-from treetrain.train.step import (
-    NonFiniteError,
-    build_objective,
-    train_step,
-)
+from treetrain.train.step import NonFiniteError, train_step
 from treetrain.train.trackers import open_trackers
 
 __all__ = [
     "StepBatch",
-    "add_parser",
     "build_model",
     "build_optimizer",
     "build_scheduler",
@@ -111,8 +113,7 @@ class Run:
     device: torch.device
     autocast_dtype: torch.dtype | None
     model: nn.Module
-    ref_model: nn.Module | None
-    objective: Any
+    objective: Any  # treetrain.objectives.interface.TrainObjective: loss, extra models (reference, critic)
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     steps: int
@@ -121,7 +122,6 @@ class Run:
     trees_done: int = 0
     total_trees: int | None = None  # the run's last tree (``--epochs``); None: ``steps`` decide
     cp: Any = None  # parallel.cp.CPLayout (dp x cp mesh); set by setup
-    critic: Any = None  # treetrain.train.critic.Critic: --objective ppo_critic's value model and its AdamW
 
 
 @dataclass
@@ -152,36 +152,29 @@ def setup(cfg: TrainConfig) -> Run:
     if info.is_main:
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
 
-    auto_class = "AutoModelForSequenceClassification" if cfg.objective == "reward" else None
+    objective = build_objective(cfg)  # --objective and loss.*: the loop composes what it declares
+    if cfg.cp > 1 and (why := objective.cp_refusal()) is not None:
+        raise ValueError(f"--objective {cfg.objective}: --cp {cfg.cp} is not supported: {why}; use --cp 1")
     model = configure_model(
         build_model(
-            cfg.model, cfg.seed, param_dtype, device, auto_class, trust_remote_code=cfg.trust_remote_code
+            cfg.model,
+            cfg.seed,
+            param_dtype,
+            device,
+            objective.model_class,
+            trust_remote_code=cfg.trust_remote_code,
         ),
         cfg.activation_checkpointing,
     )
-    critic = None
-    if cfg.objective == "ppo_critic":  # a value model from the policy's initial weights (train.critic)
-        from treetrain.train.critic import build_critic
-
-        critic = build_critic(model, cfg, info.distributed)
+    mixed = autocast_dtype is not None and device.type == "cuda"
+    # its extra models (a reference, a critic: sharded by the kit) from the initial policy
+    objective.build_models(model, RunKit(cfg, device, param_dtype, info.distributed, mixed))
     lora = lora_config_of(cfg)
     model = apply_lora(model, lora) if lora is not None else model
-    objective = build_objective(cfg)
-    ref_model = build_reference_model(model) if objective.kl_coef and cfg.reference == "model" else None
-    if getattr(objective, "needs_reference", False):  # dpo: --ref-model, or the initial weights
-        ref_model = build_reference_model(
-            configure_model(build_model(cfg.ref_model, cfg.seed, param_dtype, device), False)
-            if cfg.ref_model
-            else model
-        )
     # FSDP2 from outside the model (a no-op in one process), before the optimizer sees the parameters
-    model = distributed.shard_model(
-        model, mixed_precision=autocast_dtype is not None and device.type == "cuda"
-    )
+    model = distributed.shard_model(model, mixed_precision=mixed)
     optimizer = build_optimizer(model, cfg)
-    if critic is not None:  # DCP's state of several optimizers allows no empty group (LoRA's no-decay)
-        from treetrain.train.critic import drop_empty_groups
-
+    if objective.trained():  # DCP's state of several optimizers allows no empty group (LoRA's no-decay)
         drop_empty_groups(optimizer)
     vocab_size = model.config.get_text_config().vocab_size
     if not cfg.lazy_validate and cfg.epochs is None:  # --epochs counts the trees in a validating pass
@@ -189,8 +182,8 @@ def setup(cfg: TrainConfig) -> Run:
         guards.validate_data(data_path(cfg), options, cfg.progress and info.is_main)
     steps, total_trees = total_steps(cfg, vocab_size)
     scheduler = build_scheduler(optimizer, cfg, steps)
-    run = Run(cfg, device, autocast_dtype, model, ref_model, objective, optimizer, scheduler, steps, out)
-    run.total_trees, run.critic = total_trees, critic
+    run = Run(cfg, device, autocast_dtype, model, objective, optimizer, scheduler, steps, out)
+    run.total_trees = total_trees
     from treetrain.parallel.cp import init_cp
 
     run.cp = init_cp(cfg.cp)
@@ -198,12 +191,14 @@ def setup(cfg: TrainConfig) -> Run:
     if cfg.resume and latest is None and info.is_main:
         print(f"treetrain train: --resume: no checkpoint under {out / 'checkpoints'}; starting from step 0")
     if latest is not None:
-        from treetrain.train.critic import with_critic
-
-        state = with_critic(model, optimizer, critic)  # with a critic: both models and optimizers
+        state = checkpoint_state(model, optimizer, objective)  # with a critic: both models and optimizers
         run.start_step, data_state = checkpoint.load_checkpoint(latest, *state, scheduler)
         guards.check_resume(latest, data_state, data_path(cfg), cfg, announce=info.is_main)
         run.trees_done = int(data_state.get("trees_consumed", 0))
+        lr = set_schedule_step(optimizer, scheduler, cfg, steps, run.start_step)  # not the saved lr
+        note = schedule_note(data_state.get("config"), cfg, steps, run.start_step, lr)
+        if note and info.is_main:
+            print(f"treetrain train: resuming {latest.name}: {note}", file=sys.stderr)
     return run
 
 
@@ -231,6 +226,7 @@ def run_loop(run: Run, metrics_path: Path) -> list[dict[str, Any]]:
             world_size=cp.dp_size,
             model_config=run.model.config,
             total_trees=run.total_trees,
+            objective=run.objective,
         ),
         cfg.prefetch,
     )
@@ -261,10 +257,8 @@ def run_loop(run: Run, metrics_path: Path) -> list[dict[str, Any]]:
                     run.objective,
                     grad_clip=cfg.grad_clip,
                     autocast_dtype=run.autocast_dtype,
-                    ref_model=run.ref_model,
                     backend=cfg.attention,
                     cp=cp,
-                    critic=run.critic,
                 )
             except NonFiniteError as e:
                 last = checkpoint.latest_checkpoint(run.out)
@@ -296,17 +290,16 @@ def run_loop(run: Run, metrics_path: Path) -> list[dict[str, Any]]:
 
 def save_step(run: Run, step: int, trees_consumed: int) -> Path:
     """Checkpoint ``step`` (with the data file's fingerprint and the config, checked on resume)."""
-    from treetrain.train.critic import with_critic
     from treetrain.train.guards import save_or_explain
 
-    model, optimizer = with_critic(run.model, run.optimizer, run.critic)  # with a critic: both of each
+    model, optimizer = checkpoint_state(run.model, run.optimizer, run.objective)  # with a critic: both
     return save_or_explain(run.out, step, model, optimizer, run.scheduler, trees_consumed, run.cfg)
 
 
 def train(cfg: TrainConfig | dict[str, Any], *, quiet: bool = False) -> TrainResult:
     """Run ``cfg`` end to end: setup, the loop, the final model (``save_pretrained``, safetensors,
     loadable with plain transformers), the plot and the summary table (unless ``quiet``)."""
-    from treetrain.train.checkpoint import export_pretrained
+    from treetrain.train.logs import library_progress_bars
 
     if isinstance(cfg, dict):  # the YAML form: {"steps": 1, "lr": 1e-4, "loss": {...}}
         from treetrain.train.config import merge
@@ -315,6 +308,13 @@ def train(cfg: TrainConfig | dict[str, Any], *, quiet: bool = False) -> TrainRes
     elif not isinstance(cfg, TrainConfig):
         raise ValueError(f"train: expected a TrainConfig or a dict of options, got {type(cfg).__name__}")
     cfg = validate(cfg)
+    with library_progress_bars(cfg.progress):  # --no-progress: transformers' bars too
+        return _train(cfg, quiet)
+
+
+def _train(cfg: TrainConfig, quiet: bool) -> TrainResult:
+    from treetrain.train.checkpoint import export_pretrained
+
     run = setup(cfg)
     metrics_path = run.out / "metrics.jsonl"
     t0 = time.perf_counter()
@@ -327,8 +327,7 @@ def train(cfg: TrainConfig | dict[str, Any], *, quiet: bool = False) -> TrainRes
     is_main = distributed.init_distributed().is_main
     plot = plot_metrics(records, run.out / "training.png") if cfg.plot and records and is_main else None
     outputs = {"metrics": metrics_path, "model": final} | ({"plot": plot} if plot else {})
-    if run.critic is not None:  # loadable with AutoModelForTokenClassification.from_pretrained
-        outputs["critic"] = export_pretrained(run.critic.model, run.out / "final_critic")
+    outputs |= export_extras(run.objective, run.out)  # a critic: OUTPUT/final_critic (transformers)
     if not quiet and is_main:
         print(f"treetrain train: done, outputs in {run.out.resolve()}/")
         print(summary_table(records, cfg, outputs, wall))
@@ -336,19 +335,6 @@ def train(cfg: TrainConfig | dict[str, Any], *, quiet: bool = False) -> TrainRes
 
 
 # ---- command line ------------------------------------------------------------------------------
-
-
-def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """The ``treetrain train`` subcommand (flags: :func:`treetrain.train.config.add_train_arguments`)."""
-    p = sub.add_parser(
-        "train",
-        help="train a causal LM on tree-structured trajectories",
-        description="Train a causal LM on trees of token paths; every shared prefix is computed once. "
-        "With no arguments: a tiny random-init Qwen3 on the bundled sample, a few steps.",
-    )
-    add_train_arguments(p)
-    p.set_defaults(handler=main)
-    return p
 
 
 def main(args: argparse.Namespace) -> int:

@@ -10,10 +10,12 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
+import numpy as np
 import torch
 
 from treetrain.train.batches import StepBatch
 from treetrain.train.config import TrainConfig
+from treetrain.trees.tree import TrajectoryTree
 
 METRIC_FIELDS = (
     "step",
@@ -36,6 +38,33 @@ def peak_memory_mib(device: torch.device) -> float:
         return torch.cuda.max_memory_allocated(device) / 2**20
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return rss / (2**20 if sys.platform == "darwin" else 2**10)
+
+
+def reward_metrics(trees: list[TrajectoryTree]) -> dict[str, float]:
+    """The step's per-path ``rewards``: ``reward_mean``, ``reward_std`` (population std over every
+    path of the step), ``reward_min``, ``reward_max``; with GRPO advantages computed from them
+    (``--advantages``), ``zero_adv_groups``: the fraction of groups (trees) whose advantages are all
+    zero, so that they teach nothing: every reward of the group equal (a group of one path keeps its
+    raw reward as advantage, see ``group_advantages``: zero only for a zero reward).
+    ``{}`` when no tree of the step has rewards.
+
+    Example, rewards ``[1, 0]`` and ``[1, 1]``: mean 0.75, std 0.433, min 0, max 1, zero_adv_groups 0.5.
+    """
+    with_rewards = [t for t in trees if "rewards" in t.fields]
+    if not with_rewards:
+        return {}
+    r = np.concatenate([np.asarray(t.fields["rewards"], dtype=np.float64) for t in with_rewards])
+    out = {
+        "reward_mean": float(r.mean()),
+        "reward_std": float(r.std()),
+        "reward_min": float(r.min()),
+        "reward_max": float(r.max()),
+    }
+    if all("advantages" in t.fields for t in with_rewards):
+        rewards = [np.asarray(t.fields["rewards"]) for t in with_rewards]
+        zero = [np.ptp(x) == 0 if x.size > 1 else x[0] == 0 for x in rewards]
+        out["zero_adv_groups"] = float(np.mean(zero))
+    return out
 
 
 def step_record(
@@ -68,7 +97,7 @@ def step_record(
         "micro_batches": len(batch.micro),
         "trees": len(batch.trees),
         "imbalance": batch.imbalance,
-    }
+    } | reward_metrics(batch.trees)
     return record | {k: v for k, v in metrics.items() if k not in record}
 
 
@@ -113,13 +142,35 @@ def summary_table(
         ("path tokens / s", f"{path_tok / step_time:,.0f}" if step_time > 0 else "-"),
         ("peak memory", f"{max(r['peak_memory'] for r in records):,.0f} MiB"),
     ]
+    rows += _reward_rows(records)
     rows += [(f"{name} ->", str(path)) for name, path in outputs.items()]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
 
+def _reward_rows(records: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """Summary rows of the steps' rewards (:func:`reward_metrics`), if the data has rewards."""
+    rewarded = [r for r in records if "reward_mean" in r]
+    if not rewarded:
+        return []
+    first, last = rewarded[0], rewarded[-1]
+    rows = [
+        ("reward mean first -> last", f"{first['reward_mean']:.4g} -> {last['reward_mean']:.4g}"),
+        ("reward std first -> last", f"{first['reward_std']:.4g} -> {last['reward_std']:.4g}"),
+        (
+            "reward min / max",
+            f"{min(r['reward_min'] for r in rewarded):.4g} / {max(r['reward_max'] for r in rewarded):.4g}",
+        ),
+    ]
+    zero = [r["zero_adv_groups"] for r in rewarded if "zero_adv_groups" in r]
+    if zero:
+        rows.append(("zero-advantage groups", f"{sum(zero) / len(zero):.1%} of groups (mean over steps)"))
+    return rows
+
+
 def plot_metrics(records: list[dict[str, Any]], path: Path) -> Path:
-    """PNG of loss and path tokens/s per step (matplotlib, Agg backend)."""
+    """PNG of loss, path tokens/s and (with rewards) the reward mean, min and max per step
+    (matplotlib, Agg backend)."""
     try:
         import matplotlib
     except ImportError:
@@ -128,7 +179,9 @@ def plot_metrics(records: list[dict[str, Any]], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in records]
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    rewarded = [r for r in records if "reward_mean" in r]
+    fig, axes = plt.subplots(3 if rewarded else 2, 1, figsize=(7, 9 if rewarded else 6), sharex=True)
+    ax1, ax2 = axes[0], axes[-1]
     ax1.plot(steps, [r["loss"] for r in records], marker="o")
     ax1.set_ylabel("loss")
     ax1.grid(alpha=0.3)
@@ -137,6 +190,14 @@ def plot_metrics(records: list[dict[str, Any]], path: Path) -> Path:
     ax2.set_xlabel("optimizer step")
     ax2.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax2.grid(alpha=0.3)
+    if rewarded:
+        ax3, at = axes[1], [r["step"] for r in rewarded]
+        ax3.plot(at, [r["reward_mean"] for r in rewarded], marker="o", color="tab:orange", label="mean")
+        lo, hi = [r["reward_min"] for r in rewarded], [r["reward_max"] for r in rewarded]
+        ax3.fill_between(at, lo, hi, color="tab:orange", alpha=0.2, label="min .. max")
+        ax3.set_ylabel("reward")
+        ax3.legend(loc="best")
+        ax3.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -1,13 +1,11 @@
-"""One optimizer step: the objective from the config, then forward and backward over a step's
-micro-batches, gradients reduced over ranks, clipped, and the step applied unless the loss or the
-gradient norm is not finite (:class:`NonFiniteError`).
+"""One optimizer step: forward and backward over a step's micro-batches with the objective's loss
+(:class:`treetrain.objectives.interface.TrainObjective`), gradients reduced over ranks, clipped,
+and the step applied unless the loss or a gradient norm is not finite (:class:`NonFiniteError`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 import math
 
 import torch
@@ -15,33 +13,7 @@ from torch import nn
 
 from treetrain.parallel import fsdp as distributed
 from treetrain.train.batches import StepBatch
-from treetrain.train.config import TrainConfig
-from treetrain.train.strategies import get_strategy
-
-
-def build_objective(cfg: TrainConfig):
-    """``treetrain.objectives.policy.Objective`` from ``--objective`` and the ``loss`` options (dpo and
-    reward:
-    ``treetrain.objectives.preference.PreferenceObjective``)."""
-    from treetrain.objectives.policy_config import Objective
-    from treetrain.objectives.preference import PREFERENCE_OBJECTIVES, PreferenceObjective
-
-    if cfg.objective == "ppo_critic":  # the policy's ppo objective; the critic's options: train.critic
-        from treetrain.train.critic import policy_objective
-
-        return policy_objective(cfg)
-    cls = PreferenceObjective if cfg.objective in PREFERENCE_OBJECTIVES else Objective
-    known = [f.name for f in dataclasses.fields(cls) if f.name != "name"]
-    unknown = sorted(set(cfg.loss) - set(known))
-    if unknown:
-        raise ValueError(
-            f"loss: unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
-            f"valid loss options: {', '.join(known)} (for --objective {cfg.objective})"
-        )
-    try:
-        return cls(name=cfg.objective, **cfg.loss)
-    except TypeError as e:
-        raise ValueError(f"loss: {e}; see {cls.__module__}.{cls.__name__} for the options") from None
+from treetrain.train.kit import clip_extras
 
 
 class NonFiniteError(RuntimeError):
@@ -62,42 +34,29 @@ def train_step(
     *,
     grad_clip: float | None,
     autocast_dtype: torch.dtype | None = None,
-    ref_model: nn.Module | None = None,
     backend: str | None = None,
     cp=None,
-    critic=None,
 ) -> dict[str, float]:
     """Forward and backward over every micro-batch, then clip and step.
 
-    The normalizer comes from the whole trees of the step, so the micro-batch losses sum to the
-    full-batch loss and the accumulated gradient is the full-batch gradient. Returns the step's
-    objective metrics (``treetrain.objectives.policy.summarize_metrics`` of the summed micro-batch metrics)
-    plus ``grad_norm`` (before clipping).
+    ``objective``: a :class:`treetrain.objectives.interface.TrainObjective` (its extra models: a
+    reference it reads, a critic it trains and steps here). Each micro-batch's loss is its share of
+    the step loss, normalized over the whole trees of the step, so the accumulated gradient is the
+    full-batch gradient. Returns the step's objective metrics (``objective.summarize`` of the
+    micro-batch metric sums over ranks) plus ``grad_norm`` (before clipping) and, for each extra
+    trained model, ``NAME_grad_norm``.
     """
     from treetrain.objectives import moe_aux
-    from treetrain.objectives import preference as pref
-    from treetrain.objectives.policy import loss_normalizer, summarize_metrics
 
-    loss_fn = get_strategy(batch.packing).loss
     device = next(model.parameters()).device
-    if isinstance(objective, pref.PreferenceObjective):  # dpo, reward: per-path tensors, either packing
-        loss_fn = functools.partial(pref.compute_preference_loss, packing=batch.packing)
-        normalizer, summarize_metrics = pref.preference_normalizer(batch.trees), pref.summarize_preference
-    else:
-        normalizer = loss_normalizer(batch.trees, objective)
-    if critic is not None:  # ppo_critic: GAE advantages from the value model (treetrain.train.critic)
-        from treetrain.train.critic import summarize as summarize_metrics
-
-        loss_fn = critic.loss_fn(batch.trees, batch.packing)
+    loss_fn = objective.micro_loss(batch.trees, batch.packing)
     sums: dict[str, torch.Tensor] = {}
     cp_size = cp.cp_size if cp is not None else 1  # parallel.cp.CPLayout: ranks sharing each tree
     aux_coef = moe_aux.aux_coef(model)  # MoE router load-balancing loss, see treetrain.objectives.moe_aux
     for packed in batch.micro:
         cp_scope = cp.scope() if cp is not None else contextlib.nullcontext()
         with autocast_context(device, autocast_dtype), cp_scope, moe_aux.recording(model, aux_coef) as router:
-            loss, metrics = loss_fn(
-                model, packed.to(device), objective, normalizer, ref_model=ref_model, backend=backend
-            )
+            loss, metrics = loss_fn(model, packed.to(device), backend=backend)
         if aux_coef is not None:
             share = sum(t.num_path_tokens for t in packed.trees) / batch.path_tokens
             aux = share * moe_aux.micro_batch_aux_loss(model, packed, batch.packing, router)
@@ -107,7 +66,7 @@ def train_step(
             sums[k] = sums[k] + v.double() if k in sums else v.double()
     for _ in range(batch.passes - len(batch.micro)):  # FSDP's collectives need every rank's pass
         with autocast_context(device, autocast_dtype):
-            idle = distributed.dummy_loss(model, backend)
+            idle = objective.idle_loss(model, backend)
         idle.backward()
     sums = distributed.all_reduce_sum_dict(sums)
     if cp_size > 1:  # every rank of a context-parallel group computed the same full metrics
@@ -115,20 +74,21 @@ def train_step(
     params = [p for p in model.parameters() if p.grad is not None]
     max_norm = grad_clip if grad_clip else float("inf")
     grad_norm = distributed.clip_grad_norm_(params, max_norm)
-    out = summarize_metrics(sums) | {"grad_norm": float(grad_norm)}
+    out = objective.summarize(sums) | {"grad_norm": float(grad_norm)}
     if "aux_loss" in sums:
         out["aux_loss"] = float(sums["aux_loss"])
-    if critic is not None:  # its own gradient norm and clip
-        out["critic_grad_norm"] = critic.clip(grad_clip)
+    extra_norms = clip_extras(objective, grad_clip)  # each extra model (a critic): its own norm and clip
+    out |= extra_norms
     finite = math.isfinite(out.get("loss", 0.0)) and math.isfinite(out["grad_norm"])
-    if not (finite and math.isfinite(out.get("critic_grad_norm", 0.0))):
+    if not (finite and all(math.isfinite(v) for v in extra_norms.values())):
         optimizer.zero_grad(set_to_none=True)  # the same values on every rank: all stop together
-        if critic is not None:
-            critic.optimizer.zero_grad(set_to_none=True)
-        norms = f"{out['grad_norm']}" + (f", critic {out['critic_grad_norm']}" if critic is not None else "")
+        for t in objective.trained():
+            t.optimizer.zero_grad(set_to_none=True)
+        extra = "".join(f", {k.removesuffix('_grad_norm')} {v}" for k, v in extra_norms.items())
+        norms = f"{out['grad_norm']}{extra}"
         raise NonFiniteError(f"non-finite loss ({out.get('loss')}) or gradient norm ({norms})")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    if critic is not None:
-        critic.step(optimizer)
+    for t in objective.trained():
+        t.step(optimizer)
     return out

@@ -15,7 +15,9 @@ the clipped value loss; ``loss = policy_loss + vf_coef * value_loss``, one backw
 gradient is clipped on its own (``--grad-clip``) and stepped by its own AdamW; the critic's lr is
 ``loss.critic_lr`` (default ``--lr``) times the policy's schedule factor, so it needs no state of
 its own. Checkpoints hold both models and optimizers (one DCP state, keys ``policy.*`` and
-``critic.*``), so resuming continues exactly. One process only for now.
+``critic.*``), so resuming continues exactly, on any number of ranks. Under ``torchrun`` both
+models are sharded with FSDP2 (their gradients summed over ranks, as the policy's) and a tree's
+paths may be split over ranks (GAE runs per path; the value loss is normalized over the step).
 
 Options (``--set loss.NAME=VALUE``): ``vf_coef`` (0.5), ``critic_lr`` (``--lr``), ``gamma`` (1.0),
 ``lam`` (0.95), ``value_clip`` (0.2), ``critic_model`` (a directory to start the critic from instead,
@@ -27,7 +29,6 @@ other ``loss.*`` goes to the policy's ``ppo`` objective (``clip_low``, ``clip_hi
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -36,16 +37,10 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = [
-    "CRITIC_OBJECTIVE",
-    "Critic",
-    "build_critic",
-    "check_record",
-    "drop_empty_groups",
-    "policy_objective",
-    "summarize",
-    "with_critic",
-]
+from treetrain.objectives.interface import Kit, Trained
+from treetrain.objectives.policy_objective import PolicyObjective
+
+__all__ = ["CRITIC_OBJECTIVE", "Critic", "PPOCritic", "build_critic", "check_record", "policy_objective"]
 
 CRITIC_OBJECTIVE = "ppo_critic"
 CRITIC_OPTIONS = {
@@ -86,12 +81,9 @@ def policy_objective(cfg):
 
 
 @dataclass
-class Critic:
+class Critic(Trained):
     """The value model, its AdamW and the GAE / value-loss options."""
 
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    lr: float
     vf_coef: float = 0.5
     gamma: float = 1.0
     lam: float = 0.95
@@ -107,20 +99,6 @@ class Critic:
 
         value_normalizer = float(PathMeta.from_trees(list(trees)).mask.sum())
         return functools.partial(_micro_loss, critic=self, value_normalizer=value_normalizer, packing=packing)
-
-    def clip(self, grad_clip: float | None) -> float:
-        """Clip the critic's gradient (its own norm); returns the norm before clipping."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        return float(torch.nn.utils.clip_grad_norm_(params, grad_clip or float("inf")))
-
-    def step(self, policy_optimizer: torch.optim.Optimizer) -> None:
-        """AdamW step at ``critic_lr`` x the policy's current schedule factor, then zero the grads."""
-        group = policy_optimizer.param_groups[0]
-        factor = group["lr"] / group.get("initial_lr", group["lr"])
-        for g in self.optimizer.param_groups:
-            g["lr"] = self.lr * factor
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
 
 
 def check_record(tree, info) -> None:
@@ -182,26 +160,19 @@ def _number(name: str, v: Any) -> float | str | None:
     return x
 
 
-def build_critic(policy: nn.Module, cfg, distributed: bool = False) -> Critic:
-    """The value model (backbone = the policy's current weights, seeded ``score`` head) and its AdamW.
+def build_critic(policy: nn.Module, kit: Kit) -> Critic:
+    """The value model (backbone = the policy's current weights, seeded ``score`` head), sharded
+    over the run's ranks (FSDP2, as the policy), and its AdamW.
 
-    ``policy``: a ``...ForCausalLM`` before any adapter is applied. Raises under ``torchrun``.
+    ``policy``: a ``...ForCausalLM`` before any adapter is applied and before it is sharded.
     """
     import transformers
 
-    from treetrain.train.build import build_optimizer, configure_model
-
-    if distributed:
-        raise ValueError(
-            f"--objective {CRITIC_OBJECTIVE}: one process only for now (the critic is not sharded with "
-            "FSDP2 and its gradients are not reduced across ranks); run without torchrun"
-        )
-    if cfg.cp > 1:
-        raise ValueError(f"--objective {CRITIC_OBJECTIVE}: --cp {cfg.cp} is not supported; use --cp 1")
-    opts = {k: _number(k, v) for k, v in _split_options(cfg.loss)[0].items()}
+    cfg = kit.cfg
+    opts = critic_options(cfg.loss)
     param = next(policy.parameters())
     if opts["critic_model"] is not None:  # e.g. a reward model: its backbone, and its score if 1 label
-        model = _load_critic(opts["critic_model"], cfg, param)
+        model = _load_critic(opts["critic_model"], kit)
     else:
         config = copy.deepcopy(policy.config)
         config.num_labels, config.classifier_dropout = 1, 0.0
@@ -215,47 +186,32 @@ def build_critic(policy: nn.Module, cfg, distributed: bool = False) -> Critic:
             ) from None
         model = model.to(device=param.device, dtype=param.dtype)
         model.base_model.load_state_dict(policy.base_model.state_dict())  # the policy's backbone
-    model = configure_model(model, cfg.activation_checkpointing)
+    model = kit.shard(kit.configure(model))
     lr = cfg.lr if opts["critic_lr"] is None else opts["critic_lr"]
-    optimizer = drop_empty_groups(build_optimizer(model, dataclasses.replace(cfg, lr=lr)))
     kw = {k: opts[k] for k in ("vf_coef", "gamma", "lam", "value_clip")}
-    return Critic(model, optimizer, lr, **kw)
+    return Critic("critic", model, kit.optimizer(model, lr), lr, **kw)
 
 
-def _load_critic(path: str, cfg, like: torch.Tensor) -> nn.Module:
+def critic_options(loss: dict[str, Any]) -> dict[str, Any]:
+    """The critic's ``loss.*`` options, checked (``--set`` passes numbers as strings)."""
+    return {k: _number(k, v) for k, v in _split_options(loss)[0].items()}
+
+
+def _load_critic(path: str, kit: Kit) -> nn.Module:
     """``loss.critic_model=DIR``: a saved model as ``AutoModelForTokenClassification`` (num_labels=1,
     no dropout), on the policy's device and dtype."""
     from pathlib import Path
-
-    from treetrain.train.build import build_model
 
     if not (Path(path) / "config.json").is_file():
         raise ValueError(
             f"loss.critic_model {path}: not a Hugging Face model directory (no config.json); pass a "
             "directory saved with save_pretrained (a reward model, a previous run's final_critic)"
         )
-    auto = "AutoModelForTokenClassification"
-    remote = cfg.trust_remote_code
-    model = build_model(path, cfg.seed, like.dtype, like.device, auto, trust_remote_code=remote)
+    model = kit.load(path, "AutoModelForTokenClassification")
     model.config.classifier_dropout = 0.0
     if isinstance(getattr(model, "dropout", None), nn.Dropout):
         model.dropout.p = 0.0
     return model
-
-
-def drop_empty_groups(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """Remove parameter groups with no parameters (a LoRA policy's no-decay group): DCP saves and
-    loads several optimizers together only without them. Call before the LR scheduler is built."""
-    optimizer.param_groups[:] = [g for g in optimizer.param_groups if g["params"]]
-    return optimizer
-
-
-def with_critic(model: nn.Module, optimizer, critic: Critic | None):
-    """What a checkpoint saves and loads: ``(model, optimizer)``, or with a critic both models as one
-    ``ModuleDict`` (keys ``policy.*``, ``critic.*``) and both optimizers."""
-    if critic is None:
-        return model, optimizer
-    return nn.ModuleDict({"policy": model, "critic": critic.model}), [optimizer, critic.optimizer]
 
 
 def summarize(sums: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -275,3 +231,54 @@ def summarize(sums: dict[str, torch.Tensor]) -> dict[str, float]:
         ):
             out[name] = float(sums[key]) / tokens
     return out
+
+
+class PPOCritic(PolicyObjective):
+    """``ppo_critic``: the policy's ``ppo`` objective on GAE advantages from a critic trained alongside
+    (micro-batches and rank balancing as the policy objectives: whole paths)."""
+
+    def __init__(self, config, cfg) -> None:
+        super().__init__(config, cfg.reference)
+        self.name = CRITIC_OBJECTIVE
+        self.critic: Critic | None = None
+        critic_options(cfg.loss)  # bad options fail before any model is built
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> PPOCritic:
+        return cls(policy_objective(cfg), cfg)
+
+    def check_record(self, tree, info) -> None:
+        check_record(tree, info)
+
+    def cp_refusal(self) -> str | None:
+        return (
+            "the critic's values and GAE run along whole paths on one rank, and context parallelism "
+            "splits a tree's tokens over the ranks"
+        )
+
+    def build_models(self, policy, kit: Kit) -> None:
+        self.critic = build_critic(policy, kit)
+
+    def trained(self) -> list[Trained]:
+        return [self.critic] if self.critic is not None else []
+
+    def micro_loss(self, trees, packing):
+        fn = self.critic.loss_fn(trees, packing)
+        cfg, normalizer = self.config, self.normalizer(trees)
+
+        def micro(model, packed, *, backend=None):
+            return fn(model, packed, cfg, normalizer, backend=backend)
+
+        return micro
+
+    def summarize(self, sums):
+        return summarize(sums)
+
+    def idle_loss(self, model, backend=None):
+        """The policy's idle pass plus ``0 x`` the critic's values of the idle tree (its head too)."""
+        from treetrain.objectives.interface import idle_tree
+        from treetrain.objectives.value import path_values
+        from treetrain.trees.packing import pack
+
+        values = path_values(self.critic.model, pack([idle_tree()]), backend=backend)
+        return super().idle_loss(model, backend) + values.sum() * 0.0

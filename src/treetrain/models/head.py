@@ -1,0 +1,142 @@
+"""The exact map from a causal LM's last hidden state to its logits, derived from the model once.
+
+Hugging Face's ``...ForCausalLM.forward`` applies, between the decoder's last hidden state ``h``
+and the logits, more than the output projection on some architectures. Every scoring path of
+treetrain (per-path and flat log-probs, the baseline, context parallel, depth-first) reads the head
+from :func:`lm_head` so none of them can miss one::
+
+    logits = post * softcap(logit_scale * ((hidden_scale * h) @ W[:vocab].T + b[:vocab]))
+
+(``softcap(z) = c * tanh(z / c)``, the identity without a cap; ``post`` is a caller's extra factor,
+e.g. TRL's ``1 / temperature``.) What each architecture sets, read from the installed transformers'
+``ForCausalLM.forward``:
+
+========================================  ============================================================
+Cohere, Cohere2, Cohere2-MoE, Compass     ``logit_scale = model.logit_scale`` (``logits * logit_scale``)
+Granite, Granite-SWA, GraniteMoE (+SWA,   ``logit_scale = 1 / config.logits_scaling``
+shared, hybrid)
+HyperCLOVA X                              ``logit_scale = config.logits_scaling``
+Falcon-H1                                 ``logit_scale = model.model.lm_head_multiplier``
+MiniCPM3                                  ``hidden_scale = 1 / config.logits_scaling``
+Gemma 2/3/3n, VaultGemma, NanoChat        ``softcap = config.final_logit_softcapping``
+========================================  ============================================================
+
+Any other architecture on the allow-list (:mod:`treetrain.models.support`) has the plain
+projection; one that is not on it is refused before it runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["LMHead", "lm_head", "unwrap"]
+
+
+@dataclass(frozen=True)
+class LMHead:
+    """The output head of a causal LM: ``weight [V, H]``, ``bias [V]`` or None, and its transforms.
+
+    ``hidden_scale`` multiplies the hidden rows before the projection, ``logit_scale`` the logits
+    after it (before the cap), ``softcap`` caps them (``softcap * tanh(z / softcap)``).
+    """
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+    hidden_scale: float = 1.0
+    logit_scale: float = 1.0
+    softcap: float | None = None
+
+    @property
+    def vocab(self) -> int:
+        return self.weight.shape[0]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The full logits ``[N, V]`` of ``hidden [N, H]`` in HF's order of operations (a reference,
+        for small inputs: the scoring paths use the chunked :func:`treetrain.logprobs.head_logprobs`)."""
+        z = nn.functional.linear(hidden * self.hidden_scale, self.weight, self.bias) * self.logit_scale
+        if self.softcap is not None:
+            z = torch.tanh(z / self.softcap) * self.softcap
+        return z
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The ``...ForCausalLM`` inside a ``peft.PeftModel`` (LoRA), else ``model`` itself."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def _cfg(model: nn.Module):
+    return model.config.get_text_config()
+
+
+def _logit_scale_attr(model: nn.Module) -> dict:
+    return {"logit_scale": float(model.logit_scale)}
+
+
+def _divide_by_logits_scaling(model: nn.Module) -> dict:
+    return {"logit_scale": 1.0 / float(_cfg(model).logits_scaling)}
+
+
+def _multiply_by_logits_scaling(model: nn.Module) -> dict:
+    return {"logit_scale": float(_cfg(model).logits_scaling)}
+
+
+def _falcon_h1(model: nn.Module) -> dict:
+    return {"logit_scale": float(model.model.lm_head_multiplier)}
+
+
+def _hidden_divided_by_logits_scaling(model: nn.Module) -> dict:
+    return {"hidden_scale": 1.0 / float(_cfg(model).logits_scaling)}
+
+
+def _final_softcap(model: nn.Module) -> dict:
+    return {"softcap": getattr(_cfg(model), "final_logit_softcapping", None) or None}
+
+
+# ForCausalLM class name -> the transforms its forward applies (checked against transformers 5.24)
+_TRANSFORMS: dict[str, Callable[[nn.Module], dict]] = {
+    "CohereForCausalLM": _logit_scale_attr,
+    "Cohere2ForCausalLM": _logit_scale_attr,
+    "Cohere2MoeForCausalLM": _logit_scale_attr,
+    "CohereCompassForCausalLM": _logit_scale_attr,
+    "GraniteForCausalLM": _divide_by_logits_scaling,
+    "GraniteSWAForCausalLM": _divide_by_logits_scaling,
+    "GraniteMoeForCausalLM": _divide_by_logits_scaling,
+    "GraniteMoeSWAForCausalLM": _divide_by_logits_scaling,
+    "GraniteMoeSharedForCausalLM": _divide_by_logits_scaling,
+    "GraniteMoeHybridForCausalLM": _divide_by_logits_scaling,
+    "HyperCLOVAXForCausalLM": _multiply_by_logits_scaling,
+    "FalconH1ForCausalLM": _falcon_h1,
+    "MiniCPM3ForCausalLM": _hidden_divided_by_logits_scaling,
+    "Gemma2ForCausalLM": _final_softcap,
+    "Gemma3ForCausalLM": _final_softcap,
+    "Gemma3nForCausalLM": _final_softcap,
+    "VaultGemmaForCausalLM": _final_softcap,
+    "NanoChatForCausalLM": _final_softcap,
+}
+
+
+def _transforms(model: nn.Module) -> dict:
+    """The transforms of ``model``'s class; looks through subclasses (FSDP2 wraps a model's class
+    in an ``FSDP<Name>`` subclass)."""
+    for c in type(model).__mro__:
+        if c.__name__ in _TRANSFORMS:
+            return _TRANSFORMS[c.__name__](model)
+    return {}
+
+
+def lm_head(model: nn.Module) -> LMHead:
+    """The exact head of a ``...ForCausalLM`` (or a PEFT model around one).
+
+    Raises ``ValueError`` when the output embedding is not an ``nn.Linear`` (a head treetrain
+    cannot chunk).
+    """
+    model = unwrap(model)
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear):
+        raise ValueError(f"output head must be an nn.Linear, got {type(head).__name__}")
+    return LMHead(head.weight, head.bias, **_transforms(model))

@@ -1,0 +1,180 @@
+"""Which architectures treetrain runs exactly, and a clear refusal for every other one.
+
+A model is accepted only when (1) its model type is on :data:`EXACT`, the list the model-zoo test
+(``tests/test_model_zoo.py``) verifies against per-path Hugging Face forwards in float64, log-probs
+and every parameter gradient, with the scalings and attention extras set away from their defaults;
+and (2) none of its modules is a state-carrying layer that treetrain does not route along the tree
+(:data:`STATEFUL`), whatever its model type: a recurrence run over the packed tree as if it were
+one sequence would carry state from one branch into its sibling. Everything else raises a
+``ValueError`` naming the model type or the layer, and why; nothing runs silently different.
+
+The list, with the reasons for what is refused, is ``docs/architectures.md``.
+"""
+
+from __future__ import annotations
+
+import re
+
+from torch import nn
+
+__all__ = ["EXACT", "REFUSED", "STATEFUL", "check_model", "refusal"]
+
+
+def _words(text: str) -> list[str]:
+    return text.split()
+
+
+# model type -> what it has beyond plain decoder self-attention (RoPE or learned positions, GQA,
+# dense or MoE MLPs) that treetrain handles; every entry is checked by tests/test_model_zoo.py
+_PLAIN = _words(
+    """afmoe apertus apertus1p5_text arcee aria_text biogpt bitnet ctrl cwm dots1
+    ernie4_5 ernie4_5_moe exaone exaone4 flex_olmo gemma glm glm4 glm4_moe gpt-sw3 gpt2 gpt_bigcode
+    gpt_neox helium hunyuan_v1_dense hunyuan_v1_moe hy_v3 internlm3 iquestcoder jais2 jetmoe
+    kolibri1 llama minimax_m2 mixtral olmo olmo2 olmo3 olmoe opt persimmon phi phi3 qwen2_moe
+    qwen3 qwen3_moe sarvam_mla sarvam_moe seed_oss smollm3 solar_open"""
+)
+EXACT: dict[str, str] = {t: "" for t in _PLAIN} | {
+    "cohere": "head: logits * logit_scale",
+    "cohere2": "head: logits * logit_scale; sliding-window layers",
+    "granite": "head: logits / logits_scaling; embedding, residual and attention multipliers",
+    "granite_swa": "head: logits / logits_scaling; sliding window; attention sinks",
+    "granitemoe": "head: logits / logits_scaling; multipliers; MoE",
+    "granitemoe_swa": "head: logits / logits_scaling; sliding window; attention sinks; MoE",
+    "granitemoeshared": "head: logits / logits_scaling; multipliers; shared-expert MoE",
+    "hyperclovax": "head: logits * logits_scaling; multipliers",
+    "minicpm3": "head: hidden / (hidden_size / dim_model_base); latent attention",
+    "gemma2": "head: final logit softcap; attention logit softcap (dense, flex); sliding window",
+    "gemma3_text": "head: final logit softcap; sliding window",
+    "vaultgemma": "head: final logit softcap; attention logit softcap (dense, flex)",
+    "nanochat": "head: final logit softcap",
+    "gpt_oss": "attention sinks (forward and gradient, every backend); sliding window; MoE",
+    "flint": "attention sinks; sliding window",
+    "mistral": "sliding window",
+    "ministral": "sliding window",
+    "ministral3": "sliding window",
+    "qwen2": "sliding window",
+    "starcoder2": "sliding window",
+    "qwen3_next": "Gated DeltaNet layers routed along the tree (models.recurrent); MoE",
+    "qwen3_5_text": "Gated DeltaNet layers routed along the tree (models.recurrent)",
+    "qwen3_5_moe_text": "Gated DeltaNet layers routed along the tree (models.recurrent); MoE",
+}
+
+_ENCODER = "an encoder (BERT family) run as a decoder: its attention and mask are its own, not the tree's"
+_ENC_DEC = "the decoder of an encoder-decoder model (cross-attention, its own mask handling)"
+_MULTIMODAL = "a multimodal model: load its text-only causal LM instead"
+_MAMBA = "Mamba/Mamba2 layers carry state along the sequence; they are not routed along the tree yet"
+_LINEAR = "linear-attention / convolution layers carry state along the sequence; not routed along the tree"
+# model type -> why it is refused (a type on neither list is refused as not verified)
+REFUSED: dict[str, str] = {
+    **dict.fromkeys(
+        _words(
+            """bert bert-generation big_bird camembert data2vec-text electra ernie megatron-bert rembert
+            roc_bert roformer roberta roberta-prelayernorm xlm-roberta xlm-roberta-xl xmod xlm xlnet
+            reformer modernbert-decoder"""
+        ),
+        _ENCODER,
+    ),
+    **dict.fromkeys(
+        _words(
+            """bart bigbird_pegasus blenderbot blenderbot-small marian mbart mvp pegasus plbart prophetnet
+            trocr whisper"""
+        ),
+        _ENC_DEC,
+    ),
+    **dict.fromkeys(
+        _words(
+            """gemma3 gemma3n gemma4 gemma4_unified got_ocr2 fuyu mllama emu3 git moss_transcribe_diarize
+            musicgen musicgen_melody moshi phi4_multimodal llama4 qwen3_5 qwen3_5_moe qwen4_exp
+            dots3_note"""
+        ),
+        _MULTIMODAL,
+    ),
+    **dict.fromkeys(
+        _words(
+            """mamba mamba2 falcon_mamba falcon_h1 bamba jamba granitemoehybrid nemotron_h zamba zamba2"""
+        ),
+        _MAMBA,
+    ),
+    **dict.fromkeys(
+        _words(
+            """minimax lfm2 lfm2_moe lfm3 kimi_linear bailing_hybrid lara_mini olmo_hybrid inkling_text
+            inkling2_text inkling2_loop_text rwkv xlstm recurrent_gemma"""
+        ),
+        _LINEAR,
+    ),
+    "bloom": "ALiBi position bias computed outside the attention interface",
+    "mpt": "ALiBi position bias computed outside the attention interface (log-probs differ by 1.3)",
+    "falcon": "ALiBi / its own attention path",
+    "phimoe": "sliding-window run differs from HF's (0.09 on the model-zoo test); not understood yet",
+    "deepseek_v2": "gradients agree only to 5e-8 at float64 (float32 internals not found yet): not verified",
+    "diffllama": "gradients agree only to 1e-7 at float64 (float32 internals not found yet): not verified",
+    "doge": "dynamic mask attention (a value-dependent mask of its own; log-probs differ by 0.12)",
+    "gpt_neox_japanese": "its own attention path (log-probs differ by 0.9)",
+    "cpmant": "its own attention and position bias (log-probs differ by 45)",
+    "nemotron": "its own attention call receives the tree mask as a tensor it cannot read",
+    "stablelm": "its own attention call receives the tree mask as a tensor it cannot read",
+    "xglm": "builds its own 4-D mask and rejects the tree's",
+}
+
+# layer class name pattern -> what the layer carries (checked along the class's MRO)
+STATEFUL: dict[str, str] = {
+    r"Mamba\w*Mixer|MambaLayer|BambaMixer|FalconH1Mixer": "a Mamba/Mamba2 state-space recurrence",
+    r"GatedDeltaNet|DeltaAttention": "a Gated DeltaNet recurrence",
+    r"LinearAttention|LightningAttention": "a linear-attention recurrence",
+    r"ShortConv": "a short causal convolution over the previous tokens",
+    r"Rwkv": "an RWKV recurrence",
+    r"xLSTM|mLSTM|sLSTM": "an xLSTM recurrence",
+    r"Rglru|RecurrentBlock": "an RG-LRU recurrence",
+}
+_STATEFUL = [(re.compile(p), what) for p, what in STATEFUL.items()]
+
+# stateful layers treetrain routes along the tree (models.recurrent), by exact class name
+ROUTED = frozenset({"Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet"})
+
+_DOCS = "docs/architectures.md lists what runs exactly and why the rest is refused"
+
+
+def _names(module: nn.Module) -> list[str]:
+    return [c.__name__ for c in type(module).__mro__]
+
+
+def _stateful_layer(model: nn.Module) -> tuple[str, str] | None:
+    """``(class name, what it carries)`` of the first state-carrying layer without tree routing."""
+    for module in model.modules():
+        names = _names(module)
+        if any(n in ROUTED for n in names):
+            continue
+        for pattern, what in _STATEFUL:
+            if pattern.search(names[0]):
+                return names[0], what
+    return None
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    get_base = getattr(model, "get_base_model", None)  # peft.PeftModel
+    return get_base() if callable(get_base) else model
+
+
+def refusal(model: nn.Module) -> str | None:
+    """Why treetrain refuses ``model``, or None when it runs it exactly."""
+    model = _unwrap(model)
+    layer = _stateful_layer(model)
+    if layer is not None:
+        name, what = layer
+        return (
+            f"recurrent layer {name} ({what}) has no tree routing: its state would leak across "
+            f"branches of the tree. Routed: {', '.join(sorted(ROUTED))}; {_DOCS}"
+        )
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type in EXACT:
+        return None
+    why = REFUSED.get(model_type, "not verified exact by treetrain's model-zoo test")
+    return f"model type {model_type!r} ({type(model).__name__}) is not supported: {why}; {_DOCS}"
+
+
+def check_model(model: nn.Module) -> None:
+    """Raise ``ValueError`` unless treetrain runs ``model`` exactly (see the module docstring)."""
+    why = refusal(model)
+    if why is not None:
+        raise ValueError(why)

@@ -1,0 +1,230 @@
+"""treetrain's verl engine (``strategy=treetrain``) == verl's own FSDP2 engine on the same batch.
+
+The end-to-end cases run ``tests/verl_worker.py`` under torchrun on 1 and 2 gloo ranks: a verl
+rollout batch (two prompts x 4 samples, a duplicate sample, a sample that is a prefix of another,
+GRPO advantages) goes through verl's ``FSDPEngineWithLMHead`` / ``FSDPEngineWithValueHead`` and
+through treetrain's engines, which split it by distinct tree tokens into several micro-batches (verl
+runs it in micro-batches of 4 rows; at a row's last position verl's engine returns the log-prob of
+the next row's first token in the micro-batch, which no loss reads: it is compared where the micro-
+batches are verl's own). The actor runs with untied and (1 rank) tied embeddings. Compared: per-
+token log-probs and entropies (``infer_batch``), the loss of ``verl.workers.utils.losses.ppo_loss``
+(GRPO advantages, entropy bonus, KL loss) and every parameter gradient (``forward_backward_batch``),
+``train_batch``'s grad norm; critic values, ``value_loss`` and its gradients. verl runs on the CPU
+through a platform registered in verl's platform registry (``treetrain.integrations.verl_cpu``: verl
+0.9.1 has none for the CPU); its critic loads with SDPA because verl's value-model loader hard-codes
+flash-attention (CUDA-only).
+
+Tolerances: both engines run float32, summing in different orders (tree attention vs packed SDPA, a
+chunked LM head vs full logits). An independent per-row float64 forward of the same weights through
+the same verl loss is the truth; verl's own float32 error against it, ``e``, is measured live per
+quantity (per parameter for gradients). Tree vs verl and tree vs float64 must stay within ``4 e``
+(two independent float32 errors of the same size, with margin), ``e`` floored at one float32 ulp of
+the quantity's scale, so a lucky near-exact verl value cannot make the bound vanish.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("verl")
+
+from verl.workers.engine.base import EngineRegistry  # noqa: E402
+
+from treetrain.integrations import verl as tv  # noqa: E402
+from treetrain.integrations.verl_rows import RowTree, balanced_parts, split_rows  # noqa: E402
+from treetrain.trees.tree import TrajectoryTree  # noqa: E402
+
+EPS32 = torch.finfo(torch.float32).eps
+HERE = os.path.dirname(__file__)
+
+
+# ---- rows -> tree ---------------------------------------------------------------------------------
+
+
+def nested(rows):
+    values = torch.tensor([t for r in rows for t in r])
+    offsets = torch.tensor(np.concatenate([[0], np.cumsum([len(r) for r in rows])]))
+    return values, offsets
+
+
+def test_row_tree_example():
+    # rows [5 6 7], [5 6 8 9]: DFS 5 6 7 8 9; labels rolled over the packed batch, as verl's engine
+    rt = RowTree.build(*nested([[5, 6, 7], [5, 6, 8, 9]]))
+    assert rt.packed.input_ids.tolist() == [5, 6, 7, 8, 9]
+    assert rt.packed.position_ids.tolist() == [0, 1, 2, 2, 3]
+    assert rt.dfs.tolist() == [0, 1, 2, 0, 1, 3, 4]
+    pairs = list(zip(rt.src[rt.inverse].tolist(), rt.labels[rt.inverse].tolist()))
+    assert pairs == [(0, 6), (1, 7), (2, 5), (0, 6), (1, 8), (3, 9), (4, 5)]
+    assert rt.src.numel() == 6  # (0, 6) is shared by both rows
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=6), min_size=1, max_size=6))
+def test_row_tree_maps_every_position(rows):
+    values, offsets = nested(rows)
+    rt = RowTree.build(values, offsets)
+    assert torch.equal(rt.packed.input_ids[rt.dfs], values)  # every position is its token's DFS index
+    within = torch.cat([torch.arange(len(r)) for r in rows])
+    assert torch.equal(rt.packed.position_ids[rt.dfs], within)
+    assert torch.equal(rt.src[rt.inverse], rt.dfs)  # each position scores from its own hidden state
+    assert torch.equal(rt.labels[rt.inverse], torch.roll(values, -1))  # verl's rolled labels
+    assert rt.src.numel() <= values.numel()
+
+
+def test_row_tree_rejects_bad_positions():
+    values, offsets = nested([[1, 2, 3], [1, 4]])
+    with pytest.raises(ValueError, match="position_ids row 1"):
+        RowTree.build(values, offsets, torch.tensor([0, 1, 2, 1, 2]))
+    with pytest.raises(ValueError, match="mrope"):
+        RowTree.build(values, offsets, torch.zeros(3, 5, dtype=torch.long))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=8), min_size=1, max_size=10),
+    st.integers(1, 20),
+)
+def test_split_rows_respects_budget(rows, budget):
+    paths = [np.array(r) for r in rows]
+    if max(len(r) for r in rows) > budget:
+        with pytest.raises(ValueError, match="longest row"):
+            split_rows(paths, budget)
+        return
+    parts = split_rows(paths, budget)
+    assert sorted(np.concatenate(parts).tolist()) == list(range(len(rows)))
+    for part in parts:
+        assert TrajectoryTree.from_paths([paths[i] for i in part]).num_tokens <= budget
+    count = len(rows)
+    balanced = balanced_parts(parts, count)
+    assert len(balanced) == count and sorted(np.concatenate(balanced).tolist()) == list(range(len(rows)))
+    with pytest.raises(ValueError, match="micro-batches over"):
+        balanced_parts(parts, len(rows) + 1)
+
+
+# ---- registration and unsupported features --------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_registry_holds_treetrain_engines(monkeypatch, device):
+    monkeypatch.setenv("VERL_ENGINE_DEVICE", device)
+    assert EngineRegistry.get_engine_cls("language_model", "treetrain") is tv.TreeEngineWithLMHead
+    assert EngineRegistry.get_engine_cls("value_model", "treetrain") is tv.TreeEngineWithValueHead
+
+
+def test_verl_plugin_entry_point():
+    from importlib.metadata import entry_points
+
+    eps = {ep.name: ep.value for ep in entry_points(group="verl.plugins")}
+    assert eps.get("treetrain") == "treetrain.integrations.verl"
+
+
+def _configs(**changes):
+    model = SimpleNamespace(hf_config=SimpleNamespace(), lora_rank=0, lora_adapter_path=None, use_liger=False,
+                            use_fused_kernels=False)  # fmt: skip
+    engine = SimpleNamespace(ulysses_sequence_parallel_size=1, qat=SimpleNamespace(enable=False))
+    for key, value in changes.items():
+        target, attr = key.split(".")
+        setattr({"model": model, "engine": engine, "hf": model.hf_config}[target], attr, value)
+    return model, engine
+
+
+@pytest.mark.parametrize(
+    "change, feature",
+    [
+        ({"hf.vision_config": {}}, "vision"),
+        ({"engine.ulysses_sequence_parallel_size": 2}, "Ulysses"),
+        ({"model.lora_rank": 8}, "LoRA"),
+        ({"model.use_liger": True}, "Liger"),
+        ({"model.use_fused_kernels": True}, "fused kernels"),
+        ({"engine.qat": SimpleNamespace(enable=True)}, "QAT"),
+    ],
+)
+def test_unsupported_features_raise(change, feature):
+    tv.check_supported(*_configs())  # the defaults pass
+    with pytest.raises(ValueError, match=feature):
+        tv.check_supported(*_configs(**change))
+
+
+def test_unsupported_batches_raise():
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+
+    td = TensorDict({"multi_modal_inputs": torch.zeros(2)}, batch_size=[2])
+    with pytest.raises(ValueError, match="multi_modal_inputs"):
+        tv._check_micro_batch(td)
+    td = TensorDict({}, batch_size=[2])
+    tu.assign_non_tensor(td, distillation_use_topk=True)
+    with pytest.raises(ValueError, match="distillation_use_topk"):
+        tv._check_micro_batch(td)
+    with pytest.raises(ValueError, match="temperatures"):
+        tv._scalar_temperature(torch.tensor([1.0, 0.7]))
+    assert tv._scalar_temperature(torch.tensor([0.7, 0.7])) == pytest.approx(0.7)
+    with pytest.raises(ValueError, match="FSDP2"):
+        tv._as_fsdp2(SimpleNamespace(strategy="megatron"))
+
+
+# ---- verl's engine vs treetrain's, 1 and 2 gloo ranks ----------------------------------------------
+
+
+def _tol(verl: torch.Tensor, ref: torch.Tensor) -> float:
+    """4 x verl's own float32 error against the float64 truth (floored at one ulp of the scale)."""
+    ref = ref.double()
+    return 4 * max((verl.double() - ref).abs().max().item(), EPS32 * ref.abs().max().item())
+
+
+def _close(tree, verl, ref, what):
+    tol = _tol(verl, ref)
+    err_verl = (tree.double() - verl.double()).abs().max().item()
+    err_ref = (tree.double() - ref.double()).abs().max().item()
+    assert err_verl <= tol and err_ref <= tol, (
+        f"{what}: tree-verl {err_verl:.3g}, tree-f64 {err_ref:.3g}, tol {tol:.3g}"
+    )
+
+
+def _check_role(res: dict, outputs: tuple[str, ...], last=None):
+    """``last [N]``: a row's last position, whose log-prob scores the next row of the micro-batch."""
+    verl, tree, ref = res["verl"], res["tree"], res["ref64"]
+    for key in outputs:
+        for got in (tree[key], tree["same"][key]):
+            assert got.shape == verl[key].shape, key  # verl's nested layout, position for position
+        keep = (
+            ~last if last is not None and key == "log_probs" else torch.ones_like(verl[key], dtype=torch.bool)
+        )
+        _close(tree[key][keep], verl[key][keep], ref[key][keep], key)  # treetrain's micro-batches
+        _close(tree["same"][key], verl[key], verl[key], f"{key}, verl's micro-batches")
+        _close(tree["same"][key][keep], verl[key][keep], ref[key][keep], f"{key}, verl's micro-batches")
+    _close(torch.tensor(tree["loss"]), torch.tensor(verl["loss"]), torch.tensor(ref["loss"]), "loss")
+    assert set(tree["grads"]) == set(verl["grads"]) == set(ref["grads"])
+    for name in verl["grads"]:
+        _close(tree["grads"][name], verl["grads"][name], ref["grads"][name], f"grad {name}")
+    # the norm of gradients that agree to float32 rounding, each summed over the same parameters
+    assert tree["grad_norm"] == pytest.approx(verl["grad_norm"], rel=1e-5)
+    assert tree["micro_batches"] >= 2  # the budget split the rank's tree into several forwards
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2])
+def test_tree_engine_equals_verl_engine(tmp_path, world):
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([os.path.join(HERE, "..", "src"), os.environ.get("PYTHONPATH", "")]),
+    )
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "--standalone",
+           os.path.join(HERE, "verl_worker.py"), str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    for rank in range(world):
+        res = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        _check_role(res["lm"], ("log_probs", "entropy"), last=res["lm"]["last"])
+        _check_role(res["critic"], ("values",))
+        if world == 1:
+            _check_role(res["lm_tied"], ("log_probs", "entropy"), last=res["lm_tied"]["last"])
