@@ -238,17 +238,6 @@ def test_scoring_matches_trl_and_float64_truth(policy, tmp_path):
     assert ref_ent is None and torch.allclose(ref_lp, lp, atol=1e-6)
 
 
-def test_rejects_vision_inputs_and_moe_aux(policy, tmp_path):
-    tree_tr = TreeGRPOTrainer(
-        model=policy, reward_funcs=reward_len_and_a, args=config(tmp_path), train_dataset=dataset()
-    )
-    ids, mask = _batch(tree_tr.processing_class)
-    with pytest.raises(ValueError, match="pixel_values.*Vision-language"):
-        tree_tr._get_per_token_logps_and_entropies(tree_tr.model, ids, mask, 4, pixel_values=torch.zeros(1))
-    with pytest.raises(ValueError, match="router aux loss"):
-        tree_tr._get_per_token_logps_and_entropies(tree_tr.model, ids, mask, 4, compute_aux_loss=True)
-
-
 @pytest.mark.parametrize("cast_head", [False, True])
 def test_bf16_autocast_within_trls_own_error(policy, tmp_path, cast_head):
     """GRPOConfig's default ``bf16=True`` (CPU autocast) and ``cast_lm_head_to_fp32``: the tree's
@@ -280,3 +269,59 @@ def test_other_trl_versions_warn_or_refuse(policy, tmp_path, monkeypatch):
         TreeGRPOTrainer(
             model=policy, reward_funcs=reward_len_and_a, args=config(tmp_path), train_dataset=dataset()
         )
+
+
+RLOO_CASES = {
+    "kl+2_iterations": dict(beta=0.1, num_iterations=2),
+    "normalized": pytest.param(dict(normalize_advantages=True), marks=pytest.mark.slow),
+}
+
+
+@pytest.mark.parametrize("over", list(RLOO_CASES.values()), ids=list(RLOO_CASES))
+def test_rloo_equal_trl(over, policy, tmp_path):
+    """TreeRLOOTrainer == trl.RLOOTrainer: TRL samples with the model itself (RLOO has no rollout hook),
+    the same completions from the same seed; losses, every metric and the update agree."""
+    from trl import RLOOConfig, RLOOTrainer
+
+    from treetrain.integrations.trl import TreeRLOOTrainer
+
+    def run(cls, out):
+        keep = [
+            "per_device_train_batch_size",
+            "num_generations",
+            "gradient_accumulation_steps",
+            "max_steps",
+            "learning_rate",
+            "optim",
+            "lr_scheduler_type",
+            "max_completion_length",
+            "temperature",
+            "use_cpu",
+            "bf16",
+            "seed",
+            "logging_steps",
+            "report_to",
+            "save_strategy",
+            "disable_tqdm",
+        ]
+        grpo = config(out)
+        cfg = RLOOConfig(output_dir=str(out), **{k: getattr(grpo, k) for k in keep}, **over)
+        tr = cls(model=policy, reward_funcs=reward_len_and_a, args=cfg, train_dataset=dataset(4))
+        tr.train()
+        logs = [h for h in tr.state.log_history if "loss" in h]
+        return logs, {n: p.detach().double().clone() for n, p in tr.model.named_parameters()}, tr
+
+    a_logs, a_w, a_tr = run(RLOOTrainer, tmp_path / "a")
+    b_logs, b_w, b_tr = run(TreeRLOOTrainer, tmp_path / "b")
+    assert a_tr._logs["completion"] == b_tr._logs["completion"]
+    assert len(a_logs) == len(b_logs) == 2
+    for x, y in zip(a_logs, b_logs):
+        assert set(x) == set(y)
+        for k in set(x) - {
+            "step_time",
+            "train_runtime",
+            "train_samples_per_second",
+            "train_steps_per_second",
+        }:
+            assert y[k] == pytest.approx(x[k], rel=1e-5 if k == "loss" else 1e-3, abs=1e-6), k
+    assert update_err(b_w, a_w, initial(policy)) < 1e-4
