@@ -56,7 +56,8 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDP
 from verl.workers.engine.utils import detach_tree, postprocess_batch_func, prepare_micro_batches
 
 from treetrain.integrations.verl_rows import RowTree, balanced_parts, split_rows
-from treetrain.logprobs import logit_softcap, target_logprobs
+from treetrain.logprobs import target_logprobs
+from treetrain.models.head import LMHead, lm_head
 from treetrain.models.hf import prepare_model, tree_forward
 
 __all__ = ["BACKEND", "TESTED_VERL", "TreeEngineWithLMHead", "TreeEngineWithValueHead"]
@@ -134,18 +135,29 @@ def _scalar_temperature(temperature) -> float:
 
 
 def _lm_outputs(self: nn.Module, packed, src, labels, temperature: float, entropy: bool, chunk):
-    """(root method of the causal LM) log-probs and entropies ``[M]`` of the ``(src, labels)`` pairs."""
+    """(root method of the causal LM) log-probs and entropies ``[M]`` of the ``(src, labels)`` pairs.
+
+    The model's exact head (:func:`treetrain.models.head.lm_head`: logit scales, softcap), then verl's
+    division of the final logits by the temperature (``post = 1 / temperature``, after the cap)."""
     hidden = tree_forward(self, packed)
     rows = hidden.index_select(0, src.to(hidden.device))
-    if temperature != 1.0:  # (h W^T) / t == (h / t) W^T: verl divides the logits
-        rows = rows / temperature
     head = self.get_output_embeddings()
-    return getattr(head, _HEAD_METHOD)(rows, labels.to(hidden.device), chunk, entropy, logit_softcap(self))
+    # its transforms as floats: FSDP must see no sharded parameter among the head call's arguments
+    exact = lm_head(self)
+    transforms = {
+        "hidden_scale": exact.hidden_scale,
+        "logit_scale": exact.logit_scale,
+        "softcap": exact.softcap,
+    }
+    return getattr(head, _HEAD_METHOD)(
+        rows, labels.to(hidden.device), chunk, entropy, transforms, 1.0 / temperature
+    )
 
 
-def _head_logprobs(self: nn.Linear, rows, labels, chunk, entropy: bool, softcap):
+def _head_logprobs(self: nn.Linear, rows, labels, chunk, entropy: bool, transforms: dict, post: float):
     """(method of the LM head) chunked log-softmax at ``labels``: never ``[M, vocab]`` at once."""
-    return target_logprobs(rows, self, labels, chunk, entropy, softcap=softcap)
+    head = LMHead(self.weight, self.bias, **transforms)
+    return target_logprobs(rows, head, labels, chunk, entropy, post=post)
 
 
 def _values(self: nn.Module, packed):
