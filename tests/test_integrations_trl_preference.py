@@ -22,8 +22,8 @@ import transformers  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from trl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer  # noqa: E402
 
-import treetrain.integrations.trl_preference as pref  # noqa: E402
 from treetrain.integrations.trl_preference import TreeDPOTrainer, TreeRewardTrainer  # noqa: E402
+from treetrain.models.hf import tree_forward as real_tree_forward  # noqa: E402
 
 from .reference import tiny_config  # noqa: E402
 from .trl_tiny import char_tokenizer, save_tiny_policy  # noqa: E402
@@ -89,10 +89,10 @@ def run(cls, cfg_cls, model, out, data, **over):
 
     def counting_tree_forward(*args, **kwargs):
         forwards.append(1)
-        return tree_forward(*args, **kwargs)
+        return real_tree_forward(*args, **kwargs)
 
-    tree_forward = pref.tree_forward
-    with mock.patch.object(pref, "tree_forward", counting_tree_forward):
+    # patched where the tree trainers call it (the module's own name), counting the calls
+    with mock.patch("treetrain.integrations.trl_preference.tree_forward", counting_tree_forward):
         trainer = cls(
             model=model, args=cfg_cls(output_dir=str(out), **{**COMMON, **over}), train_dataset=data
         )
