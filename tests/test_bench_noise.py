@@ -30,6 +30,13 @@ def test_summary_and_verdict_on_hand_written_numbers():
         "the hypervisor stole 8% of the CPU time before the run",
         "load average 7.9 > 2 cores before the run",
     ]
+    # a run that keeps both cores busy itself is not load: only the load average beyond its own share
+    own = noise.Load(cores=2, wall_s=3.0, loadavg=2.3, others_cores=0.05, steal=0.0, own_cores=1.9)
+    assert noise.busy(own, "while it ran") == []
+    own.loadavg = 4.2
+    assert noise.busy(own, "while it ran") == [
+        "load average 4.2 (1.9 of it this process) > 2 cores while it ran"
+    ]
     wide = {"tree": noise.summary([1.0, 1.3, 1.1]), "baseline": noise.summary([1.0, 1.01, 1.02])}
     assert noise.verdict(wide, quiet) == ["tree times spread 27% over 3 repeats (> 10%)"]
     # a bound of 1: identical work, so medians 12% apart are a timing error of at least that much

@@ -53,13 +53,16 @@ _HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 class Load:
     """The machine's load over an interval: ``others_cores`` (CPU time other processes used / wall
     time, in cores), ``steal`` (fraction of CPU time the hypervisor took), ``loadavg`` (1-minute
-    load average at the end), ``cores``, ``wall_s``. ``None`` where ``/proc`` is not readable."""
+    load average at the end), ``cores``, ``wall_s``, ``own_cores`` (this process's CPU time / wall
+    time: its own share of the load average; None before a run). ``None`` where ``/proc`` is not
+    readable."""
 
     cores: int
     wall_s: float
     loadavg: float | None
     others_cores: float | None
     steal: float | None
+    own_cores: float | None = None
 
 
 def _proc_stat() -> tuple[int, int, int] | None:
@@ -115,7 +118,14 @@ class Monitor:
             busy, stl, total = (a - b for a, b in zip(stat, self._stat))
             others = max(0.0, busy / _HZ - own) / max(wall, 1e-9)
             steal = stl / total
-        self.load = Load(cores=cores, wall_s=wall, loadavg=_loadavg(), others_cores=others, steal=steal)
+        self.load = Load(
+            cores=cores,
+            wall_s=wall,
+            loadavg=_loadavg(),
+            others_cores=others,
+            steal=steal,
+            own_cores=own / max(wall, 1e-9),
+        )
         return self.load
 
     def __enter__(self) -> Monitor:
@@ -219,7 +229,7 @@ def verdict(modes: dict[str, dict], load: Load | None = None, bound: float | Non
 def busy(load: Load | None, when: str = "before the run") -> list[str]:
     """Why the machine was too busy to time on (empty: it was not, as far as ``/proc`` tells):
     other processes used more than 10% of the cores, the hypervisor stole more than 5% of the CPU
-    time, or the 1-minute load average exceeded the core count."""
+    time, or the 1-minute load average, less this process's own share, exceeded the core count."""
     if load is None:
         return []
     reasons = []
@@ -227,8 +237,11 @@ def busy(load: Load | None, when: str = "before the run") -> list[str]:
         reasons.append(f"other processes used {load.others_cores:.1f} of {load.cores} cores {when}")
     if load.steal is not None and load.steal > MAX_STEAL:
         reasons.append(f"the hypervisor stole {load.steal:.0%} of the CPU time {when}")
-    if load.loadavg is not None and load.loadavg > load.cores:
-        reasons.append(f"load average {load.loadavg:.1f} > {load.cores} cores {when}")
+    # the load average counts the benchmark's own running threads: only the rest is other load
+    own = load.own_cores or 0.0
+    if load.loadavg is not None and load.loadavg - own > load.cores:
+        mine = f" ({own:.1f} of it this process)" if own else ""
+        reasons.append(f"load average {load.loadavg:.1f}{mine} > {load.cores} cores {when}")
     return reasons
 
 
