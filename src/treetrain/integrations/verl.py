@@ -56,7 +56,7 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDP
 from verl.workers.engine.utils import detach_tree, postprocess_batch_func, prepare_micro_batches
 
 from treetrain.integrations.verl_rows import RowTree, balanced_parts, split_rows
-from treetrain.logprobs import target_logprobs
+from treetrain.logprobs import LOGITS_KEEP_BYTES, target_logprobs
 from treetrain.models.head import LMHead, lm_head
 from treetrain.models.hf import prepare_model, tree_forward
 
@@ -134,11 +134,30 @@ def _scalar_temperature(temperature) -> float:
     return float(t[0])
 
 
-def _lm_outputs(self: nn.Module, packed, src, labels, temperature: float, entropy: bool, chunk):
+def _logits_keep_bytes(micro_batch: TensorDict, vocab: int) -> int:
+    """Bytes of float32 logits the tree's head may keep for backward instead of recomputing them:
+    what verl's own engine holds for one micro-batch under the same settings (``[tokens, vocab]``
+    for ``max_token_len_per_gpu`` tokens with ``use_dynamic_bsz``, else for this micro-batch's row
+    tokens), and never less than treetrain's default (:data:`treetrain.logprobs.LOGITS_KEEP_BYTES`).
+    A tree scores at most its rows' tokens, so it holds no more logits than verl would.
+
+    Example: ``max_token_len_per_gpu = 16384``, vocab 151,936: 9.96 GB (verl's engine materializes
+    that much); a tree of 9,000 scored positions keeps its 5.5 GB of logits, where the 1 GiB default
+    would recompute the head matmul in backward (a third more head FLOPs)."""
+    tokens = None
+    if tu.get_non_tensor_data(micro_batch, "use_dynamic_bsz", True):
+        tokens = tu.get_non_tensor_data(micro_batch, "max_token_len_per_gpu", None)
+    if tokens is None:
+        tokens = micro_batch["input_ids"].values().numel()
+    return max(LOGITS_KEEP_BYTES, int(tokens) * vocab * 4)
+
+
+def _lm_outputs(self: nn.Module, packed, src, labels, temperature: float, entropy: bool, chunk, keep: int):
     """(root method of the causal LM) log-probs and entropies ``[M]`` of the ``(src, labels)`` pairs.
 
     The model's exact head (:func:`treetrain.models.head.lm_head`: logit scales, softcap), then verl's
-    division of the final logits by the temperature (``post = 1 / temperature``, after the cap)."""
+    division of the final logits by the temperature (``post = 1 / temperature``, after the cap);
+    ``keep``: bytes of logits kept for backward (:func:`_logits_keep_bytes`)."""
     hidden = tree_forward(self, packed)
     rows = hidden.index_select(0, src.to(hidden.device))
     head = self.get_output_embeddings()
@@ -150,14 +169,17 @@ def _lm_outputs(self: nn.Module, packed, src, labels, temperature: float, entrop
         "softcap": exact.softcap,
     }
     return getattr(head, _HEAD_METHOD)(
-        rows, labels.to(hidden.device), chunk, entropy, transforms, 1.0 / temperature
+        rows, labels.to(hidden.device), chunk, entropy, transforms, 1.0 / temperature, keep
     )
 
 
-def _head_logprobs(self: nn.Linear, rows, labels, chunk, entropy: bool, transforms: dict, post: float):
-    """(method of the LM head) chunked log-softmax at ``labels``: never ``[M, vocab]`` at once."""
+def _head_logprobs(
+    self: nn.Linear, rows, labels, chunk, entropy: bool, transforms: dict, post: float, keep: int
+):
+    """(method of the LM head) chunked log-softmax at ``labels``: ``[chunk, vocab]`` logits at a time,
+    kept for backward while all of them fit ``keep`` bytes."""
     head = LMHead(self.weight, self.bias, **transforms)
-    return target_logprobs(rows, head, labels, chunk, entropy, post=post)
+    return target_logprobs(rows, head, labels, chunk, entropy, keep_bytes=keep, post=post)
 
 
 def _values(self: nn.Module, packed):
@@ -296,8 +318,9 @@ class TreeEngineWithLMHead(_TreeEngineMixin, FSDPEngineWithLMHead):
         if tu.get_non_tensor_data(micro_batch, "distillation_only", False):
             raise ValueError("the treetrain verl engine does not support distillation_only yet")
         temperature = _scalar_temperature(micro_batch["temperature"])
+        keep = _logits_keep_bytes(micro_batch, self.model_config.hf_config.vocab_size)
         logp, ent = getattr(self.module, _TREE_METHOD)(
-            rows.packed, rows.src, rows.labels, temperature, entropy, None
+            rows.packed, rows.src, rows.labels, temperature, entropy, None, keep
         )
         inverse = rows.inverse.to(logp.device)
         out = {"log_probs": self._nested(logp.index_select(0, inverse), rows)}
