@@ -228,3 +228,59 @@ def test_tree_engine_equals_verl_engine(tmp_path, world):
         _check_role(res["critic"], ("values",))
         if world == 1:
             _check_role(res["lm_tied"], ("log_probs", "entropy"), last=res["lm_tied"]["last"])
+
+
+# ---- the speed benchmark's bound counts what verl's engine runs -----------------------------------
+
+
+def _bench():
+    sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
+    try:
+        import verl_engine
+    finally:
+        sys.path.pop(0)
+    return verl_engine
+
+
+def test_bench_verl_pairs_by_micro_batch():
+    bench = _bench()
+    rows = [[1, 2, 3], [1, 2, 4, 5]]  # lengths 3 and 4
+    # a one-row micro-batch runs SDPA's causal kernel: 3*4/2 + 4*5/2 = 6 + 10
+    assert bench.verl_pairs(rows, [[0], [1]], "cpu") == 16
+    # both rows packed in one: SDPA with a block-diagonal mask scores all (3 + 4)^2 pairs on the CPU,
+    # flash-attention varlen on CUDA only each row's causal pairs
+    assert bench.verl_pairs(rows, [[0, 1]], "cpu") == 49
+    assert bench.verl_pairs(rows, [[0, 1]], "cuda") == 16
+
+
+def test_bench_verl_micro_batches_are_verls():
+    bench = _bench()
+    td, rows = bench.make_batch(prompts=2, P=6, n=3, C=4, vocab=50, budget=None)
+    assert [sorted(mb) for mb in bench.verl_micro_batches(td)] == [list(range(6))]  # fits one budget
+    longest = max(len(r) for r in rows)
+    td, _ = bench.make_batch(prompts=2, P=6, n=3, C=4, vocab=50, budget=longest)
+    micro = bench.verl_micro_batches(td)
+    assert sorted(i for mb in micro for i in mb) == list(range(6))
+    assert all(len(mb) == 1 for mb in micro)  # rows of 8-10 tokens: one row per 10-token budget
+
+
+@pytest.mark.slow
+def test_bench_quick_runs(tmp_path):
+    """The benchmark runs end to end (no timing asserted: a test does not time)."""
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([os.path.join(HERE, "..", "src"), os.environ.get("PYTHONPATH", "")]),
+        MASTER_PORT="29631",
+    )
+    script = os.path.join(HERE, "..", "benchmarks", "verl_engine.py")
+    cmd = [sys.executable, script, "--quick", "--model", "tiny", "--head-check", "16"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("| 256 | 4 | 32 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert int(cells[5]) == 4  # verl's micro-batches: one row each on the CPU
+    bound = float(cells[9].rstrip("x"))
+    assert bound > 1.0 and float(cells[8].rstrip("x")) > 0
+    assert "verl log-probs: naive" in proc.stdout  # verl's vectorised path, not its per-token loop
+    head = next(line for line in proc.stdout.splitlines() if line.startswith("| 16 |"))
+    assert len(head.strip("|").split("|")) == 6
