@@ -259,14 +259,14 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     x = range(len(rows))
-    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(rows)), 4))
+    fig, ax = plt.subplots(figsize=(min(13, max(6, 0.7 * len(rows))), 4.5))
     ax.bar([i - 0.2 for i in x], [r["speedup"] for r in rows], 0.4, label="measured speedup")
     ax.bar([i + 0.2 for i in x], [r["bound"] for r in rows], 0.4, label="FLOP bound", alpha=0.45)
     for i, r in zip(x, rows):
         mark = "" if r["trusted"] else "?"
         top = max(r["speedup"], r["bound"])
         ax.text(i, top * 1.02, f"{r['efficiency']:.2f}{mark}", ha="center", fontsize=8)
-    ax.set_xticks(list(x), [f"P={r['P']}\nn={r['n']} C={r['C']}" for r in rows], fontsize=7)
+    ax.set_xticks(list(x), [f"P={r['P']}\nn={r['n']}\nC={r['C']}" for r in rows], fontsize=7)
     ax.set_ylabel("verl step time / tree step time")
     ax.set_title(title + " (numbers: efficiency = speedup / bound; ?: not trustworthy)", fontsize=9)
     ax.legend(fontsize=8)

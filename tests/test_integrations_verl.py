@@ -172,6 +172,22 @@ def test_unsupported_batches_raise():
         tv._as_fsdp2(SimpleNamespace(strategy="megatron"))
 
 
+def test_logits_keep_bytes_is_verls_micro_batch():
+    """The tree keeps as many float32 logits for backward as verl's engine holds for one micro-batch."""
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+
+    from treetrain.logprobs import LOGITS_KEEP_BYTES
+
+    values, offsets = nested([[1, 2, 3], [1, 2, 4, 5]])  # 7 row tokens
+    td = TensorDict({"input_ids": torch.nested.nested_tensor_from_jagged(values, offsets)}, batch_size=[2])
+    tu.assign_non_tensor(td, use_dynamic_bsz=True, max_token_len_per_gpu=16384)
+    assert tv._logits_keep_bytes(td, 151936) == 16384 * 151936 * 4  # 9.96 GB
+    tu.assign_non_tensor(td, use_dynamic_bsz=False)
+    assert tv._logits_keep_bytes(td, 151936) == LOGITS_KEEP_BYTES  # 7 x 151936 x 4 is below the floor
+    assert tv._logits_keep_bytes(td, 2**28) == 7 * 2**28 * 4  # the micro-batch's row tokens
+
+
 # ---- verl's engine vs treetrain's, 1 and 2 gloo ranks ----------------------------------------------
 
 
