@@ -212,11 +212,11 @@ def _cases(args, vocab: int) -> list[tuple[str, list[TrajectoryTree]]]:
 
 
 def renumber(trees: list[TrajectoryTree], vocab: int) -> list[TrajectoryTree]:
+    """Map the distinct token ids used to ``0..n-1`` (a bijection: the trees keep their shape)."""
     import numpy as np
 
     from treetrain.trees.tree import TrajectoryTree
 
-    """Map the distinct token ids used to ``0..n-1`` (a bijection: the trees keep their shape)."""
     used = np.unique(np.concatenate([t.tokens for t in trees]))
     if used.size > vocab:
         raise ValueError(f"--sample uses {used.size} distinct token ids; use --vocab {used.size} or more")

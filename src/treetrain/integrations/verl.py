@@ -266,10 +266,10 @@ class _TreeEngineMixin:
         return postprocess_batch_func(output_lst=output_lst, indices=indices, data=data)
 
     def forward_step(self, micro_batch: TensorDict, loss_function, forward_only):
-        micro_batch = micro_batch.to(get_device_id())
         _check_micro_batch(micro_batch)
-        ids = micro_batch["input_ids"]
+        ids = micro_batch["input_ids"]  # the tree is built on the host, before the batch moves
         rows = RowTree.build(ids.values(), ids.offsets(), micro_batch["position_ids"].values())
+        micro_batch = micro_batch.to(get_device_id())
         autocast_dtype = getattr(self, "_autocast_dtype", torch.bfloat16)
         autocast_ctx = (
             nullcontext()

@@ -17,6 +17,8 @@ import re
 
 from torch import nn
 
+from treetrain.models.head import unwrap
+
 __all__ = ["EXACT", "REFUSED", "STATEFUL", "check_model", "refusal"]
 
 
@@ -150,14 +152,9 @@ def _stateful_layer(model: nn.Module) -> tuple[str, str] | None:
     return None
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    get_base = getattr(model, "get_base_model", None)  # peft.PeftModel
-    return get_base() if callable(get_base) else model
-
-
 def refusal(model: nn.Module) -> str | None:
     """Why treetrain refuses ``model``, or None when it runs it exactly."""
-    model = _unwrap(model)
+    model = unwrap(model)
     layer = _stateful_layer(model)
     if layer is not None:
         name, what = layer
