@@ -57,6 +57,11 @@ SMALL = dict(
 PER_TYPE = {
     "lfm2": dict(layer_types=["conv", "full_attention"]),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
+    # its NoPE layers are its sliding ones: one layer of two
+    "smollm3": dict(no_rope_layers=None, no_rope_layer_interval=2),
+    # a user-set window OLMoE passes to the attention call but never puts in its (causal) mask:
+    # HF's eager and SDPA attention ignore it, so the tree must too
+    "olmoe": dict(sliding_window=3),
 }
 # scalings and extras away from their defaults, wherever the config has them
 AWAY = dict(
@@ -69,6 +74,8 @@ AWAY = dict(
     attn_logit_softcapping=5.0,
     query_pre_attn_scalar=12,
     sliding_window=3,
+    use_sliding_window=True,  # Qwen2, Qwen2-MoE, Qwen3, SmolLM3: the window is off by default
+    max_window_layers=1,  # Qwen2, Qwen3, Dots1: layers >= 1 slide; Qwen2-MoE: even layers < 1 slide
     partial_rotary_factor=0.5,
     scale_emb=2.0,
     dim_model_base=16,
@@ -97,18 +104,26 @@ def zoo_config(model_type: str):
     prop = lambda k: isinstance(getattr(type(cfg), amap.get(k, k), None), property)  # noqa: E731
     settable = lambda k: hasattr(cfg, k) and not prop(k)  # noqa: E731
     over = {k: v for k, v in {**SMALL, **AWAY}.items() if settable(k)}
-    layer_types = getattr(cfg, "layer_types", None)
-    if layer_types and settable("layer_types"):
-        kinds = list(dict.fromkeys(layer_types))
-        over["layer_types"] = (kinds + kinds)[: max(2, len(kinds))]
-        over["num_hidden_layers"] = len(over["layer_types"])
     if "kv_lora_rank" in over:  # multi-head latent attention: one key/value head per query head
         over["num_key_value_heads"] = over["num_attention_heads"]
     over.update(PER_TYPE.get(model_type, {}))
+    base = {k: v for k, v in cfg.to_dict().items() if not prop(k)}
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types and settable("layer_types") and "layer_types" not in over:
+        kinds = list(dict.fromkeys(layer_types + _derived_layer_types(type(cfg), base, over)))
+        over["layer_types"] = (kinds + kinds)[: max(2, len(kinds))]
     if "layer_types" in over:
         over["num_hidden_layers"] = len(over["layer_types"])
-    base = {k: v for k, v in cfg.to_dict().items() if not prop(k)}
     return type(cfg)(**{**base, **over})
+
+
+def _derived_layer_types(cls, base: dict, over: dict) -> list[str]:
+    """The layer types the config class derives itself for the small config (windows switched on:
+    Qwen2's ``use_sliding_window`` and ``max_window_layers``), so each kind it has is kept."""
+    try:
+        return list(cls(**{**base, **over, "layer_types": None}).layer_types or [])
+    except Exception:  # a config that needs its layer types given: its defaults already hold them
+        return []
 
 
 def zoo_model(model_type: str, dtype=torch.float64, seed: int = 0, attn: str = "eager"):

@@ -29,11 +29,11 @@ def _words(text: str) -> list[str]:
 # model type -> what it has beyond plain decoder self-attention (RoPE or learned positions, GQA,
 # dense or MoE MLPs) that treetrain handles; every entry is checked by tests/test_model_zoo.py
 _PLAIN = _words(
-    """afmoe apertus apertus1p5_text arcee aria_text biogpt bitnet ctrl cwm dots1
-    ernie4_5 ernie4_5_moe exaone exaone4 flex_olmo gemma glm glm4 glm4_moe gpt-sw3 gpt2 gpt_bigcode
-    gpt_neox helium hunyuan_v1_dense hunyuan_v1_moe hy_v3 internlm3 iquestcoder jais2 jetmoe
-    kolibri1 llama minimax_m2 mixtral olmo olmo2 olmo3 olmoe opt persimmon phi phi3 qwen2_moe
-    qwen3 qwen3_moe sarvam_mla sarvam_moe seed_oss smollm3 solar_open"""
+    """afmoe apertus apertus1p5_text arcee aria_text biogpt bitnet ctrl cwm ernie4_5 ernie4_5_moe
+    exaone exaone4 flex_olmo gemma glm glm4 glm4_moe gpt-sw3 gpt2 gpt_bigcode gpt_neox helium
+    hunyuan_v1_dense hunyuan_v1_moe hy_v3 internlm3 iquestcoder jais2 jetmoe kolibri1 llama
+    minimax_m2 mixtral olmo olmo2 olmo3 opt persimmon phi phi3 qwen3_moe sarvam_mla sarvam_moe
+    seed_oss solar_open"""
 )
 EXACT: dict[str, str] = {t: "" for t in _PLAIN} | {
     "cohere": "head: logits * logit_scale",
@@ -55,6 +55,12 @@ EXACT: dict[str, str] = {t: "" for t in _PLAIN} | {
     "ministral": "sliding window",
     "ministral3": "sliding window",
     "qwen2": "sliding window",
+    "qwen2_moe": "sliding window (its mask only: the attention call never receives it); MoE",
+    "qwen3": "sliding window",
+    "dots1": "sliding window; MoE",
+    "smollm3": "sliding window on its NoPE layers",
+    "phimoe": "sliding window (its mask only: the attention call never receives it); MoE",
+    "olmoe": "a sliding_window its mask ignores is ignored, as HF's eager and SDPA attention do; MoE",
     "starcoder2": "sliding window",
     "qwen3_next": "Gated DeltaNet layers routed along the tree (models.recurrent); MoE",
     "qwen3_5_text": "Gated DeltaNet layers routed along the tree (models.recurrent)",
@@ -107,7 +113,6 @@ REFUSED: dict[str, str] = {
     "bloom": "ALiBi position bias computed outside the attention interface",
     "mpt": "ALiBi position bias computed outside the attention interface (log-probs differ by 1.3)",
     "falcon": "ALiBi / its own attention path",
-    "phimoe": "sliding-window run differs from HF's (0.09 on the model-zoo test); not understood yet",
     "deepseek_v2": "gradients agree only to 5e-8 at float64 (float32 internals not found yet): not verified",
     "diffllama": "gradients agree only to 1e-7 at float64 (float32 internals not found yet): not verified",
     "doge": "dynamic mask attention (a value-dependent mask of its own; log-probs differ by 0.12)",

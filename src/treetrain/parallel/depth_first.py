@@ -148,7 +148,7 @@ def depth_first_backward(
     """
     from treetrain.logprobs import target_logprobs
     from treetrain.models.head import lm_head
-    from treetrain.models.hf import prepare_model
+    from treetrain.models.hf import prepare_model, run_decoder
 
     prepare_model(model)
     _check(model)
@@ -156,7 +156,6 @@ def depth_first_backward(
     device = model.get_input_embeddings().weight.device
     packed = packed.to(device)
     head = lm_head(model)
-    decoder = getattr(model, "treetrain_decoder", None) or model.base_model
     kids = node_children(packed.node_parent.cpu())
     starts, ends = packed.node_start.tolist(), packed.node_end.tolist()
     dtype = head.weight.dtype
@@ -167,14 +166,10 @@ def depth_first_backward(
         nonlocal total
         s, e = starts[node], ends[node]
         ctx = _Stack(past=stack)
-        out = decoder(
-            input_ids=packed.input_ids[None, s:e],
-            position_ids=packed.position_ids[None, s:e],
-            attention_mask=packed.subtree_end[s:e].view(1, 1, 1, e - s),  # unused: passed through
-            tree_mask=TreeMask(packed.subtree_end[s:e], backend="depth_first", cache={"stack": ctx}),
-            use_cache=False,
+        mask = TreeMask(
+            packed.subtree_end[s:e], "depth_first", {"stack": ctx}, position_ids=packed.position_ids[s:e]
         )
-        hidden = out.last_hidden_state[0]  # [n, H]
+        hidden = run_decoder(model, packed, mask, s, e)  # [n, H]
         own = ctx.own
         # rows of this node predict its next tokens and its children's first tokens
         targets = [*range(s + 1, e), *(starts[c] for c in kids[node])]
@@ -189,7 +184,7 @@ def depth_first_backward(
             all_logp[targets.cpu()] = logp.detach().to(all_logp.dtype).cpu()
             loss = token_loss(logp, targets)
         leaves = [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in own]
-        del out, ctx
+        del ctx
         for child in kids[node]:
             run(child, [*stack, leaves])
         outputs, grads = [loss], [torch.ones_like(loss)]
