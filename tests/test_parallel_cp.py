@@ -22,6 +22,7 @@ from tests.hybrid_models import float64_everywhere, tiny_hybrid_model
 from tests.reference import tiny_model
 from treetrain import pack
 from treetrain.logprobs import tree_logprobs
+from treetrain.models.rope import split_regimes
 from treetrain.parallel.cp import CPChunk, context_parallel, cp_tree_logprobs, split_balanced
 
 RTOL = 1e-10
@@ -60,8 +61,20 @@ def _loss(logp, ent, w1, w2):
     return (logp * w1).sum() + (ent * w2).sum()
 
 
+# the dense case runs a dynamic-NTK rope from 13 tokens: make_trees(3, seed=1) has paths of 7-13 and
+# 14-19 tokens (split by regime; models.rope), and a rank's chunk ends before its paths do, so its
+# tokens keep their paths' tables only if the chunking does not decide them
+DYNAMIC = dict(
+    rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=1e4), max_position_embeddings=13
+)
+
+
 def _model(arch: str):
-    return tiny_model(arch) if arch == "qwen3" else tiny_hybrid_model(arch)
+    return tiny_model(arch, **DYNAMIC) if arch == "qwen3" else tiny_hybrid_model(arch)
+
+
+def _packed(model, trees):
+    return pack([split_regimes(model, t) for t in trees])
 
 
 def _worker(rank: int, world: int, port: int, out: str, arch: str) -> None:
@@ -74,7 +87,7 @@ def _worker(rank: int, world: int, port: int, out: str, arch: str) -> None:
 
         model = _model(arch)
         trees = make_trees(3, seed=1)
-        packed = pack(trees)
+        packed = _packed(model, trees)
         g = torch.Generator().manual_seed(0)
         w1 = torch.randn(packed.num_tokens, generator=g, dtype=torch.float64)
         w2 = torch.randn(packed.num_tokens, generator=g, dtype=torch.float64)
@@ -100,7 +113,7 @@ def _one_process(arch: str):
 
     model = _model(arch)
     trees = make_trees(3, seed=1)
-    packed = pack(trees)
+    packed = _packed(model, trees)
     g = torch.Generator().manual_seed(0)
     w1 = torch.randn(packed.num_tokens, generator=g, dtype=torch.float64)
     w2 = torch.randn(packed.num_tokens, generator=g, dtype=torch.float64)

@@ -29,6 +29,7 @@ from torch import nn
 from treetrain.attention import backend_for, check_features, get_backend
 from treetrain.attention.mask import TreeMask
 from treetrain.models.layer_masks import layer_window, mask_interface, padding_mask
+from treetrain.models.rope import patch_rotary, rotary_lengths, token_lengths
 from treetrain.models.support import check_model
 from treetrain.trees.packing import PackedTree
 
@@ -151,7 +152,15 @@ def prepare_model(model: nn.Module) -> nn.Module:
     from treetrain.models.recurrent import patch_recurrent_layers
 
     patch_recurrent_layers(model)
+    model.__dict__["_treetrain_rotary"] = patch_rotary(model)
     return model
+
+
+def rope_lengths(model: nn.Module, packed: PackedTree) -> torch.Tensor | None:
+    """Each DFS token's path length ``[T]`` for a prepared model's length-dependent rotary modules
+    (:mod:`treetrain.models.rope`); None when it has none. Raises ``ValueError`` when a token is shared
+    by paths of different rope regimes."""
+    return token_lengths(model.config, packed) if model.__dict__.get("_treetrain_rotary") else None
 
 
 def attention_features(model: nn.Module) -> frozenset[str]:
@@ -200,17 +209,26 @@ def tree_forward(model: nn.Module, packed: PackedTree, backend: str | None = Non
     mask = TreeMask(
         packed.subtree_end, backend=backend or auto_backend(model, device), position_ids=packed.position_ids
     )
-    return run_decoder(model, packed, mask, 0, T, packed_tree=packed)
+    return run_decoder(model, packed, mask, 0, T, rope_lengths(model, packed), packed_tree=packed)
 
 
 def run_decoder(
-    model: nn.Module, packed: PackedTree, mask: TreeMask, start: int, end: int, **extra
+    model: nn.Module,
+    packed: PackedTree,
+    mask: TreeMask,
+    start: int,
+    end: int,
+    rope: torch.Tensor | None = None,
+    **extra,
 ) -> torch.Tensor:
     """The decoder over DFS tokens ``[start, end)`` of ``packed``: final hidden states ``[end - start,
     hidden]``. The one decoder call of every tree forward (whole tree, a context-parallel chunk, a
-    depth-first node): ``mask`` is its ``TreeMask``, ``extra`` more keywords for the layers."""
+    depth-first node): ``mask`` is its ``TreeMask``; ``rope`` the tokens' path lengths
+    (:func:`rope_lengths`, all ``T`` of them); ``extra`` more keywords for the layers."""
     decoder = getattr(model, "treetrain_decoder", None) or decoder_of(model)
-    with padding_mask(mask, end - start, packed.input_ids.device) as attention_mask:
+    device = packed.input_ids.device
+    lengths = None if rope is None else rope[start:end]
+    with padding_mask(mask, end - start, device) as attention_mask, rotary_lengths(lengths):
         out = decoder(
             input_ids=packed.input_ids[None, start:end],
             position_ids=packed.position_ids[None, start:end],

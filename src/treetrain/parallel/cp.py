@@ -209,14 +209,15 @@ def make_chunk(packed: PackedTree, group: dist.ProcessGroup | None, per_token: f
 
 def cp_tree_forward(model: nn.Module, packed: PackedTree, chunk: CPChunk) -> torch.Tensor:
     """Final hidden states of this rank's chunk: ``[end - start, hidden]`` (the decoder, unchanged)."""
-    from treetrain.models.hf import prepare_model, run_decoder
+    from treetrain.models.hf import prepare_model, rope_lengths, run_decoder
 
     prepare_model(model)
     device = model.get_input_embeddings().weight.device
     packed = packed.to(device)
     mask = TreeMask(packed.subtree_end, backend="cp", cache={"cp": chunk}, position_ids=packed.position_ids)
     # packed_tree: read by recurrent layers only (cp_recurrent_forward)
-    return run_decoder(model, packed, mask, chunk.start, chunk.end, packed_tree=packed)
+    rope = rope_lengths(model, packed)  # each token's path length: its rotary table (models.rope)
+    return run_decoder(model, packed, mask, chunk.start, chunk.end, rope, packed_tree=packed)
 
 
 def cp_tree_logprobs(

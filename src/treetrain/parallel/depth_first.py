@@ -144,17 +144,21 @@ def depth_first_backward(
     """Accumulate into ``.grad`` the gradient of ``sum(token_loss(...))`` over every node, depth-first.
 
     Returns ``(loss, logp)``: the total loss (0-d, detached) and every target's log-prob ``[T]`` in
-    DFS order (0 for a root's first token), equal to ``tree_logprobs`` of the packed run.
+    DFS order (0 for a root's first token), equal to ``tree_logprobs`` of the packed run. A model
+    whose rope depends on the forward's length needs a tree split by regime
+    (``treetrain.models.rope.split_regimes``; the DFS order is then the split tree's): each node's
+    tokens keep their paths' rotary tables. An unsplit tree with paths of several regimes raises.
     """
     from treetrain.logprobs import target_logprobs
     from treetrain.models.head import lm_head
-    from treetrain.models.hf import prepare_model, run_decoder
+    from treetrain.models.hf import prepare_model, rope_lengths, run_decoder
 
     prepare_model(model)
     _check(model)
     packed = batch if isinstance(batch, PackedTree) else pack(batch)
     device = model.get_input_embeddings().weight.device
     packed = packed.to(device)
+    rope = rope_lengths(model, packed)  # a node's tokens keep their paths' rotary tables (models.rope)
     head = lm_head(model)
     kids = node_children(packed.node_parent.cpu())
     starts, ends = packed.node_start.tolist(), packed.node_end.tolist()
@@ -169,7 +173,7 @@ def depth_first_backward(
         mask = TreeMask(
             packed.subtree_end[s:e], "depth_first", {"stack": ctx}, position_ids=packed.position_ids[s:e]
         )
-        hidden = run_decoder(model, packed, mask, s, e)  # [n, H]
+        hidden = run_decoder(model, packed, mask, s, e, rope)  # [n, H]
         own = ctx.own
         # rows of this node predict its next tokens and its children's first tokens
         targets = [*range(s + 1, e), *(starts[c] for c in kids[node])]
