@@ -4,9 +4,10 @@
   (``treetrain.models.support.EXACT``) or refused with a ``ValueError`` naming the model type or
   the layer (fast).
 - Every type on the list, as a tiny float64 model with its scalings and attention extras set away
-  from their defaults (``tests/zoo.py``): tree log-probs and every parameter gradient equal each
-  path's own Hugging Face forward (eager attention, the literal definition) to float64 rounding
-  (slow: about 1 s per architecture).
+  from their defaults, windows shorter than the paths and a length-dependent rotary table with paths
+  on both sides of its threshold (``tests/zoo.py``): tree log-probs and every parameter gradient
+  equal each path's own Hugging Face forward (eager attention, the literal definition; a fresh
+  rotary state per path) to float64 rounding (slow: about 1 s per architecture).
 - The Mamba2 hybrids (and every other state-carrying layer without tree routing) are refused with
   the layer's name, never run as if the tree were one sequence.
 """
@@ -23,6 +24,7 @@ from torch import nn
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from treetrain.logprobs import path_logprobs
+from treetrain.models.rope import length_rules
 from treetrain.models.support import EXACT, check_model, refusal
 
 from .hybrid_models import float64_everywhere
@@ -74,6 +76,8 @@ def test_exact_architecture(model_type):
         got = path_logprobs(tree, paths)
         sum((c * lp).sum() for c, lp in zip(coeffs, got)).backward()
     assert max(rel_err(a, b) for a, b in zip(got, want)) < LOGP_TOL
+    if length_rules(tree.config):  # its rotary table depends on length: the tree must have seen it
+        assert tree.__dict__.get("_treetrain_rotary"), f"{model_type}: no length-dependent rotary patched"
     g_tree, g_ref = grads(tree), grads(ref)
     assert grad_err(g_tree, g_ref) < GRAD_TOL
     if model_type == "gpt_oss":  # the sinks train (they got no gradient before)

@@ -4,13 +4,17 @@
 MoE) and sets every scaling and attention extra it has away from its default, so a head transform
 or an attention feature that treetrain missed changes the log-probs by far more than rounding:
 Cohere's ``logit_scale``, Granite's ``logits_scaling`` and multipliers, Gemma's softcaps and
-``query_pre_attn_scalar``, a sliding window shorter than the paths, partial rotary. Each distinct
-layer type of ``layer_types`` is kept (twice when there is room), so hybrids keep their layer mix.
+``query_pre_attn_scalar``, a sliding window shorter than the paths (switched on where the config has
+a switch: Qwen2's ``use_sliding_window``), partial rotary, and a rotary table that depends on the
+forward's length (dynamic NTK or longrope, half the types each) with a threshold between the zoo
+paths' lengths. Each distinct layer type of ``layer_types`` is kept (twice when there is room), so
+hybrids keep their layer mix.
 """
 
 from __future__ import annotations
 
 import copy
+import zlib
 
 import torch
 import transformers
@@ -114,7 +118,55 @@ def zoo_config(model_type: str):
         over["layer_types"] = (kinds + kinds)[: max(2, len(kinds))]
     if "layer_types" in over:
         over["num_hidden_layers"] = len(over["layer_types"])
-    return type(cfg)(**{**base, **over})
+    small = type(cfg)(**{**base, **over})
+    length_dependent_rope(small, rope_kind(model_type), ROPE_EXTRA.get(model_type, {}))
+    return small
+
+
+# the zoo paths have 6, 6, 8 and 9 tokens: a threshold of 7 puts them on both sides
+ROPE_THRESHOLD = 7
+_KEEP = ("rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved", "llama_4_scaling_beta")
+# what a type's rotary code reads besides the rope type's own parameters
+ROPE_EXTRA = {
+    "phimoe": dict(short_mscale=1.1, long_mscale=1.3, original_max_position_embeddings=ROPE_THRESHOLD),
+}
+
+
+def rope_kind(model_type: str) -> str:
+    """``dynamic`` or ``longrope``, half the types each (a hash of the name: stable across versions)."""
+    return "longrope" if zlib.crc32(model_type.encode()) % 2 else "dynamic"
+
+
+def length_dependent_rope(cfg, kind: str, extra: dict | None = None) -> None:
+    """Switch every rope parameter set of ``cfg`` (per layer type where it has several) to a table
+    that depends on the forward's length, with the threshold between the zoo paths' lengths:
+    dynamic NTK (factor 2, from ``max_position_embeddings = 7``) or longrope (short and long factors,
+    from ``original_max_position_embeddings = 7``; ``max_position_embeddings`` 512, so its attention
+    scaling is on too). Configs without rope parameters (learned positions) stay as they are."""
+    params = getattr(cfg, "rope_parameters", None)
+    if not isinstance(params, dict) or not params:
+        return
+    nested = all(isinstance(v, dict) for v in params.values())
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    new = {}
+    for key, p in (params.items() if nested else [(None, params)]):
+        q = {k: v for k, v in p.items() if k in _KEEP}
+        if kind == "dynamic":
+            q.update(rope_type="dynamic", factor=2.0)
+        else:
+            half = int(head_dim * q.get("partial_rotary_factor", 1.0)) // 2
+            q.update(
+                rope_type="longrope",
+                original_max_position_embeddings=ROPE_THRESHOLD,
+                short_factor=[1.0 + 0.1 * i for i in range(half)],
+                long_factor=[1.0 + 0.5 * i for i in range(half)],
+            )
+        new[key] = {**q, **(extra or {})}
+    cfg.rope_parameters = new if nested else new[None]
+    if kind == "dynamic":
+        cfg.max_position_embeddings = ROPE_THRESHOLD
+    elif hasattr(cfg, "original_max_position_embeddings"):  # Phi-3 copies it into the parameters
+        cfg.original_max_position_embeddings = ROPE_THRESHOLD
 
 
 def _derived_layer_types(cls, base: dict, over: dict) -> list[str]:

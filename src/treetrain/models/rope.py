@@ -74,6 +74,10 @@ def length_rules(config) -> tuple[LengthRule, ...]:
             rules.append(LengthRule("dynamic", int(config.max_position_embeddings)))
         elif rope_type == "longrope":
             rules.append(LengthRule("longrope", int(p["original_max_position_embeddings"])))
+        if getattr(config, "model_type", None) == "phimoe" and rope_type != "default":
+            # PhiMoE scales cos/sin by short_mscale or long_mscale, switching where longrope does,
+            # for every scaled rope type (dynamic included)
+            rules.append(LengthRule("longrope", int(p["original_max_position_embeddings"])))
     return tuple(dict.fromkeys(rules))
 
 
