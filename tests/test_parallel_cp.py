@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 
 from tests.dist_worker import make_trees
 from tests.hybrid_models import float64_everywhere, tiny_hybrid_model
-from tests.reference import tiny_model
+from tests.reference import rel_err, tiny_model
 from treetrain import pack
 from treetrain.logprobs import tree_logprobs
 from treetrain.models.rope import split_regimes
@@ -101,8 +101,11 @@ def _worker(rank: int, world: int, port: int, out: str, arch: str) -> None:
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         for t in grads.values():
             dist.all_reduce(t)
+        saved = {"logp": logp.detach(), "ent": ent.detach(), "sft": sft.detach(), "grads": grads}
+        if arch != "qwen3":  # the GDN hybrid in float32 too (HF's casts on), as tests/test_gdn.py
+            saved["grads32"] = _float32_grads(arch, packed, w1, w2, lambda m, p: cp_tree_logprobs(m, p))
         if rank == 0:
-            torch.save({"logp": logp.detach(), "ent": ent.detach(), "sft": sft.detach(), "grads": grads}, out)
+            torch.save(saved, out)
     finally:
         dist.destroy_process_group()
 
@@ -124,6 +127,18 @@ def _one_process(arch: str):
         sft, _ = compute_loss(model, packed, obj, loss_normalizer(trees, obj), backend="dense")
         sft.backward()
     return logp.detach(), ent.detach(), sft.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _float32_grads(arch, packed, w1, w2, score):
+    """Parameter gradients of the weighted log-prob loss of a float32 copy (summed over ranks)."""
+    model = tiny_hybrid_model(arch, dtype=torch.float32)
+    logp, ent = score(model, packed)
+    _loss(logp, ent, w1.float(), w2.float()).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    if dist.is_initialized():
+        for t in grads.values():
+            dist.all_reduce(t)
+    return grads
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -150,6 +165,17 @@ def test_cp_equals_one_process(tmp_path, world, arch):
     assert grads.keys() == got["grads"].keys()
     bad = [n for n in grads if not _close(got["grads"][n], grads[n])]
     assert not bad, bad
+    if "grads32" in got:  # float32 GDN under CP: within 2x of the one-process tree's own error
+        model = _model(arch)
+        packed = _packed(model, make_trees(3, seed=1))
+        g = torch.Generator().manual_seed(0)
+        w1, w2 = (torch.randn(packed.num_tokens, generator=g, dtype=torch.float64) for _ in "12")
+        with float64_everywhere():  # the float64 truth of this loss (HF's float32 casts off)
+            _loss(*tree_logprobs(model, packed, backend="dense"), w1, w2).backward()
+        one = _float32_grads(arch, packed, w1, w2, lambda m, p: tree_logprobs(m, p, backend="dense"))
+        for n, p in model.named_parameters():
+            cp_e, one_e = rel_err(got["grads32"][n], p.grad), rel_err(one[n], p.grad)
+            assert cp_e <= 2 * one_e + 1e-6, (n, cp_e, one_e)  # 1e-6: float32 rounding (test_gdn)
 
 
 def test_cp_backend_outside_cp_is_a_clear_error():

@@ -110,7 +110,10 @@ def tree_gdn_forward(
     v = v.unflatten(-1, (-1, module.head_v_dim))
 
     beta = b.sigmoid()
-    g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)  # as the layer: float32
+    # as the layer, at least float32 (HF: ``.float()``, so half types don't overflow), but a float64
+    # model stays float64 here and in the rule (HF's own rule computes in float32 even then)
+    up = torch.promote_types(x.dtype, torch.float32)
+    g = -module.A_log.to(up).exp() * F.softplus(a.to(up) + module.dt_bias)
     core = tree_gated_delta_rule(q, k, v, g, beta, _levels(packed, tree_mask, dev))  # [T, Hv, Dv]
     core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
     return module.out_proj(core.reshape(1, T, -1))
