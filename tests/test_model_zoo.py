@@ -49,7 +49,7 @@ def _bare(model_type: str) -> nn.Module:
 
 def test_every_causal_lm_type_is_exact_or_refused_by_name():
     types = causal_lm_types()
-    assert len(types) > 150  # the whole mapping, not a sample
+    assert len(types) > 120  # the whole mapping, not a sample (142 in transformers 5.0, 196 in 5.24)
     for model_type in types:
         why = refusal(_bare(model_type))
         if model_type in EXACT:
@@ -68,6 +68,9 @@ def test_exact_architecture(model_type):
         pytest.skip(f"transformers {transformers.__version__} has no model type {model_type!r}")
     paths = zoo_paths()
     coeffs = random_coeffs(paths, seed=3)
+    # import the modeling module first: older GPT-BigCode scripts (torch.jit) its softmax helpers at
+    # import, which must not see float64_everywhere's patched softmax
+    getattr(transformers, causal_lm_types()[model_type])
     with float64_everywhere():
         ref = zoo_model(model_type)
         tree = copy.deepcopy(ref)

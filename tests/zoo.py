@@ -146,11 +146,13 @@ def length_dependent_rope(cfg, kind: str, extra: dict | None = None) -> None:
     params = getattr(cfg, "rope_parameters", None)
     if not isinstance(params, dict) or not params:
         return
-    nested = all(isinstance(v, dict) for v in params.values())
+    per_type = {k: v for k, v in params.items() if isinstance(v, dict)}  # per layer type (Gemma 3)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     new = {}
-    for key, p in (params.items() if nested else [(None, params)]):
+    for key, p in (per_type.items() if per_type else [(None, params)]):
         q = {k: v for k, v in p.items() if k in _KEEP}
+        if isinstance(getattr(cfg, "partial_rotary_factor", None), float):  # older versions copy it in
+            q["partial_rotary_factor"] = cfg.partial_rotary_factor
         if kind == "dynamic":
             q.update(rope_type="dynamic", factor=2.0)
         else:
@@ -162,7 +164,7 @@ def length_dependent_rope(cfg, kind: str, extra: dict | None = None) -> None:
                 long_factor=[1.0 + 0.5 * i for i in range(half)],
             )
         new[key] = {**q, **(extra or {})}
-    cfg.rope_parameters = new if nested else new[None]
+    cfg.rope_parameters = {**params, **new} if per_type else new[None]
     if kind == "dynamic":
         cfg.max_position_embeddings = ROPE_THRESHOLD
     elif hasattr(cfg, "original_max_position_embeddings"):  # Phi-3 copies it into the parameters

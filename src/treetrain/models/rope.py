@@ -66,7 +66,7 @@ def length_rules(config) -> tuple[LengthRule, ...]:
     parameter set (per layer type when the config has several)."""
     config = _text_config(config)
     params = getattr(config, "rope_parameters", None) or {}
-    per_type = params.values() if all(isinstance(v, dict) for v in params.values()) and params else [params]
+    per_type = [v for v in params.values() if isinstance(v, dict)] or [params]  # per layer type?
     rules = []
     for p in per_type:
         rope_type = (p or {}).get("rope_type", "default") or "default"
@@ -171,8 +171,11 @@ def _wrapper_code():
 def _length_dependent(module: nn.Module) -> bool:
     """A rotary module whose forward is HF's ``dynamic_rope_update`` wrapper, with a dynamic or
     longrope table."""
-    if getattr(type(module).forward, "__code__", None) is not _wrapper_code():
-        return False
+    fn, code = type(module).forward, _wrapper_code()
+    while getattr(fn, "__code__", None) is not code:  # through other decorators (torch.no_grad)
+        fn = getattr(fn, "__wrapped__", None)
+        if fn is None:
+            return False
     rope_type = getattr(module, "rope_type", None)
     kinds = rope_type.values() if isinstance(rope_type, dict) else [rope_type]
     return any(isinstance(k, str) and ("dynamic" in k or k == "longrope") for k in kinds)
