@@ -3,9 +3,9 @@
 Tree attention is registered under the name ``treetrain`` in transformers' public
 ``AttentionInterface`` (and ``AttentionMaskInterface``). The model receives:
 
-- ``attention_mask``: an all-ones ``[1, T]`` padding mask known to belong to the forward's
-  ``TreeMask`` (:mod:`treetrain.models.layer_masks`). The model builds its masks from it through
-  the registered ``treetrain`` mask function, which hands each layer a marked mask carrying the
+- ``attention_mask``: an all-ones ``[1, T]`` padding mask (:mod:`treetrain.models.layer_masks`).
+  While the forward runs, the model builds its masks through the registered ``treetrain`` mask
+  function, which hands each layer a marked mask carrying the
   layer's sliding window exactly as the model decided it (config, layer types, its own code), so
   transformers never builds a T x T mask nor guesses packed-sequence boundaries from the position
   ids (tree positions jump back at branch points);

@@ -9,10 +9,10 @@ keyword). What HF's eager and SDPA attention compute is fixed by the mask the mo
 ``transformers.masking_utils`` (``create_causal_mask``, ``create_sliding_window_causal_mask``, ...),
 which calls the mask function registered for the attention implementation.
 
-So a tree forward passes, as ``attention_mask``, an all-ones ``[1, n]`` padding mask known to belong
-to its ``TreeMask`` (:func:`padding_mask`). The model builds each of its masks through
-:func:`mask_interface` (registered as the ``treetrain`` mask function), which checks the mask
-function HF composed against what the tree can compute (causal, or causal with the window
+So a tree forward passes, as ``attention_mask``, an all-ones ``[1, n]`` padding mask, and while it
+runs (:func:`padding_mask`) every mask the model asks for is the tree's: the model builds each
+through :func:`mask_interface` (registered as the ``treetrain`` mask function), which checks the
+mask function HF composed against what the tree can compute (causal, or causal with the window
 ``local_size``) on a few probe rows, and returns a marked 4D tensor carrying the window. That
 tensor reaches each layer's attention call, which reads the window with :func:`layer_window`.
 
@@ -36,30 +36,23 @@ _TREE = "_treetrain_tree"  # on a layer mask: the forward's TreeMask
 _WINDOW = "_treetrain_window"  # on a layer mask: its sliding window (None: full causal)
 
 
-# data pointer of each live tree forward's padding mask -> its TreeMask (views of it, e.g. CTRL's
-# ``attention_mask.view(batch, -1)``, share the pointer)
-_PADDING: dict[int, TreeMask] = {}
+# the TreeMask of each tree forward in progress, innermost last: every mask the model builds while
+# one is open belongs to it (FSDP and verl may copy the padding mask on its way in, so neither its
+# identity nor its storage can tell)
+_OPEN: list[TreeMask] = []
 
 
 @contextlib.contextmanager
 def padding_mask(mask: TreeMask, n: int, device) -> Iterator[torch.Tensor]:
     """The ``[1, n]`` all-ones ``attention_mask`` of a tree forward over ``n`` tokens (no padding).
 
-    While the context is open, :func:`mask_interface` knows the masks it is asked for from it (or a
-    view of it) belong to ``mask``'s forward.
+    While the context is open, :func:`mask_interface` builds every mask for ``mask``'s forward.
     """
-    m = torch.ones(1, n, dtype=torch.bool, device=device)
-    _PADDING[m.data_ptr()] = mask
+    _OPEN.append(mask)
     try:
-        yield m
+        yield torch.ones(1, n, dtype=torch.bool, device=device)
     finally:
-        del _PADDING[m.data_ptr()]
-
-
-def _tree_of(attention_mask) -> TreeMask | None:
-    if not isinstance(attention_mask, torch.Tensor) or attention_mask.numel() == 0:
-        return None
-    return _PADDING.get(attention_mask.data_ptr())
+        _OPEN.pop()
 
 
 def layer_window(attention_mask, mask: TreeMask, where: str = "") -> int | None:
@@ -106,7 +99,7 @@ def mask_interface(*args, **kwargs):
     """The ``treetrain`` mask function: for a tree forward, the marked layer mask (its window is
     HF's ``local_size``, checked against the mask function HF composed); otherwise transformers'
     SDPA mask (an ordinary call of a prepared model)."""
-    tree = _tree_of(kwargs.get("attention_mask"))
+    tree = _OPEN[-1] if _OPEN else None
     if tree is None:
         from transformers.masking_utils import sdpa_mask
 
