@@ -49,16 +49,25 @@ import verl
 from tensordict import TensorDict
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
-from verl.utils import tensordict_utils as tu
-from verl.utils.device import get_device_id, get_device_name
-from verl.workers.engine.base import EngineRegistry
-from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
-from verl.workers.engine.utils import detach_tree, postprocess_batch_func, prepare_micro_batches
 
-from treetrain.integrations.verl_rows import RowTree, balanced_parts, split_rows
-from treetrain.logprobs import LOGITS_KEEP_BYTES, target_logprobs
-from treetrain.models.head import LMHead, lm_head
-from treetrain.models.hf import prepare_model, tree_forward
+from treetrain.integrations.verl_cpu import register_cpu_platform
+
+# before verl's engine modules, which fix the process's platform when imported (VERL_PLATFORM=cpu picks it)
+register_cpu_platform()
+
+from verl.utils import tensordict_utils as tu  # noqa: E402
+from verl.utils.device import get_device_id, get_device_name  # noqa: E402
+from verl.workers.engine.base import EngineRegistry  # noqa: E402
+from verl.workers.engine.fsdp.transformer_impl import (  # noqa: E402
+    FSDPEngineWithLMHead,
+    FSDPEngineWithValueHead,
+)
+from verl.workers.engine.utils import detach_tree, postprocess_batch_func, prepare_micro_batches  # noqa: E402
+
+from treetrain.integrations.verl_rows import RowTree, balanced_parts, split_rows  # noqa: E402
+from treetrain.logprobs import LOGITS_KEEP_BYTES, target_logprobs  # noqa: E402
+from treetrain.models.head import LMHead, lm_head  # noqa: E402
+from treetrain.models.hf import prepare_model, tree_forward  # noqa: E402
 
 __all__ = ["BACKEND", "TESTED_VERL", "TreeEngineWithLMHead", "TreeEngineWithValueHead"]
 
