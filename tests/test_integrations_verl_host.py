@@ -94,3 +94,88 @@ def test_cpu_platform_refuses_a_platform_already_chosen():
         pytest.skip("verl chose the CPU in this process")
     with pytest.raises(ValueError, match="already chose .* VERL_PLATFORM=cpu"):
         use_cpu_platform()
+
+
+# ---- the trainer's pieces beside strategy=treetrain -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory) -> dict:
+    """tests/verl_host_worker.py on one gloo rank, on the CPU platform (its docstring says what)."""
+    out = tmp_path_factory.mktemp("verl_host")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--standalone",
+           os.path.join(HERE, "verl_host_worker.py"), str(out)]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_")}
+    env["PYTHONPATH"] = os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    import torch
+
+    return torch.load(out / "host.pt", weights_only=False)
+
+
+def _equal(a: dict, b: dict) -> bool:
+    import torch
+
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_checkpoint_round_trip(host):
+    """verl's checkpoint manager saves a treetrain engine (model, optimizer, RNG: the CPU platform's
+    device module carries the RNG state verl restores) and a new engine resumes it bit for bit."""
+    c = host["checkpoint"]
+    assert _equal(c["saved"], c["loaded"])
+    assert len(c["opt_saved"]) == 3 * len(c["saved"])  # AdamW: step, exp_avg, exp_avg_sq per parameter
+    assert all(a.equal(b) for a, b in zip(c["opt_saved"], c["opt_loaded"]))
+    assert c["saver_grad_norm"] == c["loader_grad_norm"]  # the same next step, from the loaded state
+    assert _equal(c["saver_after"], c["loader_after"])
+
+
+@pytest.mark.slow
+def test_weight_sync_sends_hugging_face_tensors(host):
+    """What verl's weight sync hands the rollout (``get_per_tensor_param``): every Hugging Face name
+    of the model, full tensors, the engine's current weights (tree attention adds no parameter)."""
+    c = host["checkpoint"]
+    assert set(c["weights"]) == set(c["hf"])
+    assert _equal(c["weights"], c["loader_after"])
+
+
+@pytest.mark.slow
+def test_balance_batch_order_changes_nothing(host):
+    """The V1 trainer balances every batch over the data-parallel ranks by length (two ranks here:
+    rows [0 1 4 7] and [2 3 5 6], each prompt's samples split between them); whatever order the rows
+    arrive in, the engine's log-probs (row for row) and loss are the same, to the bit."""
+    import torch
+
+    r = host["reorder"]
+    assert sorted(r["order"].tolist()) == list(range(8)) and r["order"].tolist() != list(range(8))
+    off = r["offsets"].tolist()
+    rows = [r["rollout"][a:b] for a, b in zip(off[:-1], off[1:])]
+    assert torch.equal(torch.cat([rows[i] for i in r["order"].tolist()]), r["balanced"])
+    assert r["rollout_loss"] == r["balanced_loss"]
+
+
+@pytest.mark.slow
+def test_ulysses_is_refused_by_name(host):
+    assert "Ulysses sequence parallelism (ulysses_sequence_parallel_size=2)" in host["ulysses"]
+
+
+def test_v1_trainer_balances_without_prefix_groups():
+    """What the guide tells a user with more than one rank: verl 0.9.1's V1 trainer (the default)
+    balances every batch by sequence length and reads neither ``use_prefix_grouper`` nor
+    ``trainer.balance_batch``; the legacy trainer (``trainer.use_v1=False``) keeps a prompt's samples
+    on one rank with ``use_prefix_grouper=True``."""
+    import inspect
+    from pathlib import Path
+
+    from verl.trainer.ppo import v1 as trainer_v1
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    v1, v0 = inspect.getsource(PPOTrainer._balance_batch), inspect.getsource(RayPPOTrainer._balance_batch)
+    assert "get_seqlen_balanced_partitions" in v1 and "prefix_grouper" not in v1
+    for source in Path(trainer_v1.__file__).parent.glob("*.py"):  # the flag is never read
+        text = source.read_text()
+        assert "trainer.balance_batch" not in text and "use_prefix_grouper" not in text, source.name
+    assert "use_prefix_grouper" in v0 and "get_group_balanced_partitions" in v0

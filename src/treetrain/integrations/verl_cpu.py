@@ -39,12 +39,53 @@ __all__ = ["register_cpu_platform", "use_cpu_platform"]
 PLATFORM = "cpu"
 
 
+class _CPUDeviceModule:
+    """``torch.cpu`` plus what verl calls on an accelerator's device module that ``torch.cpu`` lacks:
+    the RNG state (verl's checkpoints save and restore ``rng[device_name]``: here the CPU
+    generator), seeds, and cache and memory calls (no-ops and zeros: host memory is not pooled)."""
+
+    get_rng_state = staticmethod(torch.get_rng_state)
+    set_rng_state = staticmethod(torch.set_rng_state)
+    manual_seed = staticmethod(torch.manual_seed)
+    manual_seed_all = staticmethod(torch.manual_seed)
+
+    def __getattr__(self, name):
+        return getattr(torch.cpu, name)
+
+    def get_device_name(self, device=None):
+        return "cpu"
+
+    def empty_cache(self):
+        pass
+
+    def ipc_collect(self):
+        pass
+
+    def reset_peak_memory_stats(self, device=None):
+        pass
+
+    def set_per_process_memory_fraction(self, fraction, device=None):
+        pass
+
+    def memory_allocated(self, device=None):
+        return 0
+
+    memory_reserved = max_memory_allocated = max_memory_reserved = memory_allocated
+
+    def mem_get_info(self, device=None):
+        page = os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+
+
+_DEVICE_MODULE = _CPUDeviceModule()
+
+
 class _CPUMethods:
     """The host CPU as a verl platform: device ``cpu``, gloo collectives, Ray resource ``CPU``."""
 
     device_name = property(lambda self: "cpu")
     vendor_name = property(lambda self: "cpu")
-    device_module = property(lambda self: torch.cpu)
+    device_module = property(lambda self: _DEVICE_MODULE)
 
     def is_available(self):
         return True
