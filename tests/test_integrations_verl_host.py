@@ -179,3 +179,35 @@ def test_v1_trainer_balances_without_prefix_groups():
         text = source.read_text()
         assert "trainer.balance_batch" not in text and "use_prefix_grouper" not in text, source.name
     assert "use_prefix_grouper" in v0 and "get_group_balanced_partitions" in v0
+
+
+def test_gpu_suite_main_ppo_command_is_valid_for_verl(tmp_path):
+    """The GPU suite's main_ppo runs (benchmarks/gpu/verl_trainer.py) compose with verl's own Hydra
+    config (every override a key verl knows) and pass verl's ``validate_config``, for both strategies:
+    what can be checked of them without a GPU."""
+    sys.path.insert(0, os.path.join(HERE, ".."))
+    try:
+        from benchmarks.gpu import verl_trainer
+    finally:
+        sys.path.pop(0)
+    from hydra import compose, initialize_config_dir
+    from verl.trainer import main_ppo
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    from benchmarks.gpu.sizes import TINY_QWEN3
+
+    root = verl_trainer.write_inputs(tmp_path, TINY_QWEN3, prompts=4)
+    config_dir = os.path.join(os.path.dirname(main_ppo.__file__), "config")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        for strategy in verl_trainer.STRATEGIES:
+            cfg = compose("ppo_trainer", overrides=verl_trainer.overrides(root, strategy))
+            assert cfg.actor_rollout_ref.actor.strategy == cfg.critic.strategy == strategy
+            assert need_reference_policy(cfg) and need_critic(cfg)  # actor + reference + critic
+            validate_config(cfg, use_reference_policy=True, use_critic=True)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(root / "model")
+    chat = [{"role": "user", "content": "12"}]
+    ids = tok(tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False))["input_ids"]
+    assert tok.convert_ids_to_tokens(ids) == ["<|user|>", "1", "2", "<|end|>", "<|assistant|>"]
