@@ -41,6 +41,19 @@ TRAINER_MODULES = textwrap.dedent("""
                  "verl.experimental.reward_loop", "verl.workers.rollout.llm_server"]:
         importlib.import_module(name)
 """)
+# what stops verl's trainer on the CPU (docs/guides/verl.md): its workers' process group, whatever the
+# platform; when verl accepts the CPU here, the guide's reason is gone and a main_ppo smoke test can follow
+WORKER_GROUP = textwrap.dedent("""
+    import os
+    from verl.utils.distributed import initialize_global_process_group_ray
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29563", RANK="0", WORLD_SIZE="1")
+    try:
+        initialize_global_process_group_ray()
+    except ValueError as e:
+        assert "cpu:gloo,cpu:gloo" in str(e), e
+    else:
+        raise AssertionError("verl's workers now start a process group on the CPU platform")
+""")
 CHECK_PLATFORM = textwrap.dedent("""
     from verl.plugin.platform.platform_manager import get_platform
     from verl.workers.engine import EngineRegistry
@@ -59,7 +72,9 @@ CHECK_PLATFORM = textwrap.dedent("""
         # a Ray worker: a fresh process that imports verl, VERL_PLATFORM inherited, the entry point loads us;
         # then what `python -m verl.trainer.main_ppo` imports when its (V1) task runner runs: plain
         # verl==0.9.1 misses TransferQueue, cachetools, uvicorn (the `verl` extra installs `verl-core`)
-        pytest.param("import verl\n" + TRAINER_MODULES, {"VERL_PLATFORM": "cpu"}, id="environment"),
+        pytest.param(
+            "import verl\n" + TRAINER_MODULES + WORKER_GROUP, {"VERL_PLATFORM": "cpu"}, id="environment"
+        ),
         # plugins off, loaded by name through verl's external-modules variable
         pytest.param(
             "import verl\n",
@@ -70,7 +85,7 @@ CHECK_PLATFORM = textwrap.dedent("""
             },
             id="external-modules",
         ),
-        # in the script, before verl is imported (plugins off: it loads the engines itself)
+        # in the script, before verl is imported (plugins off: the check imports the engines)
         pytest.param(
             "from treetrain.integrations.verl_cpu import use_cpu_platform\nuse_cpu_platform()\nimport verl\n",
             {"VERL_USE_EXTERNAL_PLUGINS": "none"},

@@ -187,4 +187,6 @@ def use_cpu_platform() -> None:
             "importing verl's engines, or set VERL_PLATFORM=cpu in the environment before starting Python"
         )
     os.environ["VERL_PLATFORM"] = PLATFORM
-    import treetrain.integrations.verl  # noqa: F401  (imports verl; registers the platform, then the engines)
+    import verl  # noqa: F401  (its plugins: treetrain.integrations.verl registers the platform and engines)
+
+    register_cpu_platform()  # where plugins are off (VERL_USE_EXTERNAL_PLUGINS=none)
