@@ -18,6 +18,7 @@ import re
 from torch import nn
 
 from treetrain.models.head import unwrap
+from treetrain.models.recurrent import ROUTES
 
 __all__ = ["EXACT", "REFUSED", "STATEFUL", "check_model", "refusal"]
 
@@ -130,8 +131,8 @@ STATEFUL: dict[str, str] = {
 }
 _STATEFUL = [(re.compile(p), what) for p, what in STATEFUL.items()]
 
-# stateful layers treetrain routes along the tree (models.recurrent), by exact class name
-ROUTED = frozenset({"Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet"})
+# stateful layers treetrain routes along the tree, by exact class name (models.recurrent.ROUTES)
+ROUTED = frozenset(ROUTES)
 
 _DOCS = "docs/architectures.md lists what runs exactly and why the rest is refused"
 
