@@ -1,0 +1,140 @@
+"""Short convolutions (LFM2), KDA (Kimi Linear, Bailing hybrid) and the OLMo Hybrid Gated DeltaNet on
+hand-built trees: one routed layer's tree forward equals the unmodified layer run over each path
+alone (outputs, the gradient of its input and of every parameter), in float64.
+
+The trees are the routing's corner cases: a node shorter than the conv width, so a window reaches
+through it into its grandparent; a one-token root; a level whose nodes differ in length by 70x (it
+is split into several padded groups, and its longest node spans two of the rule's 64-step chunks).
+The model types end to end: ``tests/test_model_zoo.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+
+from treetrain.models.kda import _layout, _torch_rule, tree_kda_rule
+from treetrain.models.recurrent import tree_layer_forward
+from treetrain.models.scan import build_levels
+from treetrain.trees.packing import pack
+from treetrain.trees.tree import TrajectoryTree
+
+from .hybrid_models import float64_everywhere
+from .reference import rel_err
+from .strategies import tree_paths
+from .zoo import zoo_model
+
+# root [1..5], a 1-token child [6], grandchildren [7 8] and [9]: with width 4, 7's window is 4 5 6 7
+GRANDPARENT = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6, 9], [1, 2, 3, 4, 5, 10, 11]]
+ONE_TOKEN_ROOT = [[1, 2, 3], [1, 4, 5, 6, 7], [1, 8]]
+# level 1: nodes of 70, 1, 2 and 1 tokens
+SKEWED = [[1, 2, *range(10, 80)], [1, 2, 3], [1, 2, 4, 5], [1, 2, 6]]
+TREES = {"grandparent": GRANDPARENT, "one_token_root": ONE_TOKEN_ROOT, "skewed": SKEWED}
+
+# model type -> its routed layer; each family's conv width is 3 or 4 in the zoo configs
+LAYERS = {
+    "lfm2": "Lfm2ShortConv",
+    "kimi_linear": "KimiLinearDeltaAttention",
+    "bailing_hybrid": "BailingHybridDeltaAttention",
+    "olmo_hybrid": "OlmoHybridGatedDeltaNet",
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _layer(model_type: str):
+    model = zoo_model(model_type)
+    layer = next(m for m in model.modules() if type(m).__name__ == LAYERS[model_type])
+    if hasattr(layer, "A_log"):  # slow decays: every node's output depends on its parent's state
+        with torch.no_grad():
+            layer.A_log.copy_(torch.linspace(0.05, 0.5, layer.A_log.numel()).log().view_as(layer.A_log))
+    return model.config.hidden_size, layer
+
+
+def _path_rows(packed):
+    return [packed.path_index[a:b] for a, b in zip(packed.path_offsets[:-1], packed.path_offsets[1:])]
+
+
+@pytest.mark.parametrize("tree", sorted(TREES))
+@pytest.mark.parametrize("model_type", sorted(LAYERS))
+def test_layer_matches_each_path_alone(model_type, tree):
+    with float64_everywhere():  # the layers and rules cast to float32 inside otherwise
+        hidden, layer = _layer(model_type)
+        packed = pack(TrajectoryTree.from_paths(TREES[tree]))
+        T = packed.num_tokens
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(T, hidden, generator=g, dtype=torch.float64, requires_grad=True)
+        coef = torch.randn(T, hidden, generator=g, dtype=torch.float64)
+        params = [p for p in layer.parameters() if p.requires_grad]
+
+        out = tree_layer_forward(layer, x[None], packed)[0]
+        # a token shared by n paths is counted n times in the per-path sum below
+        counts = torch.bincount(packed.path_index, minlength=T).double()
+        mine = torch.autograd.grad((out * coef * counts[:, None]).sum(), [x, *params])
+
+        total, worst = 0.0, 0.0
+        for rows in _path_rows(packed):
+            ref = layer(x[rows][None])[0]
+            worst = max(worst, rel_err(out[rows], ref))
+            total = total + (ref * coef[rows]).sum()
+        want = torch.autograd.grad(total, [x, *params])
+        # control: the unmodified layer over the DFS order as one sequence leaks across branches
+        leak = rel_err(layer(x[None])[0], out)
+    assert worst < 1e-12, worst
+    for a, b in zip(mine, want):
+        assert rel_err(a, b) < 1e-11
+    assert leak > 1e-3
+
+
+def _rule_inputs(T, H=2, D=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    f64 = dict(generator=g, dtype=torch.float64)
+    q, k, v = (torch.randn(T, H, D, **f64) for _ in range(3))
+    decay = -0.3 * torch.rand(T, H, D, **f64)  # per channel, slow
+    beta = torch.rand(T, H, **f64)
+    return [t.requires_grad_() for t in (q, k, v, decay, beta)]
+
+
+def _check_kda_rule(paths):
+    packed = pack(TrajectoryTree.from_paths(paths))
+    levels = build_levels(packed.node_start, packed.node_end, packed.node_parent)
+    rule = _torch_rule(_layout(_layer("kimi_linear")[1])[0])
+    xs = _rule_inputs(packed.num_tokens)
+    out = tree_kda_rule(*xs, levels, rule)
+    coef = torch.randn_like(out)
+    counts = torch.bincount(packed.path_index, minlength=packed.num_tokens).double()
+    mine = torch.autograd.grad((out * coef * counts[:, None, None]).sum(), xs)
+    total = 0.0
+    for rows in _path_rows(packed):
+        q, k, v, g, b = (t[rows][None] for t in xs)
+        o, _ = rule(q, k, v, g=g, beta=b, use_qk_l2norm_in_kernel=True)
+        assert rel_err(out[rows], o[0]) < 1e-12
+        total = total + (o[0] * coef[rows]).sum()
+    for a, b in zip(mine, torch.autograd.grad(total, xs)):
+        assert rel_err(a, b) < 1e-11
+    return packed, out
+
+
+@pytest.mark.parametrize("tree", sorted(TREES))
+def test_kda_rule_matches_each_path_alone(tree):
+    with float64_everywhere():
+        packed, out = _check_kda_rule(TREES[tree])
+        # control: every node from a zero state (its parent's state dropped) is far off
+        orphans = build_levels(packed.node_start, packed.node_end, torch.full_like(packed.node_parent, -1))
+        rule = _torch_rule(_layout(_layer("kimi_linear")[1])[0])
+        unrouted = tree_kda_rule(*_rule_inputs(packed.num_tokens), orphans, rule)
+    assert rel_err(unrouted, out) > 1e-2
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(paths=tree_paths(vocab=6, max_paths=6, max_len=10))
+def test_kda_rule_random_trees(paths):
+    with float64_everywhere():
+        _check_kda_rule(paths)
