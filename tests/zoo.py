@@ -68,14 +68,23 @@ PER_TYPE = {
     "olmo_hybrid": dict(_GDN_SMALL, linear_a_log_min=0.05, linear_a_log_max=0.5),  # slow decays
     # KDA hybrids: a dense and an MoE layer, 4 heads of 8, conv width 3 (default 4), grouped routing
     "kimi_linear": dict(
-        mlp_layer_types=["dense", "sparse"], num_experts_per_token=2,
-        linear_head_dim=8, linear_num_heads=4, linear_conv_kernel_dim=3,
-    ),  # fmt: skip
+        mlp_layer_types=["dense", "sparse"],
+        num_experts_per_token=2,
+        linear_head_dim=8,
+        linear_num_heads=4,
+        linear_conv_kernel_dim=3,
+    ),
     "bailing_hybrid": dict(
-        layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"],
-        num_experts_per_token=2, num_expert_group=2, kda_lower_bound=-3.0,
-        short_conv_kernel_size=3, linear_head_dim=8, linear_num_heads=4, linear_conv_kernel_dim=3,
-    ),  # fmt: skip
+        layer_types=["linear_attention", "full_attention"],
+        mlp_layer_types=["dense", "sparse"],
+        num_experts_per_token=2,
+        num_expert_group=2,
+        kda_lower_bound=-3.0,
+        short_conv_kernel_size=3,
+        linear_head_dim=8,
+        linear_num_heads=4,
+        linear_conv_kernel_dim=3,
+    ),
 }
 # scalings and extras away from their defaults, wherever the config has them
 AWAY = dict(

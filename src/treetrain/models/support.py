@@ -106,9 +106,7 @@ REFUSED: dict[str, str] = {
         _MAMBA,
     ),
     **dict.fromkeys(
-        _words(
-            """minimax inkling_text inkling2_text inkling2_loop_text rwkv xlstm recurrent_gemma"""
-        ),
+        _words("""minimax inkling_text inkling2_text inkling2_loop_text rwkv xlstm recurrent_gemma"""),
         _LINEAR,
     ),
     "bloom": "ALiBi position bias computed outside the attention interface",
