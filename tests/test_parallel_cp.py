@@ -3,8 +3,9 @@
 Every rank runs its chunk; log-probs and entropies of every tree token, the SFT loss of
 ``compute_loss`` and every parameter gradient (summed over ranks) must equal the 1-process run,
 for a dense model (Qwen3), a Gated DeltaNet hybrid (Qwen3.5: recurrent state and conv window
-cross rank boundaries) and a KDA hybrid (Kimi Linear, latent attention and MoE). Float64 everywhere (``float64_everywhere``: HF's internal float32 casts
-off): only the summation order differs (gradient sums over ranks), hence 1e-10 relative.
+cross rank boundaries) and a KDA hybrid (Kimi Linear, latent attention and MoE). Float64
+everywhere (``float64_everywhere``: HF's internal float32 casts off): only the summation order
+differs (gradient sums over ranks), hence 1e-10 relative.
 """
 
 from __future__ import annotations
