@@ -11,6 +11,7 @@ The model types end to end: ``tests/test_model_zoo.py``.
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -41,6 +42,7 @@ LAYERS = {
     "kimi_linear": "KimiLinearDeltaAttention",
     "bailing_hybrid": "BailingHybridDeltaAttention",
     "olmo_hybrid": "OlmoHybridGatedDeltaNet",
+    "qwen4_exp_text": "Qwen4ExpTextGatedDeltaNet",  # the model type is refused (its QSA attention)
 }
 
 
@@ -52,7 +54,10 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
+@functools.cache
 def _layer(model_type: str):
+    """(hidden size, the model's first routed layer); built once per type (tests take gradients with
+    ``torch.autograd.grad``, so nothing accumulates on it)."""
     model = zoo_model(model_type)
     layer = next(m for m in model.modules() if type(m).__name__ == LAYERS[model_type])
     if hasattr(layer, "A_log"):  # slow decays: every node's output depends on its parent's state

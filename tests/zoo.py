@@ -66,6 +66,20 @@ PER_TYPE = {
     # Gated DeltaNet hybrids: grouped value heads (2 key, 4 value heads of 8), conv width 3 (default 4)
     "lara_mini": dict(_GDN_SMALL),
     "olmo_hybrid": dict(_GDN_SMALL, linear_a_log_min=0.05, linear_a_log_max=0.5),  # slow decays
+    # refused (QSA attention), built for tests/test_linear_families.py's check of its GDN layer
+    "qwen4_exp_text": dict(
+        _GDN_SMALL,
+        layer_types=["linear_attention", "indexed_attention"],
+        indexer_n_heads=2,
+        indexer_kv_heads=1,
+        indexer_head_dim=16,
+        indexer_budget=4,
+        indexer_compress_ratio=2,
+        hc_count=2,
+        hc_lowrank=8,
+        eos_token_id=2,
+        output_gate_type="sigmoid",
+    ),
     # KDA hybrids: a dense and an MoE layer, 4 heads of 8, conv width 3 (default 4), grouped routing
     "kimi_linear": dict(
         mlp_layer_types=["dense", "sparse"],

@@ -74,6 +74,10 @@ _ENC_DEC = "the decoder of an encoder-decoder model (cross-attention, its own ma
 _MULTIMODAL = "a multimodal model: load its text-only causal LM instead"
 _MAMBA = "Mamba/Mamba2 layers carry state along the sequence; they are not routed along the tree yet"
 _LINEAR = "linear-attention / convolution layers carry state along the sequence; not routed along the tree"
+_INKLING = (
+    "its attention adds a learned bias per query-key distance, computed from indices in the packed sequence "
+    "(arange) instead of path positions, and per-query sink logits: no tree attention backend carries them"
+)
 # model type -> why it is refused (a type on neither list is refused as not verified)
 REFUSED: dict[str, str] = {
     **dict.fromkeys(
@@ -106,9 +110,14 @@ REFUSED: dict[str, str] = {
         _MAMBA,
     ),
     **dict.fromkeys(
-        _words("""minimax inkling_text inkling2_text inkling2_loop_text rwkv xlstm recurrent_gemma"""),
+        _words(
+            """minimax rwkv xlstm recurrent_gemma"""
+        ),
         _LINEAR,
     ),
+    **dict.fromkeys(_words("inkling_text inkling2_text inkling2_loop_text"), _INKLING),
+    "qwen4_exp_text": "QSA indexed attention: each query keeps its own top-k blocks of visible keys (read "
+    "from a dense causal mask), a key set the tree mask (one query interval per key) cannot express",
     "bloom": "ALiBi position bias computed outside the attention interface",
     "mpt": "ALiBi position bias computed outside the attention interface (log-probs differ by 1.3)",
     "falcon": "ALiBi / its own attention path",
