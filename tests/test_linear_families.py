@@ -174,3 +174,15 @@ def test_float32_within_reference_rounding(model_type):
     for n in truth_g:
         ref_e, tree_e = rel_err(ref_g[n], truth_g[n]), rel_err(tree_g[n], truth_g[n])
         assert tree_e <= 2 * ref_e + 1e-6, (n, tree_e, ref_e)
+
+
+@pytest.mark.parametrize("model_type", ["lfm2", "kimi_linear"])
+def test_fsdp_style_subclass_is_routed(model_type):
+    """FSDP2's fully_shard swaps a module's class for an ``FSDP<Name>`` subclass."""
+    hidden, layer = _layer(model_type)
+    twin = copy.deepcopy(layer)
+    twin.__class__ = type(f"FSDP{type(layer).__name__}", (type(layer),), {})
+    packed = pack(TrajectoryTree.from_paths(GRANDPARENT))
+    x = torch.randn(1, packed.num_tokens, hidden, dtype=torch.float64)
+    with torch.no_grad():
+        assert torch.equal(tree_layer_forward(twin, x, packed), tree_layer_forward(layer, x, packed))
