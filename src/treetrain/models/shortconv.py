@@ -3,14 +3,14 @@
 A short convolution carries no recurrent state: its output at a token is a depthwise causal conv of
 the last ``L`` inputs along the token's own path (:mod:`treetrain.models.pathconv`; a node shorter
 than ``L - 1`` reaches through its parent into its grandparents). LFM2's ``ShortConv`` gates around
-it (its ``forward`` / ``slow_forward``)::
+it (its ``forward``)::
 
     B, C, x = in_proj(h).chunk(3)          # [T, H] each
     y = out_proj(C * conv(B * x))          # conv along each token's path
 
 Example, paths ``[A B C D]``, ``[A B E F]``, ``[A G H]``, ``L = 3``: E's conv reads ``A B E``
-(``B * x`` at those tokens), G's reads ``_ A G`` (``_``: before the path start, a zero input), so G
-never sees B, its sibling, although B sits right before it in DFS order.
+(``B * x`` at those tokens), G's reads ``_ A G`` (``_``: before the path start, a zero input): never
+``E F``, which sit right before G in DFS order but on another branch.
 
 Transformers' code paths: with no cache (the tree forward takes none) the layer's conv gets no
 state, only zero left padding, which is what a path start gets here.
