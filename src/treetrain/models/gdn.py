@@ -169,11 +169,21 @@ def _project_qwen3_next(m: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ..
     return mixed[0], z[0], b[0], a[0]
 
 
+def _project_olmo_hybrid(m: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """OLMo Hybrid layout: separate ``q_proj / k_proj / v_proj``, the gate ``g_proj`` as ``z``,
+    ``b_proj / a_proj`` (its ``o_norm / o_proj`` and ``allow_neg_eigval``: see :func:`tree_gdn_forward`)."""
+    mixed = torch.cat([m.q_proj(x), m.k_proj(x), m.v_proj(x)], dim=-1)
+    return mixed, m.g_proj(x).unflatten(-1, (-1, m.head_v_dim)), m.b_proj(x), m.a_proj(x)
+
+
 # exact class name -> its projections (checked against transformers 5.x)
 GDN_LAYOUTS: dict[str, Projections] = {
     "Qwen3_5GatedDeltaNet": _project_qwen3_5,
     "Qwen3_5MoeGatedDeltaNet": _project_qwen3_5,
     "Qwen3NextGatedDeltaNet": _project_qwen3_next,
+    "LaraMiniGatedDeltaNet": _project_qwen3_5,
+    "Qwen4ExpTextGatedDeltaNet": _project_qwen3_5,
+    "OlmoHybridGatedDeltaNet": _project_olmo_hybrid,
 }
 
 
@@ -211,7 +221,10 @@ def tree_gdn_forward(
     v = v.unflatten(-1, (-1, module.head_v_dim))
 
     beta = b.sigmoid()
+    if getattr(module, "allow_neg_eigval", False):  # OLMo Hybrid: beta in [0, 2]
+        beta = beta * 2.0
     g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)  # as the layer: float32
     core = tree_gated_delta_rule(q, k, v, g, beta, tree_levels(packed, tree_mask, dev))  # [T, Hv, Dv]
-    core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
-    return module.out_proj(core.reshape(1, T, -1))
+    norm, out = (module.norm, module.out_proj) if hasattr(module, "norm") else (module.o_norm, module.o_proj)
+    core = norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
+    return out(core.reshape(1, T, -1))

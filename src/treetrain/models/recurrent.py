@@ -22,6 +22,8 @@ import torch
 from torch import nn
 
 from treetrain.models.gdn import GDN_LAYOUTS, tree_gdn_forward
+from treetrain.models.kda import KDA_LAYOUTS, tree_kda_forward
+from treetrain.models.shortconv import SHORTCONV_LAYERS, tree_shortconv_forward
 from treetrain.trees.packing import PackedTree
 
 __all__ = ["ROUTES", "TreeForward", "patch_recurrent_layers", "route", "tree_layer_forward"]
@@ -30,6 +32,8 @@ TreeForward = Callable[..., torch.Tensor]  # (module, hidden [1, T, H], packed, 
 
 # exact layer class name -> its tree forward (each checked against transformers 5.x)
 ROUTES: dict[str, TreeForward] = dict.fromkeys(GDN_LAYOUTS, tree_gdn_forward)
+ROUTES |= dict.fromkeys(SHORTCONV_LAYERS, tree_shortconv_forward)
+ROUTES |= dict.fromkeys(KDA_LAYOUTS, tree_kda_forward)
 
 
 def route(module: nn.Module) -> TreeForward | None:
