@@ -89,7 +89,6 @@ STATEFUL_MODELS = {
     "granitemoehybrid": "GraniteMoeHybridMambaLayer",
     "mamba2": "Mamba2Mixer",
     "zamba2": "Zamba2MambaMixer",
-    "lfm2": "Lfm2ShortConv",
 }
 
 

@@ -53,10 +53,52 @@ SMALL = dict(
     mamba_d_ssm=128,
     num_heads=8,
 )
+_GDN_SMALL = dict(
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+    linear_conv_kernel_dim=3,
+)  # fmt: skip
 # per type: what its defaults lack for a hybrid to show its layer mix
 PER_TYPE = {
-    "lfm2": dict(layer_types=["conv", "full_attention"]),
-    "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
+    # short convolutions: width 4 (default 3; LFM3 7) with a bias (default none)
+    "lfm2": dict(layer_types=["conv", "full_attention"], conv_L_cache=4, conv_bias=True),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"], conv_L_cache=4, conv_bias=True),
+    "lfm3": dict(conv_L_cache=4, conv_bias=True),
+    # Gated DeltaNet hybrids: grouped value heads (2 key, 4 value heads of 8), conv width 3 (default 4)
+    "lara_mini": dict(_GDN_SMALL),
+    "olmo_hybrid": dict(_GDN_SMALL, linear_a_log_min=0.05, linear_a_log_max=0.5),  # slow decays
+    # refused (QSA attention), built for tests/test_linear_families.py's check of its GDN layer
+    "qwen4_exp_text": dict(
+        _GDN_SMALL,
+        layer_types=["linear_attention", "indexed_attention"],
+        indexer_n_heads=2,
+        indexer_kv_heads=1,
+        indexer_head_dim=16,
+        indexer_budget=4,
+        indexer_compress_ratio=2,
+        hc_count=2,
+        hc_lowrank=8,
+        eos_token_id=2,
+        output_gate_type="sigmoid",
+    ),
+    # KDA hybrids: a dense and an MoE layer, 4 heads of 8, conv width 3 (default 4), grouped routing
+    "kimi_linear": dict(
+        mlp_layer_types=["dense", "sparse"],
+        num_experts_per_token=2,
+        linear_head_dim=8,
+        linear_num_heads=4,
+        linear_conv_kernel_dim=3,
+    ),
+    "bailing_hybrid": dict(
+        layer_types=["linear_attention", "full_attention"],
+        mlp_layer_types=["dense", "sparse"],
+        num_experts_per_token=2,
+        num_expert_group=2,
+        kda_lower_bound=-3.0,
+        short_conv_kernel_size=3,
+        linear_head_dim=8,
+        linear_num_heads=4,
+        linear_conv_kernel_dim=3,
+    ),
 }
 # scalings and extras away from their defaults, wherever the config has them
 AWAY = dict(

@@ -18,6 +18,7 @@ import re
 from torch import nn
 
 from treetrain.models.head import unwrap
+from treetrain.models.recurrent import ROUTES
 
 __all__ = ["EXACT", "REFUSED", "STATEFUL", "check_model", "refusal"]
 
@@ -59,6 +60,13 @@ EXACT: dict[str, str] = {t: "" for t in _PLAIN} | {
     "qwen3_next": "Gated DeltaNet layers routed along the tree (models.recurrent); MoE",
     "qwen3_5_text": "Gated DeltaNet layers routed along the tree (models.recurrent)",
     "qwen3_5_moe_text": "Gated DeltaNet layers routed along the tree (models.recurrent); MoE",
+    "lara_mini": "Gated DeltaNet layers routed along the tree; sliding window; MoE",
+    "olmo_hybrid": "Gated DeltaNet layers (beta in [0, 2]) routed along the tree",
+    "kimi_linear": "KDA (per-channel decay delta rule) layers routed along the tree; latent attention; MoE",
+    "bailing_hybrid": "KDA layers routed along the tree; latent attention; grouped MoE",
+    "lfm2": "short convolutions along each path (models.shortconv)",
+    "lfm2_moe": "short convolutions along each path; MoE",
+    "lfm3": "short convolutions along each path; sliding window; attention output gate",
 }
 
 _ENCODER = "an encoder (BERT family) run as a decoder: its attention and mask are its own, not the tree's"
@@ -66,6 +74,10 @@ _ENC_DEC = "the decoder of an encoder-decoder model (cross-attention, its own ma
 _MULTIMODAL = "a multimodal model: load its text-only causal LM instead"
 _MAMBA = "Mamba/Mamba2 layers carry state along the sequence; they are not routed along the tree yet"
 _LINEAR = "linear-attention / convolution layers carry state along the sequence; not routed along the tree"
+_INKLING = (
+    "its attention adds a learned bias per query-key distance, computed from indices in the packed sequence "
+    "(arange) instead of path positions, and per-query sink logits: no tree attention backend carries them"
+)
 # model type -> why it is refused (a type on neither list is refused as not verified)
 REFUSED: dict[str, str] = {
     **dict.fromkeys(
@@ -99,11 +111,13 @@ REFUSED: dict[str, str] = {
     ),
     **dict.fromkeys(
         _words(
-            """minimax lfm2 lfm2_moe lfm3 kimi_linear bailing_hybrid lara_mini olmo_hybrid inkling_text
-            inkling2_text inkling2_loop_text rwkv xlstm recurrent_gemma"""
+            """minimax rwkv xlstm recurrent_gemma"""
         ),
         _LINEAR,
     ),
+    **dict.fromkeys(_words("inkling_text inkling2_text inkling2_loop_text"), _INKLING),
+    "qwen4_exp_text": "QSA indexed attention: each query keeps its own top-k blocks of visible keys (read "
+    "from a dense causal mask), a key set the tree mask (one query interval per key) cannot express",
     "bloom": "ALiBi position bias computed outside the attention interface",
     "mpt": "ALiBi position bias computed outside the attention interface (log-probs differ by 1.3)",
     "falcon": "ALiBi / its own attention path",
@@ -129,9 +143,14 @@ STATEFUL: dict[str, str] = {
     r"Rglru|RecurrentBlock": "an RG-LRU recurrence",
 }
 _STATEFUL = [(re.compile(p), what) for p, what in STATEFUL.items()]
+# classes a pattern above matches by name that carry no state along the sequence
+NOT_STATEFUL = {
+    "OlmoHybridLinearAttentionDecoderLayer": "a decoder layer; its OlmoHybridGatedDeltaNet is checked itself",
+    "KimiLinearAttention": "Kimi Linear's full (latent) softmax attention",
+}
 
-# stateful layers treetrain routes along the tree (models.recurrent), by exact class name
-ROUTED = frozenset({"Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet"})
+# stateful layers treetrain routes along the tree, by exact class name (models.recurrent.ROUTES)
+ROUTED = frozenset(ROUTES)
 
 _DOCS = "docs/architectures.md lists what runs exactly and why the rest is refused"
 
@@ -144,7 +163,7 @@ def _stateful_layer(model: nn.Module) -> tuple[str, str] | None:
     """``(class name, what it carries)`` of the first state-carrying layer without tree routing."""
     for module in model.modules():
         names = _names(module)
-        if any(n in ROUTED for n in names):
+        if any(n in ROUTED or n in NOT_STATEFUL for n in names):
             continue
         for pattern, what in _STATEFUL:
             if pattern.search(names[0]):
