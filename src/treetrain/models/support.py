@@ -18,7 +18,7 @@ import re
 from torch import nn
 
 from treetrain.models.head import unwrap
-from treetrain.models.recurrent import ROUTES
+from treetrain.models.recurrent import ROUTES, route
 
 __all__ = ["EXACT", "REFUSED", "STATEFUL", "check_model", "refusal"]
 
@@ -61,11 +61,23 @@ EXACT: dict[str, str] = {t: "" for t in _PLAIN} | {
     "qwen3_5_text": "Gated DeltaNet layers routed along the tree (models.recurrent)",
     "qwen3_5_moe_text": "Gated DeltaNet layers routed along the tree (models.recurrent); MoE",
 }
+_SSM = "routed along the tree (models.recurrent)"
+EXACT |= {
+    "mamba": f"Mamba (selective scan) mixers {_SSM}",
+    "falcon_mamba": f"Mamba mixers with RMS norms on dt, B, C {_SSM}",
+    "jamba": f"Mamba mixers with dt/B/C norms {_SSM}; attention; MoE",
+    "zamba": f"multi-head Mamba mixers {_SSM}; shared attention blocks",
+    "mamba2": f"Mamba2 (SSD) mixers {_SSM}; grouped B/C and norm",
+    "bamba": f"Mamba2 mixers {_SSM}; attention",
+    "falcon_h1": f"Mamba2 mixers {_SSM} (ssm multipliers, mup vector); parallel attention; head multiplier",
+    "granitemoehybrid": f"Mamba2 mixers {_SSM}; attention; multipliers; head / logits_scaling; MoE",
+    "nemotron_h": f"Mamba2 mixers {_SSM}; attention; MoE",
+    "zamba2": f"Mamba2 mixers {_SSM}; shared hybrid attention blocks",
+}
 
 _ENCODER = "an encoder (BERT family) run as a decoder: its attention and mask are its own, not the tree's"
 _ENC_DEC = "the decoder of an encoder-decoder model (cross-attention, its own mask handling)"
 _MULTIMODAL = "a multimodal model: load its text-only causal LM instead"
-_MAMBA = "Mamba/Mamba2 layers carry state along the sequence; they are not routed along the tree yet"
 _LINEAR = "linear-attention / convolution layers carry state along the sequence; not routed along the tree"
 # model type -> why it is refused (a type on neither list is refused as not verified)
 REFUSED: dict[str, str] = {
@@ -91,12 +103,6 @@ REFUSED: dict[str, str] = {
             dots3_note"""
         ),
         _MULTIMODAL,
-    ),
-    **dict.fromkeys(
-        _words(
-            """mamba mamba2 falcon_mamba falcon_h1 bamba jamba granitemoehybrid nemotron_h zamba zamba2"""
-        ),
-        _MAMBA,
     ),
     **dict.fromkeys(
         _words(
@@ -131,25 +137,18 @@ STATEFUL: dict[str, str] = {
 }
 _STATEFUL = [(re.compile(p), what) for p, what in STATEFUL.items()]
 
-# stateful layers treetrain routes along the tree, by exact class name (models.recurrent.ROUTES)
-ROUTED = frozenset(ROUTES)
-
 _DOCS = "docs/architectures.md lists what runs exactly and why the rest is refused"
-
-
-def _names(module: nn.Module) -> list[str]:
-    return [c.__name__ for c in type(module).__mro__]
 
 
 def _stateful_layer(model: nn.Module) -> tuple[str, str] | None:
     """``(class name, what it carries)`` of the first state-carrying layer without tree routing."""
     for module in model.modules():
-        names = _names(module)
-        if any(n in ROUTED for n in names):
+        if route(module) is not None:  # routed (models.recurrent.ROUTES), through subclasses
             continue
+        name = type(module).__name__
         for pattern, what in _STATEFUL:
-            if pattern.search(names[0]):
-                return names[0], what
+            if pattern.search(name):
+                return name, what
     return None
 
 
@@ -161,7 +160,7 @@ def refusal(model: nn.Module) -> str | None:
         name, what = layer
         return (
             f"recurrent layer {name} ({what}) has no tree routing: its state would leak across "
-            f"branches of the tree. Routed: {', '.join(sorted(ROUTED))}; {_DOCS}"
+            f"branches of the tree. Routed: {', '.join(sorted(ROUTES))}; {_DOCS}"
         )
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
