@@ -166,7 +166,8 @@ def test_padded_steps_leave_the_state_unchanged():
     y, s = mamba.selective_scan(x, dt, A, B, C, s0)
     y_p, s_p = mamba.selective_scan(pad(x), pad(dt), A, pad(B), pad(C), s0)
     assert torch.equal(s_p, s) and torch.equal(y_p[:, :3], y)
-    scan = mamba2.chunk_scan_of(_layer("mamba2"), torch.device("cpu"))
+    scan, fused = mamba2.chunk_scan_of(_layer("mamba2"), torch.device("cpu"))
+    assert not fused
     x, dt, B, C, s0 = r(2, 3, 4, 2), r(2, 3, 4).exp(), r(2, 3, 2, 4), r(2, 3, 2, 4), r(2, 4, 2, 4)
     A = -r(4).exp()
     kw = dict(chunk_size=3, initial_states=s0, return_final_states=True)

@@ -12,6 +12,10 @@ Padding is exact for free: ``dt`` is computed per token before the scan (bias, s
 ``time_step_limit`` clamp, as the model does inside its scan), so a padded step has ``dt = 0``:
 decay ``exp(A * 0) = 1`` and input ``dt * x = 0``, the state passes through unchanged.
 
+On CUDA with mamba-ssm installed the scan is its fused ``mamba_chunk_scan_combined`` (as
+transformers dispatches it; per-row ``initial_states``, ``return_final_states``), and ``dt`` is
+computed in float32 as that kernel does inside. Not tested here (no CUDA in CI).
+
 Example, head ``h`` of one node ``[t0 t1]`` whose parent ended in state ``S``::
 
     S_t0 = exp(A_h dt_t0) S   + dt_t0 x_t0 B_t0^T        y_t0 = S_t0 C_t0 + D_h x_t0
@@ -20,6 +24,7 @@ Example, head ``h`` of one node ``[t0 t1]`` whose parent ended in state ``S``::
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import sys
 from collections.abc import Callable
@@ -55,16 +60,17 @@ def _layer_class(module: nn.Module) -> type:
     raise ValueError(f"{type(module).__name__} is not a Mamba2 mixer: {', '.join(MAMBA2_LAYERS)}")
 
 
-def chunk_scan_of(module: nn.Module, device: torch.device) -> Callable:
-    """The layer's own chunked SSD scan (``mamba2_chunk_scan`` of its transformers module).
+def chunk_scan_of(module: nn.Module, device: torch.device) -> tuple[Callable, bool]:
+    """``(scan, fused)``: the layer's own chunked SSD scan (``mamba2_chunk_scan`` of its transformers
+    module), and whether it is mamba-ssm's fused kernel.
 
-    On CUDA, the dispatching function: mamba-ssm's ``mamba_chunk_scan_combined`` when installed
-    (it takes per-row ``initial_states`` and returns the final states), else the PyTorch scan. On
-    any other device the PyTorch scan itself (``inspect.unwrap``: past the dispatch and its
-    fallback warning).
+    On CUDA with mamba-ssm installed, the dispatching function (mamba-ssm's
+    ``mamba_chunk_scan_combined``); otherwise the PyTorch scan itself (``inspect.unwrap``: past the
+    dispatch and its fallback warning).
     """
     fn = sys.modules[_layer_class(module).__module__].mamba2_chunk_scan
-    return fn if torch.device(device).type == "cuda" else inspect.unwrap(fn)
+    fused = torch.device(device).type == "cuda" and importlib.util.find_spec("mamba_ssm") is not None
+    return (fn if fused else inspect.unwrap(fn)), fused
 
 
 def tree_ssd(
@@ -77,21 +83,22 @@ def tree_ssd(
     levels: TreeLevels,
     chunk_scan: Callable,
     chunk_size: int,
+    shrink_chunks: bool = True,
 ) -> torch.Tensor:
     """The SSD recurrence over a packed forest, level by level: ``[T, H, P]``.
 
     x ``[T, H, P]``; dt ``[T, H]`` (after bias, softplus and clamp; ``>= 0``); A, D ``[H]``;
     B, C ``[T, G, N]``; all in DFS order. ``chunk_scan`` is a transformers ``mamba2_chunk_scan``
     (or anything with its signature); each node starts from its parent's final state ``[H, P, N]``.
-    A group shorter than ``chunk_size`` runs as one chunk of its own length.
+    ``shrink_chunks``: a group shorter than ``chunk_size`` runs as one chunk of its own length (the
+    PyTorch scan pads every sequence to whole chunks).
     """
 
     def scan(xs, init, valid):
         xg, dtg, Bg, Cg = xs  # padded steps are zero rows: dt = 0, an identity step
-        return chunk_scan(
-            xg, dtg, A, Bg, Cg, chunk_size=min(chunk_size, xg.shape[1]), D=D,
-            initial_states=init, return_final_states=True,
-        )  # fmt: skip
+        chunk = min(chunk_size, xg.shape[1]) if shrink_chunks else chunk_size
+        kw = dict(chunk_size=chunk, D=D, initial_states=init, return_final_states=True)
+        return chunk_scan(xg, dtg, A, Bg, Cg, **kw)
 
     return tree_scan((x, dt, B, C), levels, scan)
 
@@ -122,12 +129,15 @@ def tree_mamba2_forward(
     xs, B, C = conv.split([m.intermediate_size, gn, gn], dim=-1)
 
     A = -torch.exp(m.A_log.float())
+    scan, fused = chunk_scan_of(m, dev)
+    if fused:  # the kernel adds the bias and takes the softplus in float32
+        dt = dt.to(torch.promote_types(dt.dtype, torch.float32))
     dt = F.softplus(dt + m.dt_bias.to(dt.dtype))  # as the scan does it, before the steps
     dt = torch.clamp(dt, min=m.time_step_limit[0], max=m.time_step_limit[1])
     y = tree_ssd(
         xs.unflatten(-1, (-1, m.head_dim)), dt, A,
         B.unflatten(-1, (m.n_groups, -1)), C.unflatten(-1, (m.n_groups, -1)), m.D,
-        tree_levels(packed, tree_mask, dev), chunk_scan_of(m, dev), m.chunk_size,
+        tree_levels(packed, tree_mask, dev), scan, m.chunk_size, shrink_chunks=not fused,
     )  # fmt: skip
     y = y.reshape(1, packed.num_tokens, -1)
     if falcon and not m.mamba_rms_norm:
