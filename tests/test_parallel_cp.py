@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 from tests.dist_worker import make_trees
 from tests.hybrid_models import float64_everywhere, tiny_hybrid_model
 from tests.reference import tiny_model
+from tests.zoo import zoo_model
 from treetrain import pack
 from treetrain.logprobs import tree_logprobs
 from treetrain.parallel.cp import CPChunk, context_parallel, cp_tree_logprobs, split_balanced
@@ -61,6 +62,8 @@ def _loss(logp, ent, w1, w2):
 
 
 def _model(arch: str):
+    if arch == "nemotron_h":  # a Mamba2 hybrid: its mixer's state and conv window cross ranks
+        return zoo_model(arch)
     return tiny_model(arch) if arch == "qwen3" else tiny_hybrid_model(arch)
 
 
@@ -125,6 +128,7 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
         # dense qwen3 case passed too; left out to keep CI short, as tests/test_parallel_cp_train.py
         # trains dense on 4 CP ranks)
         pytest.param(4, "qwen3_5", marks=pytest.mark.slow),
+        pytest.param(2, "nemotron_h", marks=pytest.mark.slow),
     ],
 )
 def test_cp_equals_one_process(tmp_path, world, arch):
