@@ -176,6 +176,15 @@ def test_padded_steps_leave_the_state_unchanged():
     assert rel_err(s_p, s) < 1e-15
 
 
+def test_older_transformers_without_the_scan_is_a_clear_error(monkeypatch):
+    """transformers before the Mamba2 scan became a function of its own (e.g. verl's 5.10)."""
+    import transformers.models.mamba2.modeling_mamba2 as hf
+
+    monkeypatch.delattr(hf, "mamba2_chunk_scan")
+    with pytest.raises(ValueError, match="has no mamba2_chunk_scan .* use transformers >= 5.24"):
+        _layer_check(_layer("mamba2"), ONE_TOKEN_ROOT)
+
+
 # ---- the model types, end to end ----------------------------------------------------------------
 
 

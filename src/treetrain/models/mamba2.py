@@ -68,7 +68,15 @@ def chunk_scan_of(module: nn.Module, device: torch.device) -> tuple[Callable, bo
     ``mamba_chunk_scan_combined``); otherwise the PyTorch scan itself (``inspect.unwrap``: past the
     dispatch and its fallback warning).
     """
-    fn = sys.modules[_layer_class(module).__module__].mamba2_chunk_scan
+    hf = sys.modules[_layer_class(module).__module__]
+    fn = getattr(hf, "mamba2_chunk_scan", None)
+    if fn is None:
+        import transformers
+
+        raise ValueError(
+            f"{type(module).__name__}: transformers {transformers.__version__} has no mamba2_chunk_scan in "
+            f"{hf.__name__}, the scan treetrain routes Mamba2 mixers through; use transformers >= 5.24"
+        )
     fused = torch.device(device).type == "cuda" and importlib.util.find_spec("mamba_ssm") is not None
     return (fn if fused else inspect.unwrap(fn)), fused
 
