@@ -95,7 +95,8 @@ PER_TYPE |= {
     "zamba2": dict(
         n_mamba_heads=8, mamba_headdim=16, mamba_d_state=16, mamba_ngroups=2, chunk_size=4, mamba_d_conv=3,
         add_bias_linear=True, time_step_min=0.3, attention_hidden_size=128, kv_channels=16,
-        num_query_groups=4, adapter_rank=8, hybrid_layer_ids=[1],
+        num_query_groups=4, adapter_rank=8, hybrid_layer_ids=[1], use_shared_attention_adapter=True,
+        use_mem_rope=True, head_dim=32, num_key_value_heads=4,  # adapters: heads * head_dim = 2 * hidden
     ),
 }
 # scalings and extras away from their defaults, wherever the config has them
