@@ -230,8 +230,9 @@ def test_float32_within_reference_rounding(model_type):
         sum(((c.to(lp.dtype) * lp).sum() for c, lp in zip(coeffs, lps))).backward()
         return torch.cat(lps), grads(model)
 
+    truth = zoo_model(model_type)  # built outside: inside, float32 buffers would draw other weights
     with float64_everywhere():
-        truth_lp, truth_g = run(zoo_model(model_type), reference_logprobs)
+        truth_lp, truth_g = run(truth, reference_logprobs)
     model32 = zoo_model(model_type, dtype=torch.float32)
     ref_lp, ref_g = run(copy.deepcopy(model32), reference_logprobs)
     tree_lp, tree_g = run(model32, lambda m, p: path_logprobs(m, p, backend="dense"))
