@@ -125,7 +125,7 @@ REFUSED: dict[str, str] = {
     "xglm": "builds its own 4-D mask and rejects the tree's",
 }
 
-# layer class name pattern -> what the layer carries (checked along the class's MRO)
+# layer class name pattern (searched in the class name, so FSDP2's FSDP<Name> matches) -> what it carries
 STATEFUL: dict[str, str] = {
     r"Mamba\w*Mixer|MambaLayer|BambaMixer|FalconH1Mixer": "a Mamba/Mamba2 state-space recurrence",
     r"GatedDeltaNet|DeltaAttention": "a Gated DeltaNet recurrence",
