@@ -100,6 +100,47 @@ PER_TYPE = {
         linear_conv_kernel_dim=3,
     ),
 }
+# Mamba and Mamba2 mixers: small state and dt rank; every option away from its default: chunks
+# shorter than the paths (the scan crosses chunk and node boundaries), conv width 3, several B/C
+# groups, biases flipped, time-step clamps that bind, Falcon-H1's gated norm (norm after the gate)
+_SSM = dict(time_step_limit=(0.3, 0.9))  # dt = softplus(...) clamped both ways on some tokens
+_MAMBA1 = dict(time_step_rank=8, state_size=8, conv_kernel=3, use_bias=True, use_conv_bias=False)
+_BAMBA = dict(
+    _SSM, mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=4, mamba_d_conv=3, mamba_proj_bias=True,
+    mamba_conv_bias=False,
+)
+PER_TYPE |= {
+    "mamba": dict(_MAMBA1, residual_in_fp32=False),
+    "falcon_mamba": dict(_MAMBA1, residual_in_fp32=False, mixer_rms_eps=1e-3),
+    "jamba": dict(
+        mamba_dt_rank=8, mamba_d_state=8, mamba_d_conv=3, mamba_proj_bias=True, mamba_conv_bias=False,
+        attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=0,
+    ),
+    "zamba": dict(
+        mamba_dt_rank=8, mamba_d_state=8, mamba_d_conv=3, mamba_proj_bias=True, mamba_conv_bias=False,
+        n_mamba_heads=4, attention_hidden_size=128,
+    ),
+    "mamba2": dict(
+        time_step_limit=(0.05, 1.5), state_size=16, n_groups=2, chunk_size=4, conv_kernel=3, use_bias=True,
+        use_conv_bias=False, residual_in_fp32=False, time_step_rank=8,
+    ),
+    "bamba": dict(_BAMBA, attn_layer_indices=[1]),
+    "falcon_h1": dict(_BAMBA, mamba_rms_norm=True, mamba_norm_before_gate=False, projectors_bias=True),
+    "granitemoehybrid": dict(
+        _BAMBA, layer_types=["linear_attention", "full_attention"], shared_intermediate_size=32
+    ),
+    "nemotron_h": dict(
+        mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, chunk_size=4, conv_kernel=3,
+        use_bias=True, use_conv_bias=False, time_step_min=0.3, residual_in_fp32=True,
+        moe_shared_expert_intermediate_size=32,
+    ),
+    "zamba2": dict(
+        n_mamba_heads=8, mamba_headdim=16, mamba_d_state=16, mamba_ngroups=2, chunk_size=4, mamba_d_conv=3,
+        add_bias_linear=True, time_step_min=0.3, attention_hidden_size=128, kv_channels=16,
+        num_query_groups=4, adapter_rank=8, hybrid_layer_ids=[1], use_shared_attention_adapter=True,
+        use_mem_rope=True, head_dim=32, num_key_value_heads=4,  # adapters: heads * head_dim = 2 * hidden
+    ),
+}
 # scalings and extras away from their defaults, wherever the config has them
 AWAY = dict(
     logit_scale=2.5,  # Cohere: logits * 2.5
@@ -165,7 +206,11 @@ def zoo_model(model_type: str, dtype=torch.float64, seed: int = 0, attn: str = "
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.ndim >= 2:
+            if name.endswith("A_log"):  # recurrences: slow decays, a node's state reaches its children
+                p.copy_((torch.rand(p.shape, generator=g) * 0.45 + 0.05).log())
+            elif name.endswith(("dt_bias", "dt_proj.bias", "dt_proj_bias")):  # and small steps
+                p.copy_(-torch.rand(p.shape, generator=g))
+            elif p.ndim >= 2:
                 p.mul_(3.0)
             elif name.endswith("sinks"):  # GPT-OSS: sinks comparable to the scores, so they matter
                 p.copy_(torch.randn(p.shape, generator=g) * 2)

@@ -4,7 +4,8 @@
 the decoder (:func:`~treetrain.models.hf.tree_forward`); :mod:`.recurrent` routes every state-carrying
 layer along the tree (:mod:`.scan`: each node starts from its parent's final state, level by level;
 :mod:`.pathconv`: convolution windows along each token's path; :mod:`.gdn`: Gated DeltaNet;
-:mod:`.kda`: Kimi Delta Attention; :mod:`.shortconv`: LFM2 short convolutions); :mod:`.moe` records
+:mod:`.kda`: Kimi Delta Attention; :mod:`.shortconv`: LFM2 short convolutions; :mod:`.mamba2`: Mamba2
+SSD mixers; :mod:`.mamba`: Mamba selective-scan mixers); :mod:`.moe` records
 router logits for the aux loss;
 :mod:`.lora` wraps a model with PEFT adapters; :mod:`.head` derives the exact LM head (logit scales,
 final softcap) every scoring path uses; :mod:`.support` accepts only verified architectures and

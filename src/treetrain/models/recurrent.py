@@ -9,6 +9,12 @@ the decoder layer passes ``packed_tree`` (as ``tree_forward`` does, through the 
 the layer runs along the tree; otherwise it calls the class's own ``forward`` unchanged. No
 transformers file or class is modified, and the patch survives ``copy.deepcopy``.
 
+A few transformers modules take ``packed_tree`` but do not pass it on to their routed layers
+(:data:`HANDS_DOWN`: Mamba's and FalconMamba's decoders hand their blocks only ``attention_mask``,
+Jamba's Mamba layer calls its mixer without its ``**kwargs``). Patched too, they hand the tree down
+in place of ``attention_mask`` (a :class:`HandedTree`, which only a patched layer reads), so it
+reaches the mixer through the calls transformers makes, gradient-checkpoint replays included.
+
 A state-carrying layer that is not routed is refused before any forward
 (:func:`treetrain.models.support.check_model`).
 """
@@ -17,16 +23,27 @@ from __future__ import annotations
 
 import types
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from treetrain.models.gdn import GDN_LAYOUTS, tree_gdn_forward
 from treetrain.models.kda import KDA_LAYOUTS, tree_kda_forward
+from treetrain.models.mamba import MAMBA_LAYOUTS, tree_mamba_forward
+from treetrain.models.mamba2 import MAMBA2_LAYERS, tree_mamba2_forward
 from treetrain.models.shortconv import SHORTCONV_LAYERS, tree_shortconv_forward
 from treetrain.trees.packing import PackedTree
 
-__all__ = ["ROUTES", "TreeForward", "patch_recurrent_layers", "route", "tree_layer_forward"]
+__all__ = [
+    "HANDS_DOWN",
+    "ROUTES",
+    "HandedTree",
+    "TreeForward",
+    "patch_recurrent_layers",
+    "route",
+    "tree_layer_forward",
+]
 
 TreeForward = Callable[..., torch.Tensor]  # (module, hidden [1, T, H], packed, tree_mask) -> [1, T, H]
 
@@ -34,6 +51,8 @@ TreeForward = Callable[..., torch.Tensor]  # (module, hidden [1, T, H], packed, 
 ROUTES: dict[str, TreeForward] = dict.fromkeys(GDN_LAYOUTS, tree_gdn_forward)
 ROUTES |= dict.fromkeys(SHORTCONV_LAYERS, tree_shortconv_forward)
 ROUTES |= dict.fromkeys(KDA_LAYOUTS, tree_kda_forward)
+ROUTES |= dict.fromkeys(MAMBA2_LAYERS, tree_mamba2_forward)
+ROUTES |= dict.fromkeys(MAMBA_LAYOUTS, tree_mamba_forward)
 
 
 def route(module: nn.Module) -> TreeForward | None:
@@ -62,19 +81,44 @@ def tree_layer_forward(
     return fn(module, hidden_states, packed, tree_mask)
 
 
+# modules (exact class name, transformers 5.x) that take ``packed_tree`` but do not pass it on to
+# their routed layers; each routed layer below them receives their ``attention_mask``
+HANDS_DOWN = frozenset({"MambaModel", "FalconMambaModel", "JambaMambaDecoderLayer"})
+
+
+@dataclass(frozen=True)
+class HandedTree:
+    """The tree in place of ``attention_mask``, handed down by a :data:`HANDS_DOWN` module."""
+
+    packed: PackedTree
+    tree_mask: object = None
+
+
+def _handing_forward(self: nn.Module, *args, **kwargs):
+    """Instance ``forward`` of a :data:`HANDS_DOWN` module: in a tree forward, its
+    ``attention_mask`` (unused by the module but passed to its layers) becomes the tree."""
+    packed = kwargs.get("packed_tree")
+    if packed is not None:
+        kwargs["attention_mask"] = HandedTree(packed, kwargs.get("tree_mask"))
+    return type(self).forward(self, *args, **kwargs)
+
+
 def _tree_aware_forward(self: nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
-    """Instance ``forward`` of a patched layer: along the tree when ``packed_tree`` is given.
+    """Instance ``forward`` of a patched layer: along the tree when ``packed_tree`` is given (or
+    handed down as a :class:`HandedTree`).
 
     Other arguments pass through as the caller gave them: the cache is ``cache`` in recent transformers
     and ``cache_params`` in older ones (passing the old name to a new layer is a FutureWarning).
     """
-    packed = kwargs.get("packed_tree")
+    packed, mask = kwargs.get("packed_tree"), kwargs.get("tree_mask")
+    handed = kwargs.get("attention_mask")
+    if packed is None and isinstance(handed, HandedTree):
+        packed, mask = handed.packed, handed.tree_mask
     if packed is None:
         return type(self).forward(self, hidden_states, *args, **kwargs)
     cache = kwargs.get("cache", kwargs.get("cache_params", args[0] if args else None))
     if cache is not None:
         raise ValueError("a tree forward takes no cache (use_cache=False): states are routed per node")
-    mask = kwargs.get("tree_mask")
     if mask is not None and "cp" in mask.cache:  # context parallel: this rank holds a chunk of the tree
         return mask.cache["cp"].recurrent_forward(self, hidden_states, packed, mask)
     return tree_layer_forward(self, hidden_states, packed, mask)
@@ -85,7 +129,13 @@ def patch_recurrent_layers(model: nn.Module) -> int:
     n = 0
     for module in model.modules():
         if route(module) is not None:
-            if not isinstance(module.__dict__.get("forward"), types.MethodType):
-                module.forward = types.MethodType(_tree_aware_forward, module)
+            _patch(module, _tree_aware_forward)
             n += 1
+        elif any(c.__name__ in HANDS_DOWN for c in type(module).__mro__):
+            _patch(module, _handing_forward)
     return n
+
+
+def _patch(module: nn.Module, forward: Callable) -> None:
+    if not isinstance(module.__dict__.get("forward"), types.MethodType):
+        module.forward = types.MethodType(forward, module)

@@ -18,7 +18,7 @@ import re
 from torch import nn
 
 from treetrain.models.head import unwrap
-from treetrain.models.recurrent import ROUTES
+from treetrain.models.recurrent import ROUTES, route
 
 __all__ = ["EXACT", "REFUSED", "STATEFUL", "check_model", "refusal"]
 
@@ -68,11 +68,23 @@ EXACT: dict[str, str] = {t: "" for t in _PLAIN} | {
     "lfm2_moe": "short convolutions along each path; MoE",
     "lfm3": "short convolutions along each path; sliding window; attention output gate",
 }
+_SSM = "routed along the tree (models.recurrent)"
+EXACT |= {
+    "mamba": f"Mamba (selective scan) mixers {_SSM}",
+    "falcon_mamba": f"Mamba mixers with RMS norms on dt, B, C {_SSM}",
+    "jamba": f"Mamba mixers with dt/B/C norms {_SSM}; attention; MoE",
+    "zamba": f"multi-head Mamba mixers {_SSM}; shared attention blocks",
+    "mamba2": f"Mamba2 (SSD) mixers {_SSM}; grouped B/C and norm",
+    "bamba": f"Mamba2 mixers {_SSM}; attention",
+    "falcon_h1": f"Mamba2 mixers {_SSM} (ssm multipliers, mup vector); parallel attention; head multiplier",
+    "granitemoehybrid": f"Mamba2 mixers {_SSM}; attention; multipliers; head / logits_scaling; MoE",
+    "nemotron_h": f"Mamba2 mixers {_SSM}; attention; MoE",
+    "zamba2": f"Mamba2 mixers {_SSM}; shared hybrid attention blocks",
+}
 
 _ENCODER = "an encoder (BERT family) run as a decoder: its attention and mask are its own, not the tree's"
 _ENC_DEC = "the decoder of an encoder-decoder model (cross-attention, its own mask handling)"
 _MULTIMODAL = "a multimodal model: load its text-only causal LM instead"
-_MAMBA = "Mamba/Mamba2 layers carry state along the sequence; they are not routed along the tree yet"
 _LINEAR = "linear-attention / convolution layers carry state along the sequence; not routed along the tree"
 _INKLING = (
     "its attention adds a learned bias per query-key distance, computed from indices in the packed sequence "
@@ -105,12 +117,6 @@ REFUSED: dict[str, str] = {
     ),
     **dict.fromkeys(
         _words(
-            """mamba mamba2 falcon_mamba falcon_h1 bamba jamba granitemoehybrid nemotron_h zamba zamba2"""
-        ),
-        _MAMBA,
-    ),
-    **dict.fromkeys(
-        _words(
             """minimax rwkv xlstm recurrent_gemma"""
         ),
         _LINEAR,
@@ -132,7 +138,7 @@ REFUSED: dict[str, str] = {
     "xglm": "builds its own 4-D mask and rejects the tree's",
 }
 
-# layer class name pattern -> what the layer carries (checked along the class's MRO)
+# layer class name pattern (searched in the class name, so FSDP2's FSDP<Name> matches) -> what it carries
 STATEFUL: dict[str, str] = {
     r"Mamba\w*Mixer|MambaLayer|BambaMixer|FalconH1Mixer": "a Mamba/Mamba2 state-space recurrence",
     r"GatedDeltaNet|DeltaAttention": "a Gated DeltaNet recurrence",
@@ -149,25 +155,20 @@ NOT_STATEFUL = {
     "KimiLinearAttention": "Kimi Linear's full (latent) softmax attention",
 }
 
-# stateful layers treetrain routes along the tree, by exact class name (models.recurrent.ROUTES)
-ROUTED = frozenset(ROUTES)
-
 _DOCS = "docs/architectures.md lists what runs exactly and why the rest is refused"
-
-
-def _names(module: nn.Module) -> list[str]:
-    return [c.__name__ for c in type(module).__mro__]
 
 
 def _stateful_layer(model: nn.Module) -> tuple[str, str] | None:
     """``(class name, what it carries)`` of the first state-carrying layer without tree routing."""
     for module in model.modules():
-        names = _names(module)
-        if any(n in ROUTED or n in NOT_STATEFUL for n in names):
+        if route(module) is not None:  # routed (models.recurrent.ROUTES), through subclasses
             continue
+        if any(c.__name__ in NOT_STATEFUL for c in type(module).__mro__):
+            continue
+        name = type(module).__name__
         for pattern, what in _STATEFUL:
-            if pattern.search(names[0]):
-                return names[0], what
+            if pattern.search(name):
+                return name, what
     return None
 
 
@@ -179,7 +180,7 @@ def refusal(model: nn.Module) -> str | None:
         name, what = layer
         return (
             f"recurrent layer {name} ({what}) has no tree routing: its state would leak across "
-            f"branches of the tree. Routed: {', '.join(sorted(ROUTED))}; {_DOCS}"
+            f"branches of the tree. Routed: {', '.join(sorted(ROUTES))}; {_DOCS}"
         )
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
