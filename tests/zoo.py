@@ -57,6 +57,20 @@ SMALL = dict(
 PER_TYPE = {
     "lfm2": dict(layer_types=["conv", "full_attention"]),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
+    # ALiBi: 12 heads (not a power of 2: the extra slopes are odd powers of 2^-1/2, rounded to float32
+    # / bfloat16 by the models), every other option away from its default
+    "bloom": dict(
+        num_attention_heads=12, hidden_size=96, pretraining_tp=2, slow_but_exact=True,
+        apply_residual_connection_post_layernorm=True,
+    ),  # fmt: skip
+    "mpt": dict(
+        num_attention_heads=12, hidden_size=96,
+        attn_config=dict(alibi_bias_max=4, softmax_scale=0.3, clip_qkv=4.0),  # bias_max: unused by HF
+    ),  # fmt: skip
+    "falcon": dict(
+        alibi=True, num_attention_heads=12, hidden_size=96, new_decoder_architecture=True, num_kv_heads=4,
+        ffn_hidden_size=128,  # not intermediate_size: Falcon-7B's 18176 otherwise
+    ),  # fmt: skip
 }
 # scalings and extras away from their defaults, wherever the config has them
 AWAY = dict(

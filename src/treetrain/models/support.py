@@ -60,6 +60,9 @@ EXACT: dict[str, str] = {t: "" for t in _PLAIN} | {
     "qwen3_next": "Gated DeltaNet layers routed along the tree (models.recurrent); MoE",
     "qwen3_5_text": "Gated DeltaNet layers routed along the tree (models.recurrent)",
     "qwen3_5_moe_text": "Gated DeltaNet layers routed along the tree (models.recurrent); MoE",
+    "bloom": "ALiBi along each path (models.alibi: its own attention class); pretraining_tp slices",
+    "mpt": "ALiBi along each path (models.alibi: its own attention class); clip_qkv, softmax_scale",
+    "falcon": "ALiBi along each path or rotary (models.alibi: its own attention class); multi-query, GQA",
 }
 
 _ENCODER = "an encoder (BERT family) run as a decoder: its attention and mask are its own, not the tree's"
@@ -105,9 +108,6 @@ REFUSED: dict[str, str] = {
         ),
         _LINEAR,
     ),
-    "bloom": "ALiBi position bias computed outside the attention interface",
-    "mpt": "ALiBi position bias computed outside the attention interface (log-probs differ by 1.3)",
-    "falcon": "ALiBi / its own attention path",
     "phimoe": "sliding-window run differs from HF's (0.09 on the model-zoo test); not understood yet",
     "deepseek_v2": "gradients agree only to 5e-8 at float64 (float32 internals not found yet): not verified",
     "diffllama": "gradients agree only to 1e-7 at float64 (float32 internals not found yet): not verified",
