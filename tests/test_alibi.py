@@ -164,3 +164,22 @@ def test_attention_dropout_in_training_is_refused():
     model = _model("bloom", dtype=torch.float32, attention_dropout=0.1).train()
     with pytest.raises(ValueError, match="attention dropout"):
         path_logprobs(model, PATHS)
+
+
+def test_falcon_rotary_runs_depth_first_exactly():
+    """Falcon's rotary variant carries no bias: the depth-first run (one node at a time) takes it,
+    with the packed run's log-probs and gradients; its ALiBi variant is refused there by name."""
+    from treetrain.logprobs import tree_logprobs
+    from treetrain.parallel.depth_first import depth_first_backward, weighted_token_loss
+
+    packed = pack(TrajectoryTree.from_paths(PATHS))
+    w = torch.rand(packed.num_tokens, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    model = _model("falcon", alibi=False)
+    logp, _ = tree_logprobs(model, packed, backend="dense", entropy=False)
+    (-(w * logp).sum()).backward()
+    want = grads(model)
+    model.zero_grad(set_to_none=True)
+    _, got = depth_first_backward(model, packed, weighted_token_loss(w))
+    assert rel_err(got, logp.detach()) < 1e-12 and grad_err(grads(model), want) < 1e-10
+    with pytest.raises(ValueError, match="'depth_first' does not support ALiBi"):
+        depth_first_backward(_model("falcon"), packed, weighted_token_loss(w))
