@@ -71,6 +71,13 @@ PER_TYPE = {
         alibi=True, num_attention_heads=12, hidden_size=96, new_decoder_architecture=True, num_kv_heads=4,
         ffn_hidden_size=128,  # not intermediate_size: Falcon-7B's 18176 otherwise
     ),  # fmt: skip
+    # lightning attention in blocks shorter than the paths, first (a layer's decay shrinks with depth);
+    # the residual factors away from 1
+    "minimax": dict(
+        layer_types=["linear_attention", "full_attention", "linear_attention"], block_size=3,
+        linear_attn_alpha_factor=0.7, linear_attn_beta_factor=1.3, full_attn_alpha_factor=0.9,
+        full_attn_beta_factor=1.1, mlp_alpha_factor=0.8, mlp_beta_factor=1.2,
+    ),  # fmt: skip
 }
 # scalings and extras away from their defaults, wherever the config has them
 AWAY = dict(
@@ -141,7 +148,27 @@ def zoo_model(model_type: str, dtype=torch.float64, seed: int = 0, attn: str = "
                 p.mul_(3.0)
             elif name.endswith("sinks"):  # GPT-OSS: sinks comparable to the scores, so they matter
                 p.copy_(torch.randn(p.shape, generator=g) * 2)
-    return model.to(dtype).eval()
+    model = model.to(dtype).eval()
+    if dtype == torch.float64:
+        float64_buffers(model)
+    return model
+
+
+def float64_buffers(model) -> None:
+    """Recompute in float64 the buffers HF derives at init in the default dtype (float32), so a
+    float64 comparison measures the algorithm: MiniMax's lightning-attention slopes and decays."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        for m in model.modules():
+            if type(m).__name__ == "MiniMaxLightningAttention":
+                slope = m.get_slope_rate(m.slope_rate.device)
+                q, k, diagonal = m.decay_factors(slope)
+                bufs = (m.slope_rate, m.query_decay, m.key_decay, m.diagonal_decay)
+                for buf, value in zip(bufs, (slope, q, k, diagonal)):
+                    buf.copy_(value)
+    finally:
+        torch.set_default_dtype(default)
 
 
 def zoo_paths(vocab: int = VOCAB, seed: int = 1) -> list[list[int]]:

@@ -4,7 +4,8 @@
 ``fn(module, hidden [1, T, hidden], packed, tree_mask) -> [1, T, hidden]``, in which every tree
 node starts from its parent's final state and every convolution window follows the token's own path
 (:mod:`treetrain.models.scan`, :mod:`treetrain.models.pathconv`). A family supplies only that
-function; :func:`patch_recurrent_layers` gives each routed module an instance-level ``forward``: when
+function (and, when the layer's forward returns more than its output, its :data:`OUTPUTS` entry);
+:func:`patch_recurrent_layers` gives each routed module an instance-level ``forward``: when
 the decoder layer passes ``packed_tree`` (as ``tree_forward`` does, through the layers' ``**kwargs``)
 the layer runs along the tree; otherwise it calls the class's own ``forward`` unchanged. No
 transformers file or class is modified, and the patch survives ``copy.deepcopy``.
@@ -17,19 +18,28 @@ from __future__ import annotations
 
 import types
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from treetrain.models.gdn import GDN_LAYOUTS, tree_gdn_forward
+from treetrain.models.lightning import tree_lightning_forward
 from treetrain.trees.packing import PackedTree
 
-__all__ = ["ROUTES", "TreeForward", "patch_recurrent_layers", "route", "tree_layer_forward"]
+__all__ = ["OUTPUTS", "ROUTES", "TreeForward", "patch_recurrent_layers", "route", "tree_layer_forward"]
 
 TreeForward = Callable[..., torch.Tensor]  # (module, hidden [1, T, H], packed, tree_mask) -> [1, T, H]
 
 # exact layer class name -> its tree forward (each checked against transformers 5.x)
 ROUTES: dict[str, TreeForward] = dict.fromkeys(GDN_LAYOUTS, tree_gdn_forward)
+ROUTES["MiniMaxLightningAttention"] = tree_lightning_forward
+
+# a routed layer whose forward returns more than its output: exact class name ->
+# (output [1, T, H], the call's args, kwargs) -> what the layer's own forward returns
+OUTPUTS: dict[str, Callable[..., Any]] = {
+    "MiniMaxLightningAttention": lambda out, args, kwargs: (out, None),  # (output, its state: none)
+}
 
 
 def route(module: nn.Module) -> TreeForward | None:
@@ -72,8 +82,11 @@ def _tree_aware_forward(self: nn.Module, hidden_states: torch.Tensor, *args, **k
         raise ValueError("a tree forward takes no cache (use_cache=False): states are routed per node")
     mask = kwargs.get("tree_mask")
     if mask is not None and "cp" in mask.cache:  # context parallel: this rank holds a chunk of the tree
-        return mask.cache["cp"].recurrent_forward(self, hidden_states, packed, mask)
-    return tree_layer_forward(self, hidden_states, packed, mask)
+        out = mask.cache["cp"].recurrent_forward(self, hidden_states, packed, mask)
+    else:
+        out = tree_layer_forward(self, hidden_states, packed, mask)
+    wrap = next((OUTPUTS[c.__name__] for c in type(self).__mro__ if c.__name__ in OUTPUTS), None)
+    return out if wrap is None else wrap(out, args, kwargs)
 
 
 def patch_recurrent_layers(model: nn.Module) -> int:

@@ -62,6 +62,7 @@ EXACT: dict[str, str] = {t: "" for t in _PLAIN} | {
     "qwen3_5_moe_text": "Gated DeltaNet layers routed along the tree (models.recurrent); MoE",
     "bloom": "ALiBi along each path (models.alibi: its own attention class); pretraining_tp slices",
     "mpt": "ALiBi along each path (models.alibi: its own attention class); clip_qkv, softmax_scale",
+    "minimax": "lightning attention routed along the tree (models.lightning); MoE",
     "falcon": "ALiBi along each path or rotary (models.alibi: its own attention class); multi-query, GQA",
 }
 
@@ -103,7 +104,7 @@ REFUSED: dict[str, str] = {
     ),
     **dict.fromkeys(
         _words(
-            """minimax lfm2 lfm2_moe lfm3 kimi_linear bailing_hybrid lara_mini olmo_hybrid inkling_text
+            """lfm2 lfm2_moe lfm3 kimi_linear bailing_hybrid lara_mini olmo_hybrid inkling_text
             inkling2_text inkling2_loop_text rwkv xlstm recurrent_gemma"""
         ),
         _LINEAR,
