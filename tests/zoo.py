@@ -71,6 +71,8 @@ PER_TYPE = {
         alibi=True, num_attention_heads=12, hidden_size=96, new_decoder_architecture=True, num_kv_heads=4,
         ffn_hidden_size=128,  # not intermediate_size: Falcon-7B's 18176 otherwise
     ),  # fmt: skip
+    # RG-LRU: a conv width of 3 (default 4), the attention block too, a logit cap that matters
+    "recurrent_gemma": dict(num_hidden_layers=3, lru_width=64, conv1d_width=3, logits_soft_cap=5.0),
     # lightning attention in blocks shorter than the paths, first (a layer's decay shrinks with depth);
     # the residual factors away from 1
     "minimax": dict(

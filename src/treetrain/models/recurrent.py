@@ -25,6 +25,7 @@ from torch import nn
 
 from treetrain.models.gdn import GDN_LAYOUTS, tree_gdn_forward
 from treetrain.models.lightning import tree_lightning_forward
+from treetrain.models.rglru import tree_rglru_block_forward
 from treetrain.trees.packing import PackedTree
 
 __all__ = ["OUTPUTS", "ROUTES", "TreeForward", "patch_recurrent_layers", "route", "tree_layer_forward"]
@@ -34,11 +35,13 @@ TreeForward = Callable[..., torch.Tensor]  # (module, hidden [1, T, H], packed, 
 # exact layer class name -> its tree forward (each checked against transformers 5.x)
 ROUTES: dict[str, TreeForward] = dict.fromkeys(GDN_LAYOUTS, tree_gdn_forward)
 ROUTES["MiniMaxLightningAttention"] = tree_lightning_forward
+ROUTES["RecurrentGemmaRecurrentBlock"] = tree_rglru_block_forward
 
 # a routed layer whose forward returns more than its output: exact class name ->
 # (output [1, T, H], the call's args, kwargs) -> what the layer's own forward returns
 OUTPUTS: dict[str, Callable[..., Any]] = {
     "MiniMaxLightningAttention": lambda out, args, kwargs: (out, None),  # (output, its state: none)
+    "RecurrentGemmaRecurrentBlock": lambda out, args, kwargs: (out, None),
 }
 
 

@@ -63,6 +63,7 @@ EXACT: dict[str, str] = {t: "" for t in _PLAIN} | {
     "bloom": "ALiBi along each path (models.alibi: its own attention class); pretraining_tp slices",
     "mpt": "ALiBi along each path (models.alibi: its own attention class); clip_qkv, softmax_scale",
     "minimax": "lightning attention routed along the tree (models.lightning); MoE",
+    "recurrent_gemma": "RG-LRU and its conv1d routed along the tree (models.rglru); head: logits softcap",
     "falcon": "ALiBi along each path or rotary (models.alibi: its own attention class); multi-query, GQA",
 }
 
@@ -105,7 +106,7 @@ REFUSED: dict[str, str] = {
     **dict.fromkeys(
         _words(
             """lfm2 lfm2_moe lfm3 kimi_linear bailing_hybrid lara_mini olmo_hybrid inkling_text
-            inkling2_text inkling2_loop_text rwkv xlstm recurrent_gemma"""
+            inkling2_text inkling2_loop_text rwkv xlstm"""
         ),
         _LINEAR,
     ),
@@ -143,10 +144,14 @@ def _names(module: nn.Module) -> list[str]:
 
 
 def _stateful_layer(model: nn.Module) -> tuple[str, str] | None:
-    """``(class name, what it carries)`` of the first state-carrying layer without tree routing."""
+    """``(class name, what it carries)`` of the first state-carrying layer without tree routing (a
+    layer inside a routed one, e.g. RecurrentGemma's RG-LRU in its recurrent block, is routed with it)."""
+    inside_routed = {
+        id(m) for r in model.modules() if any(n in ROUTED for n in _names(r)) for m in r.modules()
+    }
     for module in model.modules():
         names = _names(module)
-        if any(n in ROUTED for n in names):
+        if id(module) in inside_routed:
             continue
         for pattern, what in _STATEFUL:
             if pattern.search(names[0]):
