@@ -73,6 +73,8 @@ PER_TYPE = {
     ),  # fmt: skip
     # RG-LRU: a conv width of 3 (default 4), the attention block too, a logit cap that matters
     "recurrent_gemma": dict(num_hidden_layers=3, lru_width=64, conv1d_width=3, logits_soft_cap=5.0),
+    # RWKV: attention and FFN widths of their own, layers rescaled every block in eval mode
+    "rwkv": dict(attention_hidden_size=48, intermediate_size=96, rescale_every=1),
     # lightning attention in blocks shorter than the paths, first (a layer's decay shrinks with depth);
     # the residual factors away from 1
     "minimax": dict(

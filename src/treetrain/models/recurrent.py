@@ -26,9 +26,19 @@ from torch import nn
 from treetrain.models.gdn import GDN_LAYOUTS, tree_gdn_forward
 from treetrain.models.lightning import tree_lightning_forward
 from treetrain.models.rglru import tree_rglru_block_forward
+from treetrain.models.rwkv import rwkv_decoder_forward, tree_rwkv_ffn_forward, tree_rwkv_time_mix_forward
+from treetrain.models.scan import TreeArgs
 from treetrain.trees.packing import PackedTree
 
-__all__ = ["OUTPUTS", "ROUTES", "TreeForward", "patch_recurrent_layers", "route", "tree_layer_forward"]
+__all__ = [
+    "DECODERS",
+    "OUTPUTS",
+    "ROUTES",
+    "TreeForward",
+    "patch_recurrent_layers",
+    "route",
+    "tree_layer_forward",
+]
 
 TreeForward = Callable[..., torch.Tensor]  # (module, hidden [1, T, H], packed, tree_mask) -> [1, T, H]
 
@@ -36,13 +46,21 @@ TreeForward = Callable[..., torch.Tensor]  # (module, hidden [1, T, H], packed, 
 ROUTES: dict[str, TreeForward] = dict.fromkeys(GDN_LAYOUTS, tree_gdn_forward)
 ROUTES["MiniMaxLightningAttention"] = tree_lightning_forward
 ROUTES["RecurrentGemmaRecurrentBlock"] = tree_rglru_block_forward
+ROUTES["RwkvSelfAttention"] = tree_rwkv_time_mix_forward
+ROUTES["RwkvFeedForward"] = tree_rwkv_ffn_forward
 
 # a routed layer whose forward returns more than its output: exact class name ->
 # (output [1, T, H], the call's args, kwargs) -> what the layer's own forward returns
 OUTPUTS: dict[str, Callable[..., Any]] = {
     "MiniMaxLightningAttention": lambda out, args, kwargs: (out, None),  # (output, its state: none)
     "RecurrentGemmaRecurrentBlock": lambda out, args, kwargs: (out, None),
+    "RwkvSelfAttention": lambda out, args, kwargs: (out, kwargs["state"]),  # the tree, passed on
+    "RwkvFeedForward": lambda out, args, kwargs: (out, kwargs["state"]),
 }
+
+# a decoder that passes its layers no keyword arguments: exact class name -> its instance forward,
+# which hands them the tree another way (a TreeArgs as RWKV's `state`)
+DECODERS: dict[str, Callable[..., Any]] = {"RwkvModel": rwkv_decoder_forward}
 
 
 def route(module: nn.Module) -> TreeForward | None:
@@ -77,13 +95,15 @@ def _tree_aware_forward(self: nn.Module, hidden_states: torch.Tensor, *args, **k
     Other arguments pass through as the caller gave them: the cache is ``cache`` in recent transformers
     and ``cache_params`` in older ones (passing the old name to a new layer is a FutureWarning).
     """
-    packed = kwargs.get("packed_tree")
+    packed, mask = kwargs.get("packed_tree"), kwargs.get("tree_mask")
+    carried = next((a for a in (*args, *kwargs.values()) if isinstance(a, TreeArgs)), None)
+    if carried is not None:  # handed on by a DECODERS forward
+        packed, mask = carried.packed, carried.mask
     if packed is None:
         return type(self).forward(self, hidden_states, *args, **kwargs)
     cache = kwargs.get("cache", kwargs.get("cache_params", args[0] if args else None))
     if cache is not None:
         raise ValueError("a tree forward takes no cache (use_cache=False): states are routed per node")
-    mask = kwargs.get("tree_mask")
     if mask is not None and "cp" in mask.cache:  # context parallel: this rank holds a chunk of the tree
         out = mask.cache["cp"].recurrent_forward(self, hidden_states, packed, mask)
     else:
@@ -96,6 +116,9 @@ def patch_recurrent_layers(model: nn.Module) -> int:
     """Make every routed layer tree-aware. Returns how many layers were patched. Idempotent."""
     n = 0
     for module in model.modules():
+        decoder = next((DECODERS[c.__name__] for c in type(module).__mro__ if c.__name__ in DECODERS), None)
+        if decoder is not None and not isinstance(module.__dict__.get("forward"), types.MethodType):
+            module.forward = types.MethodType(decoder, module)
         if route(module) is not None:
             if not isinstance(module.__dict__.get("forward"), types.MethodType):
                 module.forward = types.MethodType(_tree_aware_forward, module)
