@@ -75,6 +75,11 @@ PER_TYPE = {
     "recurrent_gemma": dict(num_hidden_layers=3, lru_width=64, conv1d_width=3, logits_soft_cap=5.0),
     # RWKV: attention and FFN widths of their own, layers rescaled every block in eval mode
     "rwkv": dict(attention_hidden_size=48, intermediate_size=96, rescale_every=1),
+    # xLSTM: gate and logit caps that matter, chunks of 4 then the step kernel (weight_mode="fused"
+    # cannot be built: transformers' own init fails on it)
+    "xlstm": dict(
+        embedding_dim=64, num_blocks=2, gate_soft_cap=4.0, output_logit_soft_cap=6.0, chunk_size=4, eps=1e-4
+    ),
     # lightning attention in blocks shorter than the paths, first (a layer's decay shrinks with depth);
     # the residual factors away from 1
     "minimax": dict(

@@ -28,10 +28,11 @@ from treetrain.models.lightning import tree_lightning_forward
 from treetrain.models.rglru import tree_rglru_block_forward
 from treetrain.models.rwkv import rwkv_decoder_forward, tree_rwkv_ffn_forward, tree_rwkv_time_mix_forward
 from treetrain.models.scan import TreeArgs
+from treetrain.models.xlstm import tree_xlstm_layer_forward, xlstm_backend_forward, xlstm_decoder_forward
 from treetrain.trees.packing import PackedTree
 
 __all__ = [
-    "DECODERS",
+    "FORWARDS",
     "OUTPUTS",
     "ROUTES",
     "TreeForward",
@@ -48,6 +49,7 @@ ROUTES["MiniMaxLightningAttention"] = tree_lightning_forward
 ROUTES["RecurrentGemmaRecurrentBlock"] = tree_rglru_block_forward
 ROUTES["RwkvSelfAttention"] = tree_rwkv_time_mix_forward
 ROUTES["RwkvFeedForward"] = tree_rwkv_ffn_forward
+ROUTES["xLSTMLayer"] = tree_xlstm_layer_forward
 
 # a routed layer whose forward returns more than its output: exact class name ->
 # (output [1, T, H], the call's args, kwargs) -> what the layer's own forward returns
@@ -56,11 +58,17 @@ OUTPUTS: dict[str, Callable[..., Any]] = {
     "RecurrentGemmaRecurrentBlock": lambda out, args, kwargs: (out, None),
     "RwkvSelfAttention": lambda out, args, kwargs: (out, kwargs["state"]),  # the tree, passed on
     "RwkvFeedForward": lambda out, args, kwargs: (out, kwargs["state"]),
+    "xLSTMLayer": lambda out, args, kwargs: (out, args[0] if args else kwargs["state"]),
 }
 
-# a decoder that passes its layers no keyword arguments: exact class name -> its instance forward,
-# which hands them the tree another way (a TreeArgs as RWKV's `state`)
-DECODERS: dict[str, Callable[..., Any]] = {"RwkvModel": rwkv_decoder_forward}
+# other modules of a routed family that get an instance forward: exact class name -> that forward.
+# Decoders that pass their layers no keyword arguments hand them the tree as a TreeArgs (RWKV's and
+# xLSTM's `state`); xLSTM's kernel backend receives it as its initial state.
+FORWARDS: dict[str, Callable[..., Any]] = {
+    "RwkvModel": rwkv_decoder_forward,
+    "xLSTMModel": xlstm_decoder_forward,
+    "xLSTMBackend": xlstm_backend_forward,
+}
 
 
 def route(module: nn.Module) -> TreeForward | None:
@@ -97,12 +105,12 @@ def _tree_aware_forward(self: nn.Module, hidden_states: torch.Tensor, *args, **k
     """
     packed, mask = kwargs.get("packed_tree"), kwargs.get("tree_mask")
     carried = next((a for a in (*args, *kwargs.values()) if isinstance(a, TreeArgs)), None)
-    if carried is not None:  # handed on by a DECODERS forward
+    if carried is not None:  # handed on by a FORWARDS decoder
         packed, mask = carried.packed, carried.mask
     if packed is None:
         return type(self).forward(self, hidden_states, *args, **kwargs)
     cache = kwargs.get("cache", kwargs.get("cache_params", args[0] if args else None))
-    if cache is not None:
+    if cache is not None and cache is not carried:
         raise ValueError("a tree forward takes no cache (use_cache=False): states are routed per node")
     if mask is not None and "cp" in mask.cache:  # context parallel: this rank holds a chunk of the tree
         out = mask.cache["cp"].recurrent_forward(self, hidden_states, packed, mask)
@@ -116,9 +124,9 @@ def patch_recurrent_layers(model: nn.Module) -> int:
     """Make every routed layer tree-aware. Returns how many layers were patched. Idempotent."""
     n = 0
     for module in model.modules():
-        decoder = next((DECODERS[c.__name__] for c in type(module).__mro__ if c.__name__ in DECODERS), None)
-        if decoder is not None and not isinstance(module.__dict__.get("forward"), types.MethodType):
-            module.forward = types.MethodType(decoder, module)
+        own = next((FORWARDS[c.__name__] for c in type(module).__mro__ if c.__name__ in FORWARDS), None)
+        if own is not None and not isinstance(module.__dict__.get("forward"), types.MethodType):
+            module.forward = types.MethodType(own, module)
         if route(module) is not None:
             if not isinstance(module.__dict__.get("forward"), types.MethodType):
                 module.forward = types.MethodType(_tree_aware_forward, module)

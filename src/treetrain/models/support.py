@@ -63,6 +63,7 @@ EXACT: dict[str, str] = {t: "" for t in _PLAIN} | {
     "bloom": "ALiBi along each path (models.alibi: its own attention class); pretraining_tp slices",
     "mpt": "ALiBi along each path (models.alibi: its own attention class); clip_qkv, softmax_scale",
     "minimax": "lightning attention routed along the tree (models.lightning); MoE",
+    "xlstm": "mLSTM layers routed along the tree (models.xlstm); head: output_logit_soft_cap",
     "rwkv": "time-mix (WKV recurrence) and channel-mix token shifts routed along the tree (models.rwkv)",
     "recurrent_gemma": "RG-LRU and its conv1d routed along the tree (models.rglru); head: logits softcap",
     "falcon": "ALiBi along each path or rotary (models.alibi: its own attention class); multi-query, GQA",
@@ -107,7 +108,7 @@ REFUSED: dict[str, str] = {
     **dict.fromkeys(
         _words(
             """lfm2 lfm2_moe lfm3 kimi_linear bailing_hybrid lara_mini olmo_hybrid inkling_text
-            inkling2_text inkling2_loop_text xlstm"""
+            inkling2_text inkling2_loop_text"""
         ),
         _LINEAR,
     ),
@@ -129,7 +130,7 @@ STATEFUL: dict[str, str] = {
     r"LinearAttention|LightningAttention": "a linear-attention recurrence",
     r"ShortConv": "a short causal convolution over the previous tokens",
     r"Rwkv(SelfAttention|FeedForward)": "an RWKV recurrence (time-mix) or token shift (channel-mix)",
-    r"xLSTM|mLSTM|sLSTM": "an xLSTM recurrence",
+    r"xLSTMLayer|xLSTMBackend|mLSTM|sLSTM": "an xLSTM (mLSTM) recurrence",
     r"Rglru|RecurrentBlock": "an RG-LRU recurrence",
 }
 _STATEFUL = [(re.compile(p), what) for p, what in STATEFUL.items()]
