@@ -236,9 +236,9 @@ def path_positions(parent: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize(
     "parent, heads, window",
     [
-        (chain(20) + offset(random_parents(50, random.Random(3)), 20), (4, 2), None),  # forest, GQA
-        (chain(3) + offset(star(30), 3), (2, 1), 4),  # one-token leaves; a sliding window too
-        (random_parents(45, random.Random(5), p_continue=0.4), (3, 3), None),
+        (chain(17) + offset(random_parents(30, random.Random(3)), 17), (4, 2), None),  # forest, GQA
+        (chain(3) + offset(star(20), 3), (2, 1), 4),  # one-token leaves; a sliding window too
+        (random_parents(33, random.Random(5), p_continue=0.4), (3, 3), None),
     ],
     ids=["forest-gqa", "star-window", "bushy"],
 )
