@@ -63,7 +63,8 @@ def _loss(logp, ent, w1, w2):
 
 
 def _model(arch: str):
-    if arch == "kimi_linear":  # KDA layers (replicated under CP): state and conv window cross ranks
+    # KDA layers (kimi_linear), a Mamba2 hybrid (nemotron_h): state and conv window cross ranks
+    if arch in ("kimi_linear", "nemotron_h"):
         return zoo_model(arch)
     return tiny_model(arch) if arch == "qwen3" else tiny_hybrid_model(arch)
 
@@ -130,6 +131,7 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
         # trains dense on 4 CP ranks)
         pytest.param(4, "qwen3_5", marks=pytest.mark.slow),
         pytest.param(2, "kimi_linear", marks=pytest.mark.slow),
+        pytest.param(2, "nemotron_h", marks=pytest.mark.slow),
     ],
 )
 def test_cp_equals_one_process(tmp_path, world, arch):
