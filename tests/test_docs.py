@@ -178,6 +178,23 @@ def test_json_records_parse(page):
             assert tree.num_paths >= 1, f"{page.relative_to(ROOT)}:{line}"
 
 
+def _setup_commands(page: Path) -> list[str]:
+    """The set-up block's commands: the first ``bash`` block holding ``pip install``."""
+    code = next(code for lang, _, code, _ in blocks(page) if lang == "bash" and "pip install" in code)
+    return [line.strip() for line in code.splitlines() if line.strip()]
+
+
+def test_ci_runs_the_readmes_test_command():
+    """README: two commands, the main job's install and run, then the test extra and the tests; CI
+    ends with exactly the second, and the getting-started page shows the same two."""
+    install, tests = _setup_commands(ROOT / "README.md")
+    assert install.startswith("pip install torch==") and "[test]" not in install, install
+    assert tests.startswith('pip install -e ".[test]"') and tests.endswith("python -m pytest"), tests
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines() if line.strip()]
+    assert ci[-1] == tests, ci[-1]
+    assert _setup_commands(DOCS / "getting-started.md") == [install, tests]
+
+
 def test_no_python_block_is_skipped_without_a_reason():
     """``<!-- no-run: REASON -->``: a reader (and a reviewer) sees why a block is not run."""
     for page in pages():
