@@ -137,6 +137,11 @@ def test_rerun_without_output_makes_a_new_run_directory(tiny, tmp_path):
     assert {p: p.read_bytes() for p in (tmp_path / "runs" / "train").rglob("*") if p.is_file()} == before
     assert (tmp_path / "runs" / "train-2" / "final" / "model.safetensors").is_file()
 
+    # --resume without --output continues the newest run (here: refused, it has no checkpoint)
+    proc = treetrain(*argv, "--resume", cwd=tmp_path)
+    refusal = "--output runs/train-2: --resume, but this finished run has no checkpoint"
+    assert proc.returncode == 2 and refusal in proc.stderr, proc.stderr
+
     # an explicit --output holding a run without checkpoints: no --resume advised (it could not work)
     proc = treetrain(*argv, "--output", "runs/train", cwd=tmp_path)
     assert proc.returncode == 2 and "holds an earlier run" in proc.stderr, proc.stderr
