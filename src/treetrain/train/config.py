@@ -140,7 +140,7 @@ OTHER_NAMES = {
     "eval_steps": "eval_every", "eval_dataset": "eval_data", "eval_file": "eval_data",
     "resume_from_checkpoint": "resume", "tokenizer_name_or_path": "tokenizer", "torch_dtype": "dtype",
     "bf16": "dtype", "lora_rank": "lora_r", "lora_target_modules": "lora_targets",
-    "ref_model_name_or_path": "ref_model", "seed_value": "seed",
+    "ref_model_name_or_path": "ref_model",
 }  # fmt: skip
 
 
