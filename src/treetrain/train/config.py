@@ -160,10 +160,10 @@ def _unknown(key: str, source: str) -> ValueError:
     if near is not None:
         hint = f"did you mean {near!r}?"
     elif key in _loss_option_names():
-        hint = f"it is an objective option: put it under loss (loss: {{{key}: ...}}, or --set loss.{key}=...)"
+        hint = f"an objective option: put it under loss, as loss: {{{key}: ...}} or --set loss.{key}=..."
     else:
-        hint = "treetrain train --help lists every option (flag --some-name is option some_name)"
-    return ValueError(f"{source}: unknown option {key!r}; {hint}")
+        hint = "treetrain train --help lists every option; flag --some-name is option some_name"
+    return ValueError(f"{source}: unknown option {key!r} ({hint})")
 
 
 def merge(cfg: TrainConfig, values: Mapping[str, Any], source: str) -> TrainConfig:
