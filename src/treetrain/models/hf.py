@@ -22,8 +22,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from treetrain.attention import check_features, default_backend, get_backend
+from treetrain.attention import FEATURES, check_features, default_backend, get_backend
 from treetrain.attention.mask import TreeMask
+from treetrain.models.inkling import attention_features
 from treetrain.models.support import check_model
 from treetrain.trees.packing import PackedTree
 
@@ -46,6 +47,12 @@ def _tree_attention(module, query, key, value, attention_mask, scaling=None, dro
         )
     if dropout:
         raise ValueError(f"attention dropout ({dropout}) is not supported with tree attention; set it to 0")
+    for extra in ("position_bias", "sinks"):  # computed by the caller from packed-sequence indices
+        if kwargs.get(extra) is not None:
+            raise ValueError(
+                f"{type(module).__name__} passes {extra} to tree attention, which would drop it: its "
+                "attention needs a tree forward of its own (models.inkling, models.alibi)"
+            )
     if query.shape[0] != 1:
         raise ValueError(f"tree attention takes batch size 1 (a packed forest), got {query.shape[0]}")
     if scaling is None:
@@ -159,11 +166,14 @@ def prepare_model(model: nn.Module) -> nn.Module:
 
 
 def auto_backend(model: nn.Module, device: torch.device) -> str:
-    """The device's default backend, or one that supports the model's attention softcap (Gemma 2):
-    ``dense`` on CPU, ``flex`` on CUDA, where the default (blocksparse, triton) has no softcap."""
+    """The device's default backend, or one that supports the model's attention softcap (Gemma 2)
+    or relative bias (Inkling): ``dense`` on CPU, ``flex`` on CUDA, where the default (blocksparse,
+    triton) lacks it."""
     name = default_backend(device)
     softcap = getattr(model.config.get_text_config(), "attn_logit_softcapping", None)
     if softcap and name in ("blocksparse", "triton"):
+        return "flex" if torch.device(device).type == "cuda" else "dense"
+    if attention_features(model) - FEATURES[name]:  # Inkling's relative bias: not in triton
         return "flex" if torch.device(device).type == "cuda" else "dense"
     return name
 
