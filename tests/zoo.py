@@ -186,7 +186,7 @@ _INKLING2 = dict(
 )  # fmt: skip
 PER_TYPE |= {
     "inkling_text": dict(
-        _INKLING, vocab_size=VOCAB + 16, unpadded_vocab_size=VOCAB, logits_mup_width_multiplier=3.0,
+        _INKLING, vocab_size=VOCAB + 16, unpadded_vocab_size=VOCAB, logits_mup_width_multiplier=0.5,
         mlp_layer_types=["dense", "sparse", "dense", "sparse"],
     ),  # fmt: skip
     "inkling2_text": _INKLING2,
@@ -264,6 +264,8 @@ def zoo_model(model_type: str, dtype=torch.float64, seed: int = 0, attn: str = "
                 p.copy_((torch.rand(p.shape, generator=g) * 0.45 + 0.05).log())
             elif name.endswith(("dt_bias", "dt_proj.bias", "dt_proj_bias")):  # and small steps
                 p.copy_(-torch.rand(p.shape, generator=g))
+            elif name.endswith(("static_weight", ".query")) and not p.any():  # Inkling2's zero inits:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)  # dynamic conv taps, depth-attention queries
             elif p.ndim >= 2:
                 p.mul_(3.0)
             elif name.endswith("sinks"):  # GPT-OSS: sinks comparable to the scores, so they matter

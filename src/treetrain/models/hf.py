@@ -39,6 +39,10 @@ def _tree_attention(module, query, key, value, attention_mask, scaling=None, dro
     sinks = kwargs.get("s_aux")  # GPT-OSS: per-head sink logits [Hq]
     if mask is None and (softcap is not None or sinks is not None):  # SDPA has neither: HF's eager
         return _eager_attention(query, key, value, attention_mask, scaling, softcap, sinks), None
+    if mask is None and kwargs.get("sinks") is not None:  # Inkling2's per-query sinks: the model's eager
+        additive = _additive_mask(attention_mask, query, key)
+        eager = _models_eager(module)
+        return eager(module, query, key, value, additive, dropout=dropout, scaling=scaling, **kwargs)
     if mask is None:  # an ordinary (non-tree) call of a prepared model: plain SDPA
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -80,6 +84,30 @@ def _tree_attention(module, query, key, value, attention_mask, scaling=None, dro
     check_features(mask.backend, extra)
     out = get_backend(mask.backend)(query[0], key[0], value[0], mask, scaling, **extra)
     return out.transpose(0, 1).unsqueeze(0), None
+
+
+def _additive_mask(attention_mask, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """The mask an eager attention adds to its scores (0 / -inf): from SDPA's boolean mask (True =
+    attend), or causal where SDPA's mask was skipped (None)."""
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
+        return attention_mask
+    if attention_mask is None:
+        tq, tk = query.shape[-2], key.shape[-2]
+        attention_mask = torch.ones(tq, tk, dtype=torch.bool, device=query.device).tril(tk - tq)
+    return torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+        ~attention_mask, float("-inf")
+    )
+
+
+def _models_eager(module: nn.Module):
+    """The ``eager_attention_forward`` of the transformers module that defines ``module``'s class."""
+    import sys
+
+    for c in type(module).__mro__:  # through FSDP2's FSDP<Name> subclass
+        fn = getattr(sys.modules.get(c.__module__), "eager_attention_forward", None)
+        if fn is not None:
+            return fn
+    raise ValueError(f"{type(module).__name__} passes sinks, but its module has no eager attention to run")
 
 
 def _one_sequence(mask: TreeMask) -> bool:
