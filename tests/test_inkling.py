@@ -116,7 +116,7 @@ def _errors(model, paths, backend=None, seed=3, checkpointing=False):
 def test_float64_as_shipped(model_type):
     """As transformers ships them: the convolutions, log scaling, routers and Inkling2's depth
     attention compute in float32 inside a float64 model, so tree and paths round differently at
-    ~1e-7 (measured <= 7e-8 log-probs, 2e-6 gradients)."""
+    ~1e-7 (measured <= 2e-7 log-probs, 1.6e-6 gradients)."""
     lp, grad = _errors(_as_shipped(zoo_model(model_type)), zoo_paths(), backend="dense")
     assert lp < 1e-6 and grad < 1e-5, (lp, grad)
 
@@ -124,8 +124,11 @@ def test_float64_as_shipped(model_type):
 def test_float32_within_reference_rounding():
     """float32 Inkling2 (dynamic convolutions, per-query sinks, the relative bias on blocksparse
     tiles): against the float64 truth the tree's log-probs and gradient (2-norm) are within 2x of
-    each path's own float32 error, no parameter's gradient more than 4x. Measured over 2 seeds and
-    all three types, dense and blocksparse: 0.6-1.6 (log-probs), 0.9-1.6 (2-norm), 0.8-1.7 (worst)."""
+    each path's own float32 error, no parameter's gradient more than 4x. Both round at ~6e-8 per op
+    in different orders. Measured over 3 seeds, all three types, dense and blocksparse: log-probs
+    0.6-2.4x (2.4x once: Inkling2-Loop, seed 0, where HF's own error is its lowest, 6.4e-8 against
+    0.9-1.9e-7 on other seeds, and the tree's 1.6e-7 lies inside that range), 2-norm 0.8-1.6x,
+    worst parameter 0.5-1.3x; this case (seed 0): 0.8x, 1.2x, 0.8x."""
     paths = zoo_paths()
     coeffs = random_coeffs(paths, 0)
 
