@@ -92,9 +92,10 @@ def tiny_hybrid_model(arch: str, dtype=torch.float64, seed: int = 0, **over):
 @contextlib.contextmanager
 def float64_everywhere():
     """``float64_casts`` plus what MoE code adds: routers take ``softmax(..., dtype=torch.float)``
-    (float32 routing weights in a float64 model) and transformers' ``load_balancing_loss_func``
-    accumulates into ``torch.zeros(..., dtype=torch.float32)``."""
-    orig_softmax, orig_zeros = torch.nn.functional.softmax, torch.zeros
+    (float32 routing weights in a float64 model), transformers' ``load_balancing_loss_func``
+    accumulates into ``torch.zeros(..., dtype=torch.float32)`` and Inkling2's experts into
+    ``torch.zeros_like(..., dtype=torch.float32)``."""
+    orig_softmax, orig_zeros, orig_zeros_like = torch.nn.functional.softmax, torch.zeros, torch.zeros_like
 
     def softmax(x, dim=None, _stacklevel=3, dtype=None):
         if dtype is torch.float32 and x.dtype is torch.float64:
@@ -106,9 +107,14 @@ def float64_everywhere():
             kwargs["dtype"] = torch.float64
         return orig_zeros(*size, **kwargs)
 
-    torch.nn.functional.softmax, torch.zeros = softmax, zeros
+    def zeros_like(x, **kwargs):
+        if kwargs.get("dtype") is torch.float32:
+            kwargs["dtype"] = torch.float64
+        return orig_zeros_like(x, **kwargs)
+
+    torch.nn.functional.softmax, torch.zeros, torch.zeros_like = softmax, zeros, zeros_like
     try:
         with float64_casts():
             yield
     finally:
-        torch.nn.functional.softmax, torch.zeros = orig_softmax, orig_zeros
+        torch.nn.functional.softmax, torch.zeros, torch.zeros_like = orig_softmax, orig_zeros, orig_zeros_like
