@@ -89,6 +89,17 @@ def tiny_hybrid_model(arch: str, dtype=torch.float64, seed: int = 0, **over):
     return model.to(dtype)
 
 
+def _warm_dynamo_rules():
+    """Build torch.compile's table of torch functions now, from the real ``torch.zeros``:
+    dynamo builds it lazily on first use, and built while the patches below are in
+    place it marks the real functions as unknown ("skipped") for the rest of the run."""
+    import torch._dynamo.trace_rules as rules
+
+    rules.get_torch_obj_rule_map()
+    rules._allowed_callable_ids()
+    rules._disallowed_callable_ids()
+
+
 @contextlib.contextmanager
 def float64_everywhere():
     """``float64_casts`` plus what MoE code adds: routers take ``softmax(..., dtype=torch.float)``
@@ -112,6 +123,7 @@ def float64_everywhere():
             kwargs["dtype"] = torch.float64
         return orig_zeros_like(x, **kwargs)
 
+    _warm_dynamo_rules()
     torch.nn.functional.softmax, torch.zeros, torch.zeros_like = softmax, zeros, zeros_like
     try:
         with float64_casts():
