@@ -172,9 +172,11 @@ def test_falcon_rotary_runs_depth_first_exactly():
     from treetrain.logprobs import tree_logprobs
     from treetrain.parallel.depth_first import depth_first_backward, weighted_token_loss
 
-    packed = pack(TrajectoryTree.from_paths(PATHS))
+    from treetrain.models.rope import split_regimes
+
+    model = _model("falcon", alibi=False)  # the zoo's dynamic-NTK rope: split by regime first
+    packed = pack(split_regimes(model, TrajectoryTree.from_paths(PATHS)))
     w = torch.rand(packed.num_tokens, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    model = _model("falcon", alibi=False)
     logp, _ = tree_logprobs(model, packed, backend="dense", entropy=False)
     (-(w * logp).sum()).backward()
     want = grads(model)

@@ -23,6 +23,7 @@ from treetrain import pack
 from treetrain.integrations.flat import flat_logprobs
 from treetrain.logprobs import path_logprobs, tree_logprobs
 from treetrain.models.rope import LengthRule, length_rules, regime_keys, split_regimes
+from treetrain.models.support import VERIFIED_FROM, _version
 from treetrain.parallel.depth_first import depth_first_backward, weighted_token_loss
 from treetrain.trees.tree import TrajectoryTree
 
@@ -181,7 +182,8 @@ def test_hf_dynamic_rope_depends_on_the_forwards_before():
         rotary = model.model.rotary_emb
         state = (rotary.inv_freq.clone(), rotary.max_seq_len_cached)
         tree = path_logprobs(model, [paths[5]])[0]
-    assert rel_err(after, fresh) > 1e-6 and state[1] == 39
-    assert rotary.max_seq_len_cached == 39 and torch.equal(rotary.inv_freq, state[0])
+    if _version(transformers.__version__) >= _version(VERIFIED_FROM):  # older HF: no state kept
+        assert rel_err(after, fresh) > 1e-6 and state[1] == 39
+    assert rotary.max_seq_len_cached == state[1] and torch.equal(rotary.inv_freq, state[0])
     logp = torch.log_softmax(fresh[0, :-1], -1).gather(1, ids[0, 1:, None])[:, 0]
     assert rel_err(tree, logp) < 1e-6  # the fresh table (HF's float32 casts on: 1e-6)

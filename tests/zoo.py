@@ -115,23 +115,47 @@ PER_TYPE = {
 _SSM = dict(time_step_limit=(0.3, 0.9))  # dt = softplus(...) clamped both ways on some tokens
 _MAMBA1 = dict(time_step_rank=8, state_size=8, conv_kernel=3, use_bias=True, use_conv_bias=False)
 _BAMBA = dict(
-    _SSM, mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=4, mamba_d_conv=3, mamba_proj_bias=True,
+    _SSM,
+    mamba_d_state=16,
+    mamba_n_groups=2,
+    mamba_chunk_size=4,
+    mamba_d_conv=3,
+    mamba_proj_bias=True,
     mamba_conv_bias=False,
 )
 PER_TYPE |= {
     "mamba": dict(_MAMBA1, residual_in_fp32=False),
     "falcon_mamba": dict(_MAMBA1, residual_in_fp32=False, mixer_rms_eps=1e-3),
     "jamba": dict(
-        mamba_dt_rank=8, mamba_d_state=8, mamba_d_conv=3, mamba_proj_bias=True, mamba_conv_bias=False,
-        attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=0,
+        mamba_dt_rank=8,
+        mamba_d_state=8,
+        mamba_d_conv=3,
+        mamba_proj_bias=True,
+        mamba_conv_bias=False,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=0,
     ),
     "zamba": dict(
-        mamba_dt_rank=8, mamba_d_state=8, mamba_d_conv=3, mamba_proj_bias=True, mamba_conv_bias=False,
-        n_mamba_heads=4, attention_hidden_size=128,
+        mamba_dt_rank=8,
+        mamba_d_state=8,
+        mamba_d_conv=3,
+        mamba_proj_bias=True,
+        mamba_conv_bias=False,
+        n_mamba_heads=4,
+        attention_hidden_size=128,
     ),
     "mamba2": dict(
-        time_step_limit=(0.05, 1.5), state_size=16, n_groups=2, chunk_size=4, conv_kernel=3, use_bias=True,
-        use_conv_bias=False, residual_in_fp32=False, time_step_rank=8,
+        time_step_limit=(0.05, 1.5),
+        state_size=16,
+        n_groups=2,
+        chunk_size=4,
+        conv_kernel=3,
+        use_bias=True,
+        use_conv_bias=False,
+        residual_in_fp32=False,
+        time_step_rank=8,
     ),
     "bamba": dict(_BAMBA, attn_layer_indices=[1]),
     "falcon_h1": dict(_BAMBA, mamba_rms_norm=True, mamba_norm_before_gate=False, projectors_bias=True),
@@ -139,28 +163,57 @@ PER_TYPE |= {
         _BAMBA, layer_types=["linear_attention", "full_attention"], shared_intermediate_size=32
     ),
     "nemotron_h": dict(
-        mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, chunk_size=4, conv_kernel=3,
-        use_bias=True, use_conv_bias=False, time_step_min=0.3, residual_in_fp32=True,
+        mamba_num_heads=8,
+        mamba_head_dim=16,
+        ssm_state_size=16,
+        n_groups=2,
+        chunk_size=4,
+        conv_kernel=3,
+        use_bias=True,
+        use_conv_bias=False,
+        time_step_min=0.3,
+        residual_in_fp32=True,
         moe_shared_expert_intermediate_size=32,
     ),
     "zamba2": dict(
-        n_mamba_heads=8, mamba_headdim=16, mamba_d_state=16, mamba_ngroups=2, chunk_size=4, mamba_d_conv=3,
-        add_bias_linear=True, time_step_min=0.3, attention_hidden_size=128, kv_channels=16,
-        num_query_groups=4, adapter_rank=8, hybrid_layer_ids=[1], use_shared_attention_adapter=True,
-        use_mem_rope=True, head_dim=32, num_key_value_heads=4,  # adapters: heads * head_dim = 2 * hidden
+        n_mamba_heads=8,
+        mamba_headdim=16,
+        mamba_d_state=16,
+        mamba_ngroups=2,
+        chunk_size=4,
+        mamba_d_conv=3,
+        add_bias_linear=True,
+        time_step_min=0.3,
+        attention_hidden_size=128,
+        kv_channels=16,
+        num_query_groups=4,
+        adapter_rank=8,
+        hybrid_layer_ids=[1],
+        use_shared_attention_adapter=True,
+        use_mem_rope=True,
+        head_dim=32,
+        num_key_value_heads=4,  # adapters: heads * head_dim = 2 * hidden
     ),
     # ALiBi: 12 heads (not a power of 2: the extra slopes are odd powers of 2^-1/2, rounded to float32
     # / bfloat16 by the models), every other option away from its default
     "bloom": dict(
-        num_attention_heads=12, hidden_size=96, pretraining_tp=2, slow_but_exact=True,
+        num_attention_heads=12,
+        hidden_size=96,
+        pretraining_tp=2,
+        slow_but_exact=True,
         apply_residual_connection_post_layernorm=True,
     ),  # fmt: skip
     "mpt": dict(
-        num_attention_heads=12, hidden_size=96,
+        num_attention_heads=12,
+        hidden_size=96,
         attn_config=dict(alibi_bias_max=4, softmax_scale=0.3, clip_qkv=4.0),  # bias_max: unused by HF
     ),  # fmt: skip
     "falcon": dict(
-        alibi=True, num_attention_heads=12, hidden_size=96, new_decoder_architecture=True, num_kv_heads=4,
+        alibi=True,
+        num_attention_heads=12,
+        hidden_size=96,
+        new_decoder_architecture=True,
+        num_kv_heads=4,
         ffn_hidden_size=128,  # not intermediate_size: Falcon-7B's 18176 otherwise
     ),  # fmt: skip
     # RG-LRU: a conv width of 3 (default 4), the attention block too, a logit cap that matters
@@ -175,9 +228,14 @@ PER_TYPE |= {
     # lightning attention in blocks shorter than the paths, first (a layer's decay shrinks with depth);
     # the residual factors away from 1
     "minimax": dict(
-        layer_types=["linear_attention", "full_attention", "linear_attention"], block_size=3,
-        linear_attn_alpha_factor=0.7, linear_attn_beta_factor=1.3, full_attn_alpha_factor=0.9,
-        full_attn_beta_factor=1.1, mlp_alpha_factor=0.8, mlp_beta_factor=1.2,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        block_size=3,
+        linear_attn_alpha_factor=0.7,
+        linear_attn_beta_factor=1.3,
+        full_attn_alpha_factor=0.9,
+        full_attn_beta_factor=1.1,
+        mlp_alpha_factor=0.8,
+        mlp_beta_factor=1.2,
     ),  # fmt: skip
 }
 # Inkling: a relative bias reaching 4 tokens back (shorter than the paths: farther keys get none),
@@ -195,13 +253,20 @@ _INKLING2 = dict(
 )  # fmt: skip
 PER_TYPE |= {
     "inkling_text": dict(
-        _INKLING, vocab_size=VOCAB + 16, unpadded_vocab_size=VOCAB, logits_mup_width_multiplier=0.5,
+        _INKLING,
+        vocab_size=VOCAB + 16,
+        unpadded_vocab_size=VOCAB,
+        logits_mup_width_multiplier=0.5,
         mlp_layer_types=["dense", "sparse", "dense", "sparse"],
     ),  # fmt: skip
     "inkling2_text": _INKLING2,
     "inkling2_loop_text": dict(
-        _INKLING2, n_layers_per_attn_res_block=1, loop_layer_index_start=1, loop_layer_index_end=3,
-        loop_num_passes=2, loop_gate_rank=8,
+        _INKLING2,
+        n_layers_per_attn_res_block=1,
+        loop_layer_index_start=1,
+        loop_layer_index_end=3,
+        loop_num_passes=2,
+        loop_gate_rank=8,
     ),  # fmt: skip
 }
 # scalings and extras away from their defaults, wherever the config has them
@@ -272,8 +337,9 @@ ROPE_EXTRA = {
 # types whose HF rotary code cannot run a length-dependent table at all: RecurrentGemma's rotary
 # raises for any rope type but the default; LFM3's partial rotary (its factor only in the full
 # attention layers' rope parameters) gets a full-width dynamic or longrope table from HF (a shape
-# error in HF's own forward, transformers 5.24)
-ROPE_KIND = {"recurrent_gemma": None, "lfm3": None}
+# error in HF's own forward, transformers 5.24); transformers 5.10's Gemma 3 longrope raises in HF's
+# own code (an unbound local)
+ROPE_KIND = {"recurrent_gemma": None, "lfm3": None, "gemma3_text": "dynamic"}
 
 
 def rope_kind(model_type: str) -> str | None:
@@ -296,7 +362,7 @@ def length_dependent_rope(cfg, kind: str | None, extra: dict | None = None) -> N
     per_type = {k: v for k, v in params.items() if isinstance(v, dict)}  # per layer type (Gemma 3)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     new = {}
-    for key, p in (per_type.items() if per_type else [(None, params)]):
+    for key, p in per_type.items() if per_type else [(None, params)]:
         q = {k: v for k, v in p.items() if k in _KEEP}
         if isinstance(getattr(cfg, "partial_rotary_factor", None), float):  # older versions copy it in
             q["partial_rotary_factor"] = cfg.partial_rotary_factor

@@ -37,8 +37,7 @@ _WINDOW = "_treetrain_window"  # on a layer mask: its sliding window (None: full
 
 
 # the TreeMask of each tree forward in progress, innermost last: every mask the model builds while
-# one is open belongs to it (FSDP and verl may copy the padding mask on its way in, so neither its
-# identity nor its storage can tell)
+# one is open belongs to it
 _OPEN: list[TreeMask] = []
 
 
@@ -61,7 +60,7 @@ def layer_window(attention_mask, mask: TreeMask, where: str = "") -> int | None:
     Raises ``ValueError`` when the layer got any other mask than one :func:`mask_interface` built for
     this forward: the model made its own mask, which the tree mask cannot reproduce.
     """
-    if getattr(attention_mask, _TREE, None) is not mask:
+    if not _same_tree(getattr(attention_mask, _TREE, None), mask):
         got = "no mask" if attention_mask is None else f"a {type(attention_mask).__name__}"
         raise ValueError(
             f"{where or 'an attention layer'} received {got} that transformers' mask functions did not "
@@ -69,6 +68,14 @@ def layer_window(attention_mask, mask: TreeMask, where: str = "") -> int | None:
             "cannot reproduce; this model is not supported (docs/architectures.md)"
         )
     return getattr(attention_mask, _WINDOW)
+
+
+def _same_tree(a: TreeMask | None, b: TreeMask) -> bool:
+    """Whether ``a`` is the forward's tree ``b``, or a copy of it: FSDP rebuilds the dataclasses among a
+    module's inputs on their way in (``_recursive_to``), so the attention call may hold a copy."""
+    if a is None or a is b:
+        return a is b
+    return a.subtree_end.data_ptr() == b.subtree_end.data_ptr() and a.subtree_end.shape == b.subtree_end.shape
 
 
 def _layer_mask(tree: TreeMask, window: int | None) -> torch.Tensor:

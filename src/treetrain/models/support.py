@@ -14,6 +14,7 @@ The list, with the reasons for what is refused, is ``docs/architectures.md``.
 from __future__ import annotations
 
 import re
+from importlib.metadata import version
 
 from torch import nn
 
@@ -187,6 +188,23 @@ def _stateful_layer(model: nn.Module) -> tuple[str, str] | None:
     return None
 
 
+# The model zoo runs on the newest transformers and, in CI, on the lowest supported (pyproject's
+# bound, the verl venv's 5.10.4). These types are exact on the newest but not on the lowest (their
+# layers changed: Mamba2 scans, lightning slopes, mask and rope code), so older versions refuse them
+# rather than run them unverified.
+VERIFIED_FROM = "5.24.0"
+NEWEST_ONLY = frozenset(
+    _words(
+        """bamba ctrl falcon_h1 falcon_mamba lfm2 lfm2_moe mamba2 minimax nemotron_h
+        olmo_hybrid recurrent_gemma solar_open zamba zamba2"""
+    )
+)
+
+
+def _version(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", v)[:3])
+
+
 def refusal(model: nn.Module) -> str | None:
     """Why treetrain refuses ``model``, or None when it runs it exactly."""
     model = unwrap(model)
@@ -199,6 +217,12 @@ def refusal(model: nn.Module) -> str | None:
         )
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
+    installed = version("transformers")
+    if model_type in NEWEST_ONLY and _version(installed) < _version(VERIFIED_FROM):
+        return (
+            f"model type {model_type!r} is verified exact only with transformers >= {VERIFIED_FROM} "
+            f"(installed: {installed}): upgrade transformers; {_DOCS}"
+        )
     if model_type in EXACT:
         return None
     why = REFUSED.get(model_type, "not verified exact by treetrain's model-zoo test")
