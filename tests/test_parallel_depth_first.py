@@ -1,6 +1,7 @@
 """Depth-first execution (``treetrain.parallel.depth_first``): the packed run's log-probs, loss and
 every parameter gradient (float64, only summation order differs: 1e-10 relative), with peak
-saved-activation memory that follows the deepest path, not the tree's width."""
+saved-activation memory that follows the deepest path, not the tree's width; attention-only and
+recurrent (hybrid) models."""
 
 from __future__ import annotations
 
@@ -92,12 +93,63 @@ def test_depth_first_memory_does_not_grow_with_width():
     assert peaks[1] < 1.2 * peaks[0], peaks
 
 
-def test_depth_first_rejects_recurrent_layers():
+# a 1-token node under a 5-token root with two grandchildren: a conv window (width 3-4) reaches
+# through the 1-token node into the root, so a node's halo spans two ancestors on the stack
+GRANDPARENT = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6, 9], [1, 2, 3, 4, 5, 10, 11]]
+
+
+def _recurrent_model(arch: str):
+    from tests.hybrid_models import tiny_hybrid_model
+    from tests.zoo import zoo_model
+
+    return tiny_hybrid_model(arch) if arch == "qwen3_5" else zoo_model(arch)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "kimi_linear", "lfm2"])
+def test_depth_first_recurrent_equals_packed(arch):
+    """Recurrent layers depth-first: each node from its parent's final states and its ancestors'
+    last conv inputs, kept on the stack (Gated DeltaNet, KDA, a short convolution)."""
+    from tests.hybrid_models import float64_everywhere
+
+    trees = [
+        TrajectoryTree.from_paths(GRANDPARENT),
+        TrajectoryTree.from_paths([[1, 2, 3, 4], [1, 2, 5, 6], [1, 7, 8]]),
+    ]
+    packed = pack(trees)
+    w = torch.rand(packed.num_tokens, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    with float64_everywhere():
+        model = _recurrent_model(arch)
+        loss, logp, grads = _packed_run(model, packed, w)
+        got_loss, got_logp = depth_first_backward(model, packed, weighted_token_loss(w))
+    assert torch.allclose(got_loss, loss, rtol=RTOL, atol=0)
+    assert _close(got_logp, logp)
+    bad = [n for n, p in model.named_parameters() if not _close(p.grad, grads[n])]
+    assert not bad, bad
+
+
+def test_depth_first_recurrent_memory_does_not_grow_with_width():
+    """A node holds its parent's final states and last conv inputs, not its siblings': peak saved
+    activations follow the deepest path, as for attention."""
     from tests.hybrid_models import tiny_hybrid_model
 
-    model, w = tiny_hybrid_model("qwen3_5"), torch.ones(3)
-    with pytest.raises(ValueError, match="depth-first execution supports attention-only models"):
-        depth_first_backward(model, TrajectoryTree.from_paths([[1, 2, 3]]), weighted_token_loss(w))
+    model = tiny_hybrid_model("qwen3_5", dtype=torch.float32)
+    peaks = []
+    for width in (2, 8):
+        packed = pack(_wide_tree(width, prefix=24, branch=24))
+        with SavedTensorMeter() as meter:
+            depth_first_backward(model, packed, weighted_token_loss(torch.ones(packed.num_tokens)))
+        peaks.append(meter.peak)
+        model.zero_grad(set_to_none=True)
+    assert peaks[1] < 1.2 * peaks[0], peaks
+
+
+def test_depth_first_refuses_activation_checkpointing():
+    model = tiny_model("qwen3")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with pytest.raises(ValueError, match="depth-first execution does not take activation checkpointing"):
+        depth_first_backward(
+            model, TrajectoryTree.from_paths([[1, 2, 3]]), weighted_token_loss(torch.ones(3))
+        )
 
 
 def test_depth_first_trains_like_packed():
