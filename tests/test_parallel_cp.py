@@ -2,8 +2,9 @@
 
 Every rank runs its chunk; log-probs and entropies of every tree token, the SFT loss of
 ``compute_loss`` and every parameter gradient (summed over ranks) must equal the 1-process run,
-for a dense model (Qwen3), a Gated DeltaNet hybrid (Qwen3.5), a short-convolution hybrid (LFM2) and
-a KDA hybrid (Kimi Linear, latent attention and MoE). Their recurrent layers run split: each rank
+for a dense model (Qwen3), a Gated DeltaNet hybrid (Qwen3.5), a short-convolution hybrid (LFM2), a
+KDA hybrid (Kimi Linear, latent attention and MoE) and a Mamba2 hybrid (Nemotron-H, its SSD state
+``[H, P, N]``). Their recurrent layers run split: each rank
 its own chunk, from the states and conv halo the other ranks hand over (the chunk cuts a node
 shorter than the conv width after its first token). Float64 everywhere (``float64_everywhere``:
 HF's internal float32 casts off): only the summation order differs (gradient sums over ranks),
@@ -66,7 +67,7 @@ def _loss(logp, ent, w1, w2):
 
 
 def _model(arch: str):
-    if arch in ("kimi_linear", "lfm2"):
+    if arch in ("kimi_linear", "lfm2", "nemotron_h"):
         return zoo_model(arch)
     return tiny_model(arch) if arch == "qwen3" else tiny_hybrid_model(arch)
 
@@ -165,8 +166,10 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
         # dense qwen3 case passed too; left out to keep CI short, as tests/test_parallel_cp_train.py
         # trains dense on 4 CP ranks)
         pytest.param(4, ("qwen3_5",), marks=pytest.mark.slow, id="4-qwen3_5"),
-        # one process group for three families (each spawn costs seconds of imports)
-        pytest.param(2, ("qwen3_5", "lfm2", "kimi_linear"), marks=pytest.mark.slow, id="2-recurrent"),
+        # one process group for four families (each spawn costs seconds of imports)
+        pytest.param(
+            2, ("qwen3_5", "lfm2", "kimi_linear", "nemotron_h"), marks=pytest.mark.slow, id="2-recurrent"
+        ),
     ],
 )
 def test_cp_equals_one_process(tmp_path, world, archs):

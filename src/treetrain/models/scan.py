@@ -43,6 +43,7 @@ __all__ = [
     "Level",
     "Scan",
     "ScanVarlen",
+    "TreeArgs",
     "TreeLevels",
     "build_levels",
     "length_groups",
@@ -299,6 +300,15 @@ def tree_scan_varlen(inputs: Sequence[torch.Tensor], levels: TreeLevels, scan: S
         return levels.scan(inputs, scan, varlen=True)
     out, _ = run_levels(inputs, levels, scan, varlen=True)
     return out.index_select(0, levels.varlen_row)
+
+
+@dataclass(frozen=True, eq=False)
+class TreeArgs:
+    """The tree, handed to routed layers through an argument their decoder passes on unchanged,
+    where it passes them no keyword arguments of its own (RWKV's and xLSTM's ``state``)."""
+
+    packed: PackedTree
+    mask: object | None = None  # the forward's TreeMask (caches, context parallel), or None
 
 
 def tree_levels(packed: PackedTree, tree_mask=None, device=None) -> TreeLevels:

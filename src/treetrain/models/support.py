@@ -18,7 +18,7 @@ import re
 from torch import nn
 
 from treetrain.models.head import unwrap
-from treetrain.models.recurrent import ROUTES
+from treetrain.models.recurrent import ROUTES, route
 
 __all__ = ["EXACT", "REFUSED", "STATEFUL", "check_model", "refusal"]
 
@@ -68,12 +68,32 @@ EXACT: dict[str, str] = {t: "" for t in _PLAIN} | {
     "lfm2_moe": "short convolutions along each path; MoE",
     "lfm3": "short convolutions along each path; sliding window; attention output gate",
 }
+_SSM = "routed along the tree (models.recurrent)"
+EXACT |= {
+    "mamba": f"Mamba (selective scan) mixers {_SSM}",
+    "falcon_mamba": f"Mamba mixers with RMS norms on dt, B, C {_SSM}",
+    "jamba": f"Mamba mixers with dt/B/C norms {_SSM}; attention; MoE",
+    "zamba": f"multi-head Mamba mixers {_SSM}; shared attention blocks",
+    "mamba2": f"Mamba2 (SSD) mixers {_SSM}; grouped B/C and norm",
+    "bamba": f"Mamba2 mixers {_SSM}; attention",
+    "falcon_h1": f"Mamba2 mixers {_SSM} (ssm multipliers, mup vector); parallel attention; head multiplier",
+    "granitemoehybrid": f"Mamba2 mixers {_SSM}; attention; multipliers; head / logits_scaling; MoE",
+    "nemotron_h": f"Mamba2 mixers {_SSM}; attention; MoE",
+    "zamba2": f"Mamba2 mixers {_SSM}; shared hybrid attention blocks",
+}
+EXACT |= {
+    "bloom": "ALiBi along each path (models.alibi: its own attention class); pretraining_tp slices",
+    "mpt": "ALiBi along each path (models.alibi: its own attention class); clip_qkv, softmax_scale",
+    "minimax": "lightning attention routed along the tree (models.lightning); MoE",
+    "xlstm": "mLSTM layers routed along the tree (models.xlstm); head: output_logit_soft_cap",
+    "rwkv": "time-mix (WKV recurrence) and channel-mix token shifts routed along the tree (models.rwkv)",
+    "recurrent_gemma": "RG-LRU and its conv1d routed along the tree (models.rglru); head: logits softcap",
+    "falcon": "ALiBi along each path or rotary (models.alibi: its own attention class); multi-query, GQA",
+}
 
 _ENCODER = "an encoder (BERT family) run as a decoder: its attention and mask are its own, not the tree's"
 _ENC_DEC = "the decoder of an encoder-decoder model (cross-attention, its own mask handling)"
 _MULTIMODAL = "a multimodal model: load its text-only causal LM instead"
-_MAMBA = "Mamba/Mamba2 layers carry state along the sequence; they are not routed along the tree yet"
-_LINEAR = "linear-attention / convolution layers carry state along the sequence; not routed along the tree"
 _INKLING = (
     "its attention adds a learned bias per query-key distance, computed from indices in the packed sequence "
     "(arange) instead of path positions, and per-query sink logits: no tree attention backend carries them"
@@ -103,24 +123,9 @@ REFUSED: dict[str, str] = {
         ),
         _MULTIMODAL,
     ),
-    **dict.fromkeys(
-        _words(
-            """mamba mamba2 falcon_mamba falcon_h1 bamba jamba granitemoehybrid nemotron_h zamba zamba2"""
-        ),
-        _MAMBA,
-    ),
-    **dict.fromkeys(
-        _words(
-            """minimax rwkv xlstm recurrent_gemma"""
-        ),
-        _LINEAR,
-    ),
     **dict.fromkeys(_words("inkling_text inkling2_text inkling2_loop_text"), _INKLING),
     "qwen4_exp_text": "QSA indexed attention: each query keeps its own top-k blocks of visible keys (read "
     "from a dense causal mask), a key set the tree mask (one query interval per key) cannot express",
-    "bloom": "ALiBi position bias computed outside the attention interface",
-    "mpt": "ALiBi position bias computed outside the attention interface (log-probs differ by 1.3)",
-    "falcon": "ALiBi / its own attention path",
     "phimoe": "sliding-window run differs from HF's (0.09 on the model-zoo test); not understood yet",
     "deepseek_v2": "gradients agree only to 5e-8 at float64 (float32 internals not found yet): not verified",
     "diffllama": "gradients agree only to 1e-7 at float64 (float32 internals not found yet): not verified",
@@ -132,14 +137,14 @@ REFUSED: dict[str, str] = {
     "xglm": "builds its own 4-D mask and rejects the tree's",
 }
 
-# layer class name pattern -> what the layer carries (checked along the class's MRO)
+# layer class name pattern (searched in the class name, so FSDP2's FSDP<Name> matches) -> what it carries
 STATEFUL: dict[str, str] = {
     r"Mamba\w*Mixer|MambaLayer|BambaMixer|FalconH1Mixer": "a Mamba/Mamba2 state-space recurrence",
     r"GatedDeltaNet|DeltaAttention": "a Gated DeltaNet recurrence",
     r"LinearAttention|LightningAttention": "a linear-attention recurrence",
     r"ShortConv": "a short causal convolution over the previous tokens",
-    r"Rwkv": "an RWKV recurrence",
-    r"xLSTM|mLSTM|sLSTM": "an xLSTM recurrence",
+    r"Rwkv(SelfAttention|FeedForward)": "an RWKV recurrence (time-mix) or token shift (channel-mix)",
+    r"xLSTMLayer|xLSTMBackend|mLSTM|sLSTM": "an xLSTM (mLSTM) recurrence",
     r"Rglru|RecurrentBlock": "an RG-LRU recurrence",
 }
 _STATEFUL = [(re.compile(p), what) for p, what in STATEFUL.items()]
@@ -149,25 +154,22 @@ NOT_STATEFUL = {
     "KimiLinearAttention": "Kimi Linear's full (latent) softmax attention",
 }
 
-# stateful layers treetrain routes along the tree, by exact class name (models.recurrent.ROUTES)
-ROUTED = frozenset(ROUTES)
-
 _DOCS = "docs/architectures.md lists what runs exactly and why the rest is refused"
 
 
-def _names(module: nn.Module) -> list[str]:
-    return [c.__name__ for c in type(module).__mro__]
-
-
 def _stateful_layer(model: nn.Module) -> tuple[str, str] | None:
-    """``(class name, what it carries)`` of the first state-carrying layer without tree routing."""
+    """``(class name, what it carries)`` of the first state-carrying layer without tree routing (a
+    layer inside a routed one, e.g. RecurrentGemma's RG-LRU in its recurrent block, is routed with it)."""
+    inside_routed = {id(m) for r in model.modules() if route(r) is not None for m in r.modules()}
     for module in model.modules():
-        names = _names(module)
-        if any(n in ROUTED or n in NOT_STATEFUL for n in names):
+        if id(module) in inside_routed:
             continue
+        if any(c.__name__ in NOT_STATEFUL for c in type(module).__mro__):
+            continue
+        name = type(module).__name__
         for pattern, what in _STATEFUL:
-            if pattern.search(names[0]):
-                return names[0], what
+            if pattern.search(name):
+                return name, what
     return None
 
 
@@ -179,7 +181,7 @@ def refusal(model: nn.Module) -> str | None:
         name, what = layer
         return (
             f"recurrent layer {name} ({what}) has no tree routing: its state would leak across "
-            f"branches of the tree. Routed: {', '.join(sorted(ROUTED))}; {_DOCS}"
+            f"branches of the tree. Routed: {', '.join(sorted(ROUTES))}; {_DOCS}"
         )
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
