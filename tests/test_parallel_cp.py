@@ -123,6 +123,10 @@ def _run_rank(rank: int, world: int, arch: str) -> dict:
         logp, ent = cp_tree_logprobs(model, packed)
         _loss(logp, ent, w1, w2).backward()
         obj = Objective(name="sft")
+        if arch == "qwen3_5":  # activation checkpointing replays each layer, hand-overs included
+            model.train().gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
         with context_parallel():
             sft, _ = compute_loss(model, packed, obj, loss_normalizer(trees, obj))
         sft.backward()

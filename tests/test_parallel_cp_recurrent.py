@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from treetrain.attention.mask import TreeMask
 from treetrain.models.pathconv import path_window, tree_causal_conv1d
-from treetrain.models.recurrent import route, tree_layer_forward
+from treetrain.models.recurrent import patch_recurrent_layers, route, tree_layer_forward
 from treetrain.models.scan import tree_levels, tree_scan, tree_scan_varlen
 from treetrain.parallel.cp_recurrent import CPSegment, chunk_halo, chunk_nodes, refine_nodes
 from treetrain.parallel.memory import SavedTensorMeter
@@ -166,13 +166,29 @@ def test_toy_family_split_equals_whole_forest(forest, data):
 # (mid-node), one at the 1-token node (its window reaches 3 back into the root, on rank 0), one
 # between the grandchildren; and every token its own chunk
 BOUNDS = {"mid_node": [0, 3, 6, 8, 11], "every_token": list(range(12)), "two": [0, 7, 11]}
-ARCHS = ("qwen3_5", "kimi_linear", "lfm2")  # Gated DeltaNet, KDA, short convolution
+# one model type per routed family (its routed layer): Gated DeltaNet, KDA, short convolution,
+# Mamba2's SSD, Mamba's selective scan, RWKV's time-mix (a token shift through path_gather and a
+# tuple state), xLSTM's mLSTM (the tree reaches its kernel as its initial state), MiniMax's
+# lightning attention, RecurrentGemma's RG-LRU (reset where the path position is 0)
+CASES = [
+    *(("qwen3_5", split) for split in sorted(BOUNDS)),
+    ("kimi_linear", "mid_node"),
+    ("lfm2", "mid_node"),
+    ("lfm2", "every_token"),
+    *((arch, "mid_node") for arch in ("nemotron_h", "mamba", "rwkv", "xlstm", "minimax", "recurrent_gemma")),
+]
+LAYERS = {"rwkv": "RwkvSelfAttention"}
+NO_STATE, NO_CONV = {"lfm2"}, {"minimax", "xlstm"}  # what a control can drop
 
 
 @functools.cache
 def _layer(arch: str):
     model = tiny_hybrid_model(arch) if arch == "qwen3_5" else zoo_model(arch)
-    layer = next(m for m in model.modules() if route(m) is not None)
+    patch_recurrent_layers(model)  # xLSTM: its kernel backend's instance forward
+    named = LAYERS.get(arch)
+    layer = next(
+        m for m in model.modules() if route(m) is not None and type(m).__name__ == (named or type(m).__name__)
+    )
     if hasattr(layer, "A_log"):  # slow decays: every node's output depends on its parent's state
         with torch.no_grad():
             layer.A_log.copy_(torch.linspace(0.05, 0.5, layer.A_log.numel()).log().view_as(layer.A_log))
@@ -183,8 +199,7 @@ def _layer_forward(layer):
     return lambda x, packed, mask: tree_layer_forward(layer, x[None], packed, mask)[0]
 
 
-@pytest.mark.parametrize("split", sorted(BOUNDS))
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch, split", CASES)
 def test_layer_split_equals_whole_tree(arch, split):
     with float64_everywhere():
         hidden, layer = _layer(arch)
@@ -201,7 +216,7 @@ def test_layer_split_equals_whole_tree(arch, split):
         # controls: without the handed-over states, or the halo, the chunks are far off
         if split == "mid_node":
             for drop in ("drop_states", "drop_halo"):
-                if drop == "drop_states" and arch == "lfm2":
+                if arch in (NO_STATE if drop == "drop_states" else NO_CONV):
                     continue  # a short convolution has no state
                 off = torch.cat(split_run(forward, x, packed, BOUNDS[split], **{drop: True}))
                 assert rel_err(off, whole) > 1e-3, drop

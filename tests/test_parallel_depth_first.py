@@ -105,10 +105,10 @@ def _recurrent_model(arch: str):
     return tiny_hybrid_model(arch) if arch == "qwen3_5" else zoo_model(arch)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "kimi_linear", "lfm2"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "kimi_linear", "lfm2", "nemotron_h"])
 def test_depth_first_recurrent_equals_packed(arch):
     """Recurrent layers depth-first: each node from its parent's final states and its ancestors'
-    last conv inputs, kept on the stack (Gated DeltaNet, KDA, a short convolution)."""
+    last conv inputs, kept on the stack (Gated DeltaNet, KDA, a short convolution, Mamba2)."""
     from tests.hybrid_models import float64_everywhere
 
     trees = [
