@@ -18,8 +18,14 @@ Example, paths ``[A B C D]``, ``[A B E F]``, ``[A G H]`` (nodes ``AB``, ``CD``, 
     forward AB -> forward CD (past AB), backward CD -> forward EF (past AB), backward EF
                -> forward GH (past AB), backward GH -> backward AB (its loss + the K/V grads)
 
+Recurrent layers the same way: a node is a segment of the tree (:mod:`treetrain.models.segment`)
+that starts from its parent's final state per recurrent layer and reads its conv windows' first
+inputs from its ancestors' last ones; it leaves its own (as leaves, beside its K/V) to its
+children, and the gradients they accumulate there flow back through its compute with the K/V's.
+In the example, ``CD``, ``EF`` and ``GH`` start from the states ``AB`` left on the stack.
+
 The loss must be a sum of per-token terms, ``token_loss(logp [n], targets [n]) -> scalar`` over
-the targets each node predicts (a weighted SFT / policy-gradient loss). Attention-only models.
+the targets each node predicts (a weighted SFT / policy-gradient loss).
 """
 
 from __future__ import annotations
