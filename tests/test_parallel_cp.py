@@ -33,6 +33,15 @@ from treetrain.parallel.cp import CPChunk, context_parallel, cp_tree_logprobs, s
 RTOL = 1e-10
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: one thread (a loaded 2-core machine spends more in thread hand-offs than in work)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def test_split_balanced_worked_example():
     pos = torch.tensor([0, 1, 2, 3, 2, 3, 1, 2])  # pairs 1 2 3 4 | 3 4 2 3: 10 and 12
     assert split_balanced(pos, 2) == [0, 4, 8]

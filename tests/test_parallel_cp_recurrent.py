@@ -35,6 +35,15 @@ DOC = [[1, 2, 3, 4], [1, 2, 5, 6], [1, 7, 8]]  # DFS A B C D E F G H
 GRANDPARENT = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6, 9], [1, 2, 3, 4, 5, 10, 11]]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: one thread (a loaded 2-core machine spends more in thread hand-offs than in work)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def test_worked_example():
     """The module docstring: ``A B C | D E F G H``."""
     packed = pack(TrajectoryTree.from_paths(DOC))

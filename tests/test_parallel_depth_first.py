@@ -20,6 +20,15 @@ from treetrain.parallel.memory import SavedTensorMeter
 RTOL = 1e-10
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: one thread (a loaded 2-core machine spends more in thread hand-offs than in work)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def test_node_children():
     assert node_children(torch.tensor([-1, 0, 0, -1])) == [[1, 2], [], [], [], [0, 3]]
     assert node_children(torch.tensor([-1, 0, 1, 1, 0])) == [[1, 4], [2, 3], [], [], [], [0]]
