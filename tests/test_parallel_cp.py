@@ -206,3 +206,14 @@ def test_cp_backend_outside_cp_is_a_clear_error():
     q = torch.zeros(2, 3, 4)
     with pytest.raises(ValueError, match="runs inside context parallelism only"):
         get_backend("cp")(q, q, q, TreeMask(torch.tensor([3, 3, 3])), 0.5)
+
+
+def test_cp_refuses_a_binding_sliding_window():
+    """Mistral's window (3, on a path of 8) under the cp backend: refused by name before any
+    collective (one chunk, no process group), not the mask's missing-positions error."""
+    from treetrain.parallel.cp import cp_tree_forward
+    from treetrain.trees.tree import TrajectoryTree
+
+    packed = pack(TrajectoryTree.from_paths([[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 9]]))
+    with pytest.raises(ValueError, match="'cp' does not support sliding-window attention"):
+        cp_tree_forward(zoo_model("mistral"), packed, CPChunk(None, 0, (0, packed.num_tokens)))

@@ -107,17 +107,31 @@ def test_depth_first_memory_does_not_grow_with_width():
 GRANDPARENT = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6, 9], [1, 2, 3, 4, 5, 10, 11]]
 
 
-def _recurrent_model(arch: str):
+def _recurrent_model(arch: str, window: int | None = None):
+    """A tiny hybrid; ``window``: every sliding attention window set to it (the zoo's binds at 3)."""
     from tests.hybrid_models import tiny_hybrid_model
     from tests.zoo import zoo_model
 
-    return tiny_hybrid_model(arch) if arch == "qwen3_5" else zoo_model(arch)
+    model = tiny_hybrid_model(arch) if arch == "qwen3_5" else zoo_model(arch)
+    if window is not None:
+        model.config.sliding_window = window
+        for m in model.modules():
+            if getattr(m, "sliding_window", None) is not None:
+                m.sliding_window = window
+    return model
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "kimi_linear", "lfm2", "nemotron_h"])
+# every routed family: GDN, KDA, short conv, Mamba2, Mamba, RWKV, mLSTM, lightning, RG-LRU, and two
+# hybrids with Mamba layers; MiniMax's and RecurrentGemma's attention windows widened past every
+# path (depth-first has no sliding window: a binding one is refused, below)
+ARCHS = ["qwen3_5", "kimi_linear", "lfm2", "nemotron_h", "mamba", "rwkv", "xlstm", "minimax"]
+ARCHS += ["recurrent_gemma", "jamba", "falcon_h1"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_depth_first_recurrent_equals_packed(arch):
     """Recurrent layers depth-first: each node from its parent's final states and its ancestors'
-    last conv inputs, kept on the stack (Gated DeltaNet, KDA, a short convolution, Mamba2)."""
+    last conv inputs, kept on the stack."""
     from tests.hybrid_models import float64_everywhere
 
     trees = [
@@ -127,7 +141,7 @@ def test_depth_first_recurrent_equals_packed(arch):
     packed = pack(trees)
     w = torch.rand(packed.num_tokens, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     with float64_everywhere():
-        model = _recurrent_model(arch)
+        model = _recurrent_model(arch, window=64 if arch in ("minimax", "recurrent_gemma") else None)
         loss, logp, grads = _packed_run(model, packed, w)
         got_loss, got_logp = depth_first_backward(model, packed, weighted_token_loss(w))
     assert torch.allclose(got_loss, loss, rtol=RTOL, atol=0)
@@ -150,6 +164,15 @@ def test_depth_first_recurrent_memory_does_not_grow_with_width():
         peaks.append(meter.peak)
         model.zero_grad(set_to_none=True)
     assert peaks[1] < 1.2 * peaks[0], peaks
+
+
+def test_depth_first_refuses_a_binding_sliding_window():
+    """RecurrentGemma's local attention (window 3 on paths of 8): refused by name, not run wrong."""
+    model = _recurrent_model("recurrent_gemma")
+    packed = pack(TrajectoryTree.from_paths(GRANDPARENT))
+    loss = weighted_token_loss(torch.ones(packed.num_tokens, dtype=torch.float64))
+    with pytest.raises(ValueError, match="'depth_first' does not support sliding-window attention"):
+        depth_first_backward(model, packed, loss)
 
 
 def test_depth_first_refuses_activation_checkpointing():

@@ -218,7 +218,8 @@ def cp_tree_forward(model: nn.Module, packed: PackedTree, chunk: CPChunk) -> tor
     device = model.get_input_embeddings().weight.device
     packed = packed.to(device)
     s, e = chunk.start, chunk.end
-    mask = TreeMask(packed.subtree_end, backend="cp", cache={"cp": chunk})
+    # position_ids: a sliding window that binds is refused by name (the cp backend has none)
+    mask = TreeMask(packed.subtree_end, backend="cp", cache={"cp": chunk}, position_ids=packed.position_ids)
     decoder = getattr(model, "treetrain_decoder", None) or model.base_model
     out = decoder(
         input_ids=packed.input_ids[None, s:e],

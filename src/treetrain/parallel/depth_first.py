@@ -244,7 +244,10 @@ def depth_first_backward(
             position_ids=packed.position_ids[None, s:e],
             attention_mask=packed.subtree_end[s:e].view(1, 1, 1, e - s),  # unused: passed through
             tree_mask=TreeMask(
-                packed.subtree_end[s:e], backend="depth_first", cache={"stack": ctx, "segment": ctx}
+                packed.subtree_end[s:e],
+                backend="depth_first",
+                cache={"stack": ctx, "segment": ctx},
+                position_ids=packed.position_ids[s:e],  # a sliding window is refused by name if it binds
             ),
             packed_tree=ctx.view,  # recurrent layers run on the node (models.segment)
             use_cache=False,
