@@ -41,6 +41,7 @@ __all__ = [
     "TreeLevels",
     "build_levels",
     "length_groups",
+    "merge_chains",
     "tree_levels",
     "tree_scan",
 ]
@@ -239,12 +240,42 @@ class TreeArgs:
     mask: object | None = None  # the forward's TreeMask (caches, context parallel), or None
 
 
+def merge_chains(
+    node_start: torch.Tensor, node_end: torch.Tensor, node_parent: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fold every node that is its parent's only child into its parent: ``(start, end, parent)`` of
+    the resulting runs (CPU tensors, the same DFS order and meaning as ``PackedTree.node_*``).
+
+    An only child directly follows its parent in DFS order and starts from its parent's final state,
+    so a chain of only children is one contiguous run of tokens that a scan can take in one piece:
+    one call instead of one per node, one level instead of one per node. Per-turn samples of one
+    dialogue (nested prefixes) are such a chain. Example: nodes ``[A] [B C] [D]`` with parents
+    ``[-1 0 1]`` (``node_start = [0 1 3]``, ``node_end = [1 3 4]``) -> one run ``[0, 4)``; a node
+    with two children ends its run: parents ``[-1 0 0]`` keep all three nodes.
+    """
+    as_np = lambda x: x.detach().cpu().numpy().astype(np.int64)  # noqa: E731
+    start, end, parent = as_np(node_start), as_np(node_end), as_np(node_parent)
+    has_parent = parent >= 0
+    children = np.bincount(parent[has_parent], minlength=start.size)
+    only = has_parent & (children[np.maximum(parent, 0)] == 1)
+    folded = np.flatnonzero(only)
+    assert (parent[folded] == folded - 1).all() and (start[folded] == end[folded - 1]).all(), "not DFS order"
+    run = np.cumsum(~only) - 1  # each node's run: its own if it heads one, else its parent's
+    head = np.flatnonzero(~only)
+    run_end = np.zeros(head.size, dtype=np.int64)
+    np.maximum.at(run_end, run, end)
+    run_parent = np.where(parent[head] >= 0, run[np.maximum(parent[head], 0)], -1)
+    return tuple(torch.from_numpy(a) for a in (start[head], run_end, run_parent))
+
+
 def tree_levels(packed: PackedTree, tree_mask=None, device=None) -> TreeLevels:
-    """The level schedule of ``packed``, built once per forward (cached in ``tree_mask``)."""
+    """The level schedule of ``packed``, built once per forward (cached in ``tree_mask``), with
+    chains of only children folded into one run each (:func:`merge_chains`)."""
     device = packed.node_start.device if device is None else device
 
     def build() -> TreeLevels:
-        return build_levels(packed.node_start, packed.node_end, packed.node_parent, device=device)
+        runs = merge_chains(packed.node_start, packed.node_end, packed.node_parent)
+        return build_levels(*runs, device=device)
 
     return tree_mask.cached(("levels", str(device)), build) if tree_mask is not None else build()
 
