@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from hypothesis import given, settings
 
-from treetrain.models.scan import build_levels, merge_chains, tree_scan
+from treetrain.models.scan import balanced_chunk, build_levels, merge_chains, tree_scan
 from treetrain.trees.packing import pack
 from treetrain.trees.tree import TrajectoryTree
 
@@ -110,3 +110,11 @@ def test_gradients_flow_through_parent_states():
     x.requires_grad_(True)
     tree_scan((a, x), levels, _gated)[-1].sum().backward()
     assert x.grad[0].abs().sum() > 0
+
+
+def test_balanced_chunk():
+    # (steps, max chunk) -> chunk: as few chunks as fit, the padding of the last one least
+    cases = {(110, 64): 55, (20, 64): 20, (256, 64): 64, (65, 64): 33, (1, 64): 1, (23, 4): 4, (0, 64): 1}
+    for (length, most), want in cases.items():
+        assert balanced_chunk(length, most) == want
+        assert want <= most and -(-length // want) == -(-length // most)  # no extra chunk

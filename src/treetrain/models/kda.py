@@ -30,7 +30,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from treetrain.models.pathconv import path_window, tree_causal_conv1d
-from treetrain.models.scan import TreeLevels, tree_levels, tree_scan
+from treetrain.models.scan import TreeLevels, balanced_chunk, tree_levels, tree_scan
 from treetrain.trees.packing import PackedTree
 
 __all__ = ["KDA_LAYOUTS", "tree_kda_forward", "tree_kda_rule"]
@@ -84,7 +84,7 @@ def tree_kda_rule(
     """
 
     def scan(xs, init, valid):
-        chunk = min(max_chunk, xs[0].shape[1])  # a group of 1-token nodes is not padded to 64
+        chunk = balanced_chunk(xs[0].shape[1], max_chunk)  # 110 steps: 2 chunks of 55, not 2 of 64
         outs, state = [], init
         for qg, kg, vg, gg, bg in zip(*(x.split(chunk * piece_chunks, dim=1) for x in xs)):
             out, state = rule(

@@ -39,6 +39,7 @@ __all__ = [
     "Scan",
     "TreeArgs",
     "TreeLevels",
+    "balanced_chunk",
     "build_levels",
     "length_groups",
     "merge_chains",
@@ -126,6 +127,18 @@ def length_groups(lengths: np.ndarray, slack: int | None) -> list[int]:
         count += 1
     sizes.append(count)
     return sizes
+
+
+def balanced_chunk(length: int, max_chunk: int) -> int:
+    """The chunk size for a chunked scan over ``length`` steps: as few chunks of at most
+    ``max_chunk`` as cover them, sized equally so the last one pads least:
+    ``ceil(length / ceil(length / max_chunk))``.
+
+    Example: 110 steps, chunks of at most 64 -> 55 (2 chunks; 64 would pad to 128); 20 -> 20
+    (one chunk, no padding to 64); 256 -> 64.
+    """
+    chunks = max(1, -(-length // max_chunk))
+    return max(1, -(-length // chunks))
 
 
 def build_levels(
