@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from treetrain.models.pathconv import path_window
+from treetrain.models.pathconv import path_gather, path_window
 from treetrain.models.scan import TreeArgs, tree_levels, tree_scan
 from treetrain.trees.packing import PackedTree
 
@@ -36,8 +36,7 @@ __all__ = ["rwkv_decoder_forward", "tree_rwkv_ffn_forward", "tree_rwkv_time_mix_
 
 def _shifted(x: torch.Tensor, packed: PackedTree, tree_mask) -> torch.Tensor:
     """``x [T, C]`` -> the previous token's row along each path (zeros at a path's first token)."""
-    prev = path_window(packed, 2, tree_mask, x.device)[:, 0]  # T where the path has none
-    return torch.cat([x, x.new_zeros(1, x.shape[1])]).index_select(0, prev)
+    return path_gather(x, path_window(packed, 2, tree_mask, x.device))[:, 0]  # also on a segment (CP)
 
 
 def _mix(x: torch.Tensor, shifted: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
