@@ -29,7 +29,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from treetrain.models.pathconv import path_window, tree_causal_conv1d
-from treetrain.models.scan import TreeLevels, tree_levels, tree_scan, tree_scan_varlen
+from treetrain.models.scan import TreeLevels, balanced_chunk, tree_levels, tree_scan, tree_scan_varlen
 from treetrain.trees.packing import PackedTree
 
 __all__ = [
@@ -92,7 +92,7 @@ def tree_gated_delta_rule(
         qg, kg, vg, gg, bg = xs
         return rule(
             qg, kg, vg, g=gg, beta=bg,
-            chunk_size=min(max_chunk, qg.shape[1]),  # a group of 1-token nodes is not padded to 64
+            chunk_size=balanced_chunk(qg.shape[1], max_chunk),  # 110 steps: 2 x 55, not 2 x 64
             initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm,
         )  # fmt: skip
 

@@ -55,8 +55,8 @@ def wkv_scan(w: torch.Tensor, u: torch.Tensor):
         else:
             num, den, m = init
         outs = []
-        for t in range(k.shape[1]):
-            kt, vt, keep = k[:, t].float(), v[:, t], valid[:, t, None]
+        for kt, vt, keep in zip(k.unbind(1), v.unbind(1), valid.unbind(1)):  # unbind: a linear backward
+            kt, keep = kt.float(), keep[:, None]
             top = torch.maximum(m, kt + u)
             e1, e2 = torch.exp(m - top), torch.exp(kt + u - top)
             outs.append(((e1 * num + e2 * vt) / (e1 * den + e2)).to(v.dtype))

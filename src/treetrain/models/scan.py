@@ -45,8 +45,10 @@ __all__ = [
     "ScanVarlen",
     "TreeArgs",
     "TreeLevels",
+    "balanced_chunk",
     "build_levels",
     "length_groups",
+    "merge_chains",
     "run_levels",
     "schedule",
     "tree_levels",
@@ -135,6 +137,18 @@ def length_groups(lengths: np.ndarray, slack: int | None) -> list[int]:
         count += 1
     sizes.append(count)
     return sizes
+
+
+def balanced_chunk(length: int, max_chunk: int) -> int:
+    """The chunk size for a chunked scan over ``length`` steps: as few chunks of at most
+    ``max_chunk`` as cover them, sized equally so the last one pads least:
+    ``ceil(length / ceil(length / max_chunk))``.
+
+    Example: 110 steps, chunks of at most 64 -> 55 (2 chunks; 64 would pad to 128); 20 -> 20
+    (one chunk, no padding to 64); 256 -> 64.
+    """
+    chunks = max(1, -(-length // max_chunk))
+    return max(1, -(-length // chunks))
 
 
 def build_levels(
@@ -311,11 +325,41 @@ class TreeArgs:
     mask: object | None = None  # the forward's TreeMask (caches, context parallel), or None
 
 
+def merge_chains(
+    node_start: torch.Tensor, node_end: torch.Tensor, node_parent: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fold every node that is its parent's only child into its parent: ``(start, end, parent)`` of
+    the resulting runs (CPU tensors, the same DFS order and meaning as ``PackedTree.node_*``).
+
+    An only child directly follows its parent in DFS order and starts from its parent's final state,
+    so a chain of only children is one contiguous run of tokens that a scan can take in one piece:
+    one call instead of one per node, one level instead of one per node. Per-turn samples of one
+    dialogue (nested prefixes) are such a chain. Example: nodes ``[A] [B C] [D]`` with parents
+    ``[-1 0 1]`` (``node_start = [0 1 3]``, ``node_end = [1 3 4]``) -> one run ``[0, 4)``; a node
+    with two children ends its run: parents ``[-1 0 0]`` keep all three nodes.
+    """
+    as_np = lambda x: x.detach().cpu().numpy().astype(np.int64)  # noqa: E731
+    start, end, parent = as_np(node_start), as_np(node_end), as_np(node_parent)
+    has_parent = parent >= 0
+    children = np.bincount(parent[has_parent], minlength=start.size)
+    only = has_parent & (children[np.maximum(parent, 0)] == 1)
+    folded = np.flatnonzero(only)
+    assert (parent[folded] == folded - 1).all() and (start[folded] == end[folded - 1]).all(), "not DFS order"
+    run = np.cumsum(~only) - 1  # each node's run: its own if it heads one, else its parent's
+    head = np.flatnonzero(~only)
+    run_end = np.zeros(head.size, dtype=np.int64)
+    np.maximum.at(run_end, run, end)
+    run_parent = np.where(parent[head] >= 0, run[np.maximum(parent[head], 0)], -1)
+    return tuple(torch.from_numpy(a) for a in (start[head], run_end, run_parent))
+
+
 def tree_levels(packed: PackedTree, tree_mask=None, device=None) -> TreeLevels:
-    """The level schedule of ``packed``, built once per forward (cached in ``tree_mask``).
+    """The level schedule of ``packed``, built once per forward (cached in ``tree_mask``), with
+    chains of only children folded into one run each (:func:`merge_chains`).
 
     Where ``tree_mask.cache["segment"]`` holds a segment (context parallelism, depth-first), the
-    segment's schedule (:class:`treetrain.models.segment.SegmentLevels`) instead.
+    segment's schedule (:class:`treetrain.models.segment.SegmentLevels`) instead (its nodes as cut,
+    not folded).
     """
     device = packed.input_ids.device if device is None else device
     segment = tree_mask.cache.get("segment") if tree_mask is not None else None
@@ -323,6 +367,7 @@ def tree_levels(packed: PackedTree, tree_mask=None, device=None) -> TreeLevels:
         return tree_mask.cached(("segment_levels", str(device)), lambda: segment.levels(device))
 
     def build() -> TreeLevels:
-        return build_levels(packed.node_start, packed.node_end, packed.node_parent, device=device)
+        runs = merge_chains(packed.node_start, packed.node_end, packed.node_parent)
+        return build_levels(*runs, device=device)
 
     return tree_mask.cached(("levels", str(device)), build) if tree_mask is not None else build()
