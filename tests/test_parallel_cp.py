@@ -254,6 +254,7 @@ def test_cp_refuses_a_binding_sliding_window():
     from treetrain.parallel.cp import cp_tree_forward
     from treetrain.trees.tree import TrajectoryTree
 
-    packed = pack(TrajectoryTree.from_paths([[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 9]]))
+    model = zoo_model("mistral")  # the zoo's length-dependent rope: split by regime first
+    packed = pack(split_regimes(model, TrajectoryTree.from_paths([[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 9]])))
     with pytest.raises(ValueError, match="'cp' does not support sliding-window attention"):
-        cp_tree_forward(zoo_model("mistral"), packed, CPChunk(None, 0, (0, packed.num_tokens)))
+        cp_tree_forward(model, packed, CPChunk(None, 0, (0, packed.num_tokens)))
