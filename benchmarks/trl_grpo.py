@@ -185,9 +185,9 @@ def generation_time(model, ids, P: int, C: int, device: str) -> float:
 def run_case(trainer, P, G, C, prompts, repeats, device, seed=0, generation=False) -> dict:
     from trl import GRPOTrainer
 
+    from treetrain.objectives.baseline import sequence_microbatches
     from treetrain.objectives.policy import compute_loss, loss_normalizer
     from treetrain.objectives.policy_config import Objective
-    from treetrain.train.strategies import get_strategy
     from treetrain.trees.packing import pack
 
     model = trainer.model
@@ -202,7 +202,7 @@ def run_case(trainer, P, G, C, prompts, repeats, device, seed=0, generation=Fals
     # cost per token grows with the forward's size, so a budget far above the tree's would charge the
     # baseline for a choice a careful user would not make)
     capacity = max(b["tree_tokens"], max(t.num_tokens for t in trees))
-    micro = [pack(mb) for mb in get_strategy("sequence").microbatches(trees, capacity)]
+    micro = [pack(mb) for mb in sequence_microbatches(trees, capacity)]
     modes = {
         "trl": lambda *a, **k: GRPOTrainer._get_per_token_logps_and_entropies(trainer, *a, **k),
         "tree": trainer._get_per_token_logps_and_entropies,

@@ -58,7 +58,6 @@ from treetrain.train.batches import (
     _reader_options,
     data_path,
     make_batches,
-    make_microbatches,
     prefetched,
     total_steps,
 )
@@ -96,7 +95,6 @@ __all__ = [
     "default_model_config",
     "lr_factor",
     "make_batches",
-    "make_microbatches",
     "train",
     "train_step",
 ]
