@@ -203,3 +203,31 @@ def test_fused_request_refuses_what_the_tree_cannot_give():
     bad[0, 2] = 9
     with pytest.raises(ValueError, match="scored label must be the input token"):
         model(input_ids=ids, attention_mask=mask, labels=bad, fused_lm_head=True, **req)
+
+
+@pytest.mark.parametrize("model_type", ["granite", "minicpm3", "gemma2"])
+def test_fused_request_applies_the_models_head(model_type):
+    """The tree's fused head takes its scale and cap from ``models.head.lm_head`` (Granite: logits /
+    3, MiniCPM3: hidden / 3, Gemma 2: final softcap 3; ``tests/zoo.py``): TRL's fused head's per-token
+    outputs. float64 models, but TRL's kernel returns float32: bound 4 float32 ulps of the largest value
+    (measured 0, and 1 ulp on Gemma 2's mean logit); without the scale or cap: off by 3e-3 to 4."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    from treetrain.integrations.trl_preference import FusedTreeRequest
+    from treetrain.integrations.wrapped import REQUEST_KWARG, install_tree_scoring
+
+    from .zoo import zoo_model
+
+    model = zoo_model(model_type)
+    outputs = ("log_probs", "entropy", "mean_logits")
+    add_fused_lm_head(model, outputs=outputs)
+    install_tree_scoring(model)
+    ids = torch.tensor([[5, 6, 7, 8, 9], [5, 6, 11, 12, 0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]])
+    labels = ids.masked_fill(mask == 0, -100)
+    call = dict(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+    want = model(**call)
+    got = model(**call, **{REQUEST_KWARG: FusedTreeRequest("TreeDPOTrainer", outputs)})
+    for name in outputs:
+        w, g = getattr(want, name), getattr(got, name)
+        assert (g - w).abs().max() <= 4 * torch.finfo(w.dtype).eps * w.abs().max(), name

@@ -36,6 +36,7 @@ from torch import nn
 from trl import GRPOTrainer, RLOOTrainer
 
 from treetrain.integrations.wrapped import WrappedScores, install_tree_scoring, wrapped_score
+from treetrain.models.head import unwrap
 from treetrain.models.moe import balancing_loss, load_balancing_stats
 
 __all__ = ["TESTED_TRL", "TreeGRPOTrainer", "TreeRLOOTrainer", "check_trl", "router_aux_loss"]
@@ -57,12 +58,6 @@ def check_trl(cls_name: str, base: type, method: str) -> None:
             f"losses match trl.{base.__name__}'s (tests/test_integrations_trl*.py)",
             stacklevel=3,
         )
-
-
-def causal_lm(model: nn.Module) -> nn.Module:
-    """The ``...ForCausalLM`` inside a PEFT model (adapters injected in place), or the model itself."""
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
 
 
 def refuse_untreeable(cls_name: str, model: nn.Module, args) -> None:
@@ -142,9 +137,9 @@ class _TreeScoring:
         super().__init__(*args, **kwargs)
         refuse_untreeable(name, self.model, self.args)
         self.tree_backend, self.tree_chunk = tree_backend, tree_chunk
-        install_tree_scoring(causal_lm(self.model))
+        install_tree_scoring(unwrap(self.model))
         if self.ref_model is not None:
-            install_tree_scoring(causal_lm(self.ref_model))
+            install_tree_scoring(unwrap(self.ref_model))
 
     def _get_per_token_logps_and_entropies(
         self,
