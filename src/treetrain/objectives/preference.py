@@ -110,8 +110,6 @@ class PreferenceObjective:
         """DPO sigmoid and ipo score the pair under a frozen reference model; simpo and reward do not."""
         return self.name == "dpo" and self.loss_type != "simpo"
 
-    kl_coef = 0.0  # the policy objectives' KL option: not used here
-
 
 def _finite(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

@@ -164,7 +164,7 @@ def rank_microbatches(
     imbalance. The objective's units (whole trees or parts of whole paths; whole preference pairs)
     go to ranks by their training FLOPs (:func:`treetrain.parallel.balance.balanced_units`), then each
     rank packs its own (``objective.pack``). Every rank computes the same plan from the same trees,
-    with no communication. Idle ranks pad with dummy passes."""
+    with no communication. Idle ranks pad with ``objective.idle_loss`` passes."""
     from treetrain.parallel import fsdp as distributed
     from treetrain.parallel.balance import balanced_units
 
