@@ -196,7 +196,11 @@ def _path_scale(meta: PathMeta, agg_mode: str, norm_length: float | None) -> tor
 
 
 def loss_normalizer(
-    batch: Batch, agg_mode: str | Objective, *, norm_length: float | None = None, check: bool = True
+    batch: Batch | PathMeta,
+    agg_mode: str | Objective,
+    *,
+    norm_length: float | None = None,
+    check: bool = True,
 ) -> float:
     """The divisor ``N`` of the aggregation (module docstring), over the WHOLE batch's paths.
 
@@ -205,7 +209,8 @@ def loss_normalizer(
     is a sum over paths, so disjoint batches add up: per-rank values may be all-reduced with SUM
     (``check=False`` on ranks that may hold no trainable token).
 
-    ``agg_mode`` is a mode name or an ``Objective`` (its ``agg_mode`` and ``norm_length``).
+    ``batch``: the trees, or their ``PathMeta``. ``agg_mode`` is a mode name or an ``Objective`` (its
+    ``agg_mode`` and ``norm_length``).
     """
     if isinstance(agg_mode, Objective):
         agg_mode, norm_length = agg_mode.agg_mode, agg_mode.norm_length
@@ -215,7 +220,7 @@ def loss_normalizer(
         return 1.0
     if agg_mode == "seq-mean-token-sum-norm" and (norm_length is None or norm_length <= 0):
         raise ValueError("agg_mode 'seq-mean-token-sum-norm' needs norm_length > 0")
-    meta = PathMeta.from_trees(batch)
+    meta = batch if isinstance(batch, PathMeta) else PathMeta.from_trees(batch)
     n = meta.path_sum(meta.mask)
     if agg_mode == "token-mean":
         total = (meta.weight * n).sum().item()
