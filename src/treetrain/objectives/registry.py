@@ -7,9 +7,10 @@ classmethod reading ``cfg.loss`` and the options it needs), and one entry here.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from treetrain.objectives.interface import TrainObjective
+if TYPE_CHECKING:  # importing an objective's module loads torch: only on use
+    from treetrain.objectives.interface import TrainObjective
 
 __all__ = ["REGISTRY", "build_objective"]
 

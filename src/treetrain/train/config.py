@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from treetrain.data.grouping import GROUPINGS
+from treetrain.objectives.registry import REGISTRY
 
 __all__ = [
     "DEFAULT_STEPS",
@@ -233,14 +234,6 @@ def _choice(name: str, value: str, choices: Sequence[str]) -> None:
         raise ValueError(f"--{name.replace('_', '-')}: expected one of {', '.join(choices)}; got {value!r}")
 
 
-def objective_names() -> tuple[str, ...]:
-    """Every ``--objective``: the policy objectives, the preference ones and ``ppo_critic``."""
-    from treetrain.objectives.policy_config import OBJECTIVES
-    from treetrain.objectives.preference import PREFERENCE_OBJECTIVES
-
-    return (*OBJECTIVES, *PREFERENCE_OBJECTIVES, "ppo_critic")
-
-
 def _positive(name: str, value, allow_zero: bool = False) -> None:
     if value < 0 or (value == 0 and not allow_zero):
         need = "a non-negative" if allow_zero else "a positive"
@@ -273,7 +266,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for name in ("lr", "eps", "weight_decay", "min_lr_ratio"):
         setattr(c, name, _coerce(name, getattr(c, name), float))
 
-    _choice("objective", c.objective, objective_names())
+    _choice("objective", c.objective, tuple(REGISTRY))
     _choice("packing", c.packing, PACKINGS)
     _choice("schedule", c.schedule, SCHEDULES)
     _choice("dtype", c.dtype, DTYPES)
