@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treetrain.objectives.path_outputs import path_last_hidden, path_target_logprobs
+from treetrain.objectives.path_outputs import path_last_hidden, path_target_logprobs, score_head
 from treetrain.trees.packing import PackedTree
 from treetrain.trees.tree import TrajectoryTree
 
@@ -354,13 +354,7 @@ def summarize_preference(sums: Mapping[str, torch.Tensor | float]) -> dict[str, 
 
 def reward_head(model: nn.Module) -> nn.Linear:
     """The scalar head of an ``AutoModelForSequenceClassification`` (``num_labels=1``)."""
-    head = getattr(model, "score", None)
-    if not isinstance(head, nn.Linear) or head.out_features != 1:
-        raise ValueError(
-            f"the reward objective needs a sequence-classification model with one label (a `score` head "
-            f"nn.Linear(hidden, 1)); {type(model).__name__} has {head!r}"
-        )
-    return head
+    return score_head(model, "the reward objective needs a sequence-classification model with one label")
 
 
 def compute_preference_loss(
