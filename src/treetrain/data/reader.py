@@ -229,17 +229,18 @@ class TreeStream(Iterator[tuple[TrajectoryTree, SampleInfo]]):
             if not self.table and not raw.strip():
                 c.blank_lines += 1
                 continue
+            key = None
             try:
                 record = _row_record(raw, self.columns) if self.table else _decode(raw, lineno)
                 ident = record.get("id") if isinstance(record, dict) else None
-                key = None
                 if isinstance(record, dict):  # TRL's names (JSONL and tables), see treetrain.data.rows
                     try:
-                        record, key = rows.trl_record(record, self.tokenizer, self.vocab_size)
+                        record, key = rows.trl_record(record, self.tokenizer)
                     except ValueError as e:
                         raise _Invalid(str(e)) from None
                 paths, fields, where, fmt = _parts(record, self.format, self.vocab_size, self.tokenizer)
             except _Invalid as e:
+                e = rows.row_error(e, key)
                 e.line = lineno
                 yield e
                 continue
