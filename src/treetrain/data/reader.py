@@ -269,10 +269,9 @@ class TreeStream(Iterator[tuple[TrajectoryTree, SampleInfo]]):
                     )
                     err.line = line
                     raise err
-            except _Invalid as e:
-                err = DataError(
-                    e.reason, file=file, line=e.line, field=e.where, unit="row" if self.table else "line"
-                )
+            except _Invalid as e:  # from _build: the tree's first row
+                line, unit = e.line if e.line is not None else group[0].line, "row" if self.table else "line"
+                err = DataError(e.reason, file=file, line=line, field=e.where, unit=unit)
                 if self.on_error == "raise":
                     raise err from None
                 c.errors += 1
