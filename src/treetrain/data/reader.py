@@ -77,6 +77,12 @@ class DataCounts:
         """Potential overlap ratio over the valid samples, ``1 - tree_tokens / path_tokens``."""
         return 1.0 - self.tree_tokens / self.path_tokens if self.path_tokens else 0.0
 
+    @property
+    def rows(self) -> int:
+        """Rows (lines) that made the valid and the skipped trees: more than the trees where rows
+        with an equal prompt merged."""
+        return self.samples + self.skipped_oversized + self.grouped_rows
+
     def add(self, tree: TrajectoryTree, fmt: str) -> None:
         self.samples += 1
         self.paths += tree.num_paths
@@ -91,8 +97,7 @@ class DataCounts:
         skipped = f", {self.skipped_oversized} skipped (oversized)" if self.skipped_oversized else ""
         errors = f", {self.errors} invalid" if self.errors else ""
         if self.grouped_rows:
-            merged = self.grouped_rows + self.samples + self.skipped_oversized
-            errors += f" (from {merged} rows merged by prompt)"
+            errors += f" (from {self.rows} rows merged by prompt)"
         return (
             f"{self.file}: {self.samples} trees{skipped}{errors}, {self.paths} paths, "
             f"{self.tree_tokens} tree tokens / {self.path_tokens} path tokens (POR {self.por:.1%}), "
