@@ -344,10 +344,8 @@ class _BlockSparseAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, plan: BlockSparsePlan, scale: float, pos, window, sinks):
         out, lse = _forward(q, k, v, plan, scale, pos, window)
         if sinks is not None:  # rescale by the sink's share; the backward then runs with out', lse'
-            hkv = k.shape[0]
-            sunk, new_lse = add_sinks(out, _per_head(lse), sinks)
-            out.copy_(sunk)
-            lse = _grouped(new_lse, hkv)
+            _, new_lse = add_sinks(out, _per_head(lse), sinks, inplace=True)
+            lse = _grouped(new_lse, k.shape[0])
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.plan, ctx.scale, ctx.pos, ctx.window = plan, scale, pos, window
         return out
@@ -359,7 +357,8 @@ class _BlockSparseAttention(torch.autograd.Function):
         dq, dk, dv = _backward(do, q, k, v, out, lse, ctx.plan, ctx.scale, ctx.pos, ctx.window)
         ds = None
         if sinks is not None and ctx.needs_input_grad[7]:
-            ds = sink_grad(do, out, _per_head(lse), sinks)
+            delta = (do.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # [Hq, T]: the flash backward's D
+            ds = sink_grad(delta, _per_head(lse), sinks)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, ds
 
 

@@ -29,19 +29,21 @@ def check_sinks(name: str, sinks: torch.Tensor, heads: int) -> None:
         raise ValueError(f"{name}: sinks must be [Hq] = [{heads}], got {tuple(sinks.shape)}")
 
 
-def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def add_sinks(
+    out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, *, inplace: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``out [H, T, D]``, ``lse [H, T]`` (natural log), ``sinks [H]`` -> ``(out_sink, lse')``.
 
-    ``out_sink`` has ``out``'s dtype; ``lse'`` has ``lse``'s.
+    ``out_sink`` has ``out``'s dtype; ``lse'`` has ``lse``'s. ``inplace``: rescale ``out`` itself (a
+    kernel's own output buffer; not a tensor autograd saved) instead of a new ``[H, T, D]`` tensor.
     """
     new_lse = torch.logaddexp(lse, sinks.to(lse.dtype)[:, None])
-    return (out * torch.exp(lse - new_lse)[..., None].to(out.dtype)).to(out.dtype), new_lse
+    factor = torch.exp(lse - new_lse)[..., None].to(out.dtype)
+    return (out.mul_(factor) if inplace else out * factor), new_lse
 
 
-def sink_grad(
-    do: torch.Tensor, out_sink: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor
-) -> torch.Tensor:
-    """Gradient of the sinks ``[H]``: ``do, out_sink [H, T, D]``, ``lse [H, T]`` (with the sink)."""
+def sink_grad(delta: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Gradient of the sinks ``[H]``: ``delta = rowsum(d out * out_sink)`` ``[H, T]`` (the flash
+    backward's ``D``), ``lse [H, T]`` (with the sink)."""
     acc = lse.dtype
-    delta = (do.to(acc) * out_sink.to(acc)).sum(-1)  # [H, T]
-    return -(torch.exp(sinks.to(acc)[:, None] - lse) * delta).sum(-1).to(sinks.dtype)
+    return -(torch.exp(sinks.to(acc)[:, None] - lse) * delta.to(acc)).sum(-1).to(sinks.dtype)

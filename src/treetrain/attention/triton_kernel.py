@@ -360,8 +360,7 @@ class _TreeAttention(torch.autograd.Function):
         grid = (triton.cdiv(T, block_m), Hq)
         _fwd_kernel[grid](q, k, v, end, pos, w, k_min, k_max, o, lse, T, scale * _LOG2E, **args)
         if sinks is not None:  # rescale by the sink's share; the backward kernels then see the sink's
-            sunk, new_lse = add_sinks(o, lse / _LOG2E, sinks)  # probabilities through o' and lse'
-            o.copy_(sunk)
+            _, new_lse = add_sinks(o, lse / _LOG2E, sinks, inplace=True)  # probabilities through o', lse'
             lse = new_lse * _LOG2E
         ctx.save_for_backward(q, k, v, o, lse, end, pos, k_min, k_max, sinks)
         ctx.scale, ctx.block_m, ctx.block_n, ctx.window = scale, block_m, block_n, window
@@ -391,7 +390,7 @@ class _TreeAttention(torch.autograd.Function):
         )
         ds = None
         if sinks is not None and ctx.needs_input_grad[8]:
-            ds = sink_grad(do, o, lse / _LOG2E, sinks)
+            ds = sink_grad(delta, lse / _LOG2E, sinks)
         return dq, dk, dv, None, None, None, None, None, ds
 
 
