@@ -53,12 +53,14 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
+    QWEN3_SHAPES,
     add_allocator_flag,
     hardware,
     judge,
     machine_before,
     noise_section,
     result_path,
+    timed,
     use_allocator,
 )
 
@@ -67,10 +69,7 @@ from treetrain.bench import noise  # noqa: E402
 MODELS = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=1, head_dim=32, vocab_size=1000),  # the test's smoke run
-    "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=64, vocab_size=32000),
-    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    **QWEN3_SHAPES,
 }  # fmt: skip
 
 
@@ -273,16 +272,6 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-
-
-def timed(fn, device: str, clock=time.perf_counter) -> float:
-    if device == "cuda":
-        torch.cuda.synchronize()
-    t = clock()
-    fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return clock() - t
 
 
 def run_case(engines, cfg, P, n, C, prompts, repeats, device, verl_micro, clock=time.perf_counter) -> dict:
