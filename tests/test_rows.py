@@ -159,17 +159,15 @@ def test_a_merged_tree_that_cannot_be_built_names_its_first_row(tmp_path, monkey
     """``_build`` raises without a line (the parser lets nothing through that makes ``from_paths``
     fail today, so it is forced here): the error names the tree's first row, in both error modes,
     and the rows after it still read."""
-    from treetrain.data import reader
     from treetrain.data.fields import _Invalid
-
-    build = reader._build
+    from treetrain.data.records import _build
 
     def refuse_three_paths(paths, fields):
         if len(paths) == 3:
             raise _Invalid("cannot build the tree: refused")
-        return build(paths, fields)
+        return _build(paths, fields)
 
-    monkeypatch.setattr(reader, "_build", refuse_three_paths)
+    monkeypatch.setattr("treetrain.data.reader._build", refuse_three_paths)
     path = _write(tmp_path, ROWS, "jsonl")  # rows 1-3 share a prompt: one tree of three paths
     with pytest.raises(DataError, match=r"rows.jsonl:1: cannot build the tree: refused"):
         list(iter_trees(path))
