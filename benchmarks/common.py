@@ -30,6 +30,11 @@ QWEN3_SHAPES = {
 }  # fmt: skip
 
 
+def table_head(columns: list[str]) -> str:
+    """A markdown table's header row and rule."""
+    return "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n"
+
+
 def timed(fn, device: str, clock=time.perf_counter) -> float:
     """Seconds ``fn()`` takes by ``clock``; on CUDA the queued work is waited for before and after."""
     import torch

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_allocator_flag, hardware, result_path, timed, use_allocator  # noqa: E402
+from common import add_allocator_flag, hardware, result_path, table_head, timed, use_allocator  # noqa: E402
 from trl_grpo import MODELS, make_batch, online_trainer, qwen3  # noqa: E402
 
 from treetrain.integrations.flat import FlatBatch  # noqa: E402
@@ -209,12 +209,10 @@ def run_case(name, args, P, C, dtype, workdir, seed=0) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    head = (
-        "| trainer | P | C | rows | path tok | tree tok | TRL s | per-path s | tree s | "
-        "vs TRL: speedup / bound / efficiency | vs per-path: speedup / bound / efficiency |\n|"
-        + "---|" * 11
-        + "\n"
-    )
+    head = table_head([
+        "trainer", "P", "C", "rows", "path tok", "tree tok", "TRL s", "per-path s", "tree s",
+        "vs TRL: speedup / bound / efficiency", "vs per-path: speedup / bound / efficiency",
+    ])  # fmt: skip
     return (
         head
         + "\n".join(

@@ -60,6 +60,7 @@ from common import (  # noqa: E402
     machine_before,
     noise_section,
     result_path,
+    table_head,
     timed,
     use_allocator,
 )
@@ -313,12 +314,10 @@ def run_case(engines, cfg, P, n, C, prompts, repeats, device, verl_micro, clock=
 
 
 def table(rows: list[dict]) -> str:
-    head = (
-        "| P | n | C | row tokens | tree tokens | verl micro-batches | verl step s | tree step s | speedup "
-        "| bound | efficiency (best) | efficiency (median) | spread verl / tree | timings |\n|"
-        + "---|" * 14
-        + "\n"
-    )
+    head = table_head([
+        "P", "n", "C", "row tokens", "tree tokens", "verl micro-batches", "verl step s", "tree step s",
+        "speedup", "bound", "efficiency (best)", "efficiency (median)", "spread verl / tree", "timings",
+    ])  # fmt: skip
     lines = [
         f"| {r['P']} | {r['n']} | {r['C']} | {r['path_tokens']} | {r['tree_tokens']} | {r['micro']} | "
         f"{r['verl']:.3f} | {r['tree']:.3f} | {r['speedup']:.2f}x | {r['bound']:.2f}x | "
