@@ -305,6 +305,6 @@ def test_old_method_names_warn_and_give_the_new_methods(old, new):
         got = plan(tree, 6, old)
     assert [g.tolist() for g in got] == [g.tolist() for g in plan(tree, 6, new)]
     with pytest.warns(DeprecationWarning):
-        tree.partition(6, old)
+        partition(tree, 6, old)
     with pytest.raises(ValueError, match="beam_dp"):
         plan(tree, 6, "beam")

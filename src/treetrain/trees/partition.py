@@ -60,7 +60,6 @@ import gc
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -76,9 +75,7 @@ from treetrain.trees.binpack import (
     _separate,
     _State,
 )
-
-if TYPE_CHECKING:  # tree.py imports this module (TrajectoryTree.partition); only types here
-    from treetrain.trees.tree import TrajectoryTree
+from treetrain.trees.tree import TrajectoryTree
 
 __all__ = [
     "BEAM_MAX_NODES",
