@@ -20,7 +20,7 @@ import os
 import torch
 
 from treetrain.attention.mask import TreeMask, block_bounds, check_inputs
-from treetrain.attention.sinks import add_sinks, check_sinks, sink_grad
+from treetrain.attention.sinks import add_sinks, sink_grad
 
 try:
     import triton
@@ -78,23 +78,39 @@ def _store_rows(ptr, idx, x, T, D: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @_jit
+def _key_tile(
+    q, K, V, SEND, POS, q_pos, WINDOW, offs_m, k0, T, qk_scale,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
+):  # fmt: skip
+    """Keys ``[k0, k0+BLOCK_N)``: ``k, v [BLOCK_N, BLOCK_D]`` and the scores of the query rows ``q``
+    against them ``[BLOCK_M, BLOCK_N]`` (log2 units), -inf where the tree (``MASKED``) or the window
+    hides a key; keys past ``T`` are hidden from all."""
+    offs_n = k0 + tl.arange(0, BLOCK_N)
+    k = _load_rows(K, offs_n, T, D, BLOCK_D)
+    v = _load_rows(V, offs_n, T, D, BLOCK_D)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    if MASKED:
+        k_end = tl.load(SEND + offs_n, mask=offs_n < T, other=0)
+        vis = _visible(offs_m[:, None], offs_n[None, :], k_end[None, :])
+        if HAS_WINDOW:
+            k_pos = tl.load(POS + offs_n, mask=offs_n < T, other=0)
+            vis = vis & _near(q_pos[:, None], k_pos[None, :], WINDOW)
+        s = tl.where(vis, s, float("-inf"))
+    return k, v, s
+
+
+@_jit
 def _fwd_tile(
     acc, m_i, l_i, q, K, V, SEND, POS, q_pos, WINDOW, offs_m, k0, T, qk_scale,
     D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
     MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step over keys ``[k0, k0+BLOCK_N)``. acc: [BLOCK_M, BLOCK_D] fp32."""
-    offs_n = k0 + tl.arange(0, BLOCK_N)
-    k = _load_rows(K, offs_n, T, D, BLOCK_D)
-    v = _load_rows(V, offs_n, T, D, BLOCK_D)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-    if MASKED:
-        k_end = tl.load(SEND + offs_n, mask=offs_n < T, other=0)  # keys past T: hidden from all
-        vis = _visible(offs_m[:, None], offs_n[None, :], k_end[None, :])
-        if HAS_WINDOW:
-            k_pos = tl.load(POS + offs_n, mask=offs_n < T, other=0)
-            vis = vis & _near(q_pos[:, None], k_pos[None, :], WINDOW)
-        s = tl.where(vis, s, float("-inf"))
+    _, v, s = _key_tile(
+        q, K, V, SEND, POS, q_pos, WINDOW, offs_m, k0, T, qk_scale, D, BLOCK_N, BLOCK_D, PRECISION, MASKED,
+        HAS_WINDOW,
+    )  # fmt: skip
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet: avoid nan
     p = tl.exp2(s - m_use[:, None])
@@ -239,17 +255,10 @@ def _bwd_dq_tile(
     MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):  # fmt: skip
     """Accumulate keys ``[k0, k0+BLOCK_N)`` into dq [BLOCK_M, BLOCK_D]."""
-    offs_n = k0 + tl.arange(0, BLOCK_N)
-    k = _load_rows(K, offs_n, T, D, BLOCK_D)
-    v = _load_rows(V, offs_n, T, D, BLOCK_D)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-    if MASKED:
-        k_end = tl.load(SEND + offs_n, mask=offs_n < T, other=0)
-        vis = _visible(offs_m[:, None], offs_n[None, :], k_end[None, :])
-        if HAS_WINDOW:
-            k_pos = tl.load(POS + offs_n, mask=offs_n < T, other=0)
-            vis = vis & _near(q_pos[:, None], k_pos[None, :], WINDOW)
-        s = tl.where(vis, s, float("-inf"))
+    k, v, s = _key_tile(
+        q, K, V, SEND, POS, q_pos, WINDOW, offs_m, k0, T, qk_scale, D, BLOCK_N, BLOCK_D, PRECISION, MASKED,
+        HAS_WINDOW,
+    )  # fmt: skip
     p = tl.exp2(s - lse[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     ds = p * (dp - delta[:, None])
@@ -421,9 +430,7 @@ def triton_tree_attention(
             f"attention logit softcapping ({softcap}) is not supported by the triton backend; "
             "use attention backend 'flex' (CUDA) or 'dense'"
         )
-    check_inputs("triton_tree_attention", q, k, v, mask)
-    if sinks is not None:
-        check_sinks("triton_tree_attention", sinks, q.shape[0])
+    check_inputs("triton_tree_attention", q, k, v, mask, sinks)
     if triton is None:
         raise RuntimeError("the triton attention backend needs the triton package")
     default_m, default_n, _ = _config(q)
