@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from treetrain.attention.mask import TreeMask, check_inputs
-from treetrain.attention.sinks import add_sinks, check_sinks, sink_grad
+from treetrain.attention.sinks import add_sinks, sink_grad
 
 try:  # the CPU flash kernel behind SDPA, called directly for its log-sum-exp and backward
     _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -390,9 +390,7 @@ def blocksparse_attention(
             f"attention logit softcapping ({softcap}) is not supported by the blocksparse backend; "
             "use attention backend 'dense' (CPU) or 'flex'"
         )
-    check_inputs("blocksparse_attention", q, k, v, mask)
-    if sinks is not None:
-        check_sinks("blocksparse_attention", sinks, q.shape[0])
+    check_inputs("blocksparse_attention", q, k, v, mask, sinks)
     if q.device.type != "cpu":
         raise ValueError(f"blocksparse_attention runs on CPU, got {q.device}; use flex or triton")
     if q.shape[1] == 0:

@@ -6,7 +6,6 @@ import torch
 import torch.nn.functional as F
 
 from treetrain.attention.mask import TreeMask, check_inputs, dense_tree_mask
-from treetrain.attention.sinks import check_sinks
 
 
 def dense_attention(
@@ -28,9 +27,7 @@ def dense_attention(
     ``sinks [Hq]``: GPT-OSS's per-head sink logits, one more softmax column with a zero value (as HF's
     eager attention: the column joins the softmax and is dropped after it).
     """
-    check_inputs("dense_attention", q, k, v, mask)
-    if sinks is not None:
-        check_sinks("dense_attention", sinks, q.shape[0])
+    check_inputs("dense_attention", q, k, v, mask, sinks)
     pos = mask.window_positions(window)
     dense = mask.cached(("dense", window), lambda: dense_tree_mask(mask.subtree_end, pos, window))
     rep = q.shape[0] // k.shape[0]

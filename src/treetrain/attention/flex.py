@@ -13,7 +13,7 @@ import torch
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
 from treetrain.attention.mask import TreeMask, block_classes, check_inputs
-from treetrain.attention.sinks import add_sinks, check_sinks
+from treetrain.attention.sinks import add_sinks
 
 FLEX_BLOCK = 128
 
@@ -92,7 +92,7 @@ def flex_tree_attention(
     ``score_mod`` on the scaled scores); ``sinks [Hq]``: GPT-OSS's sink logits, applied from the
     kernel's log-sum-exp (:mod:`.sinks`; the gradient flows through flex's differentiable lse).
     """
-    check_inputs("flex_tree_attention", q, k, v, mask)
+    check_inputs("flex_tree_attention", q, k, v, mask, sinks)
     pos = mask.window_positions(window)
     bm = mask.cached(("flex", window), lambda: tree_block_mask(mask.subtree_end, FLEX_BLOCK, pos, window))
     gqa = q.shape[0] != k.shape[0]
@@ -102,7 +102,6 @@ def flex_tree_attention(
             q[None], k[None], v[None], score_mod=score_mod, block_mask=bm, scale=scale, enable_gqa=gqa
         )
         return out[0]
-    check_sinks("flex_tree_attention", sinks, q.shape[0])
     out, aux = _flex(q.device)(
         q[None], k[None], v[None], score_mod=score_mod, block_mask=bm, scale=scale, enable_gqa=gqa,
         return_aux=AuxRequest(lse=True),

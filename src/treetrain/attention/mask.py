@@ -73,9 +73,17 @@ def dense_tree_mask(
     return mask
 
 
-def check_inputs(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: TreeMask) -> None:
+def check_inputs(
+    name: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: TreeMask,
+    sinks: torch.Tensor | None = None,
+) -> None:
     """The checks every backend entry point runs, as ``ValueError``: ``q [Hq, T, D]``,
-    ``k, v [Hkv, T, D]`` with ``Hq % Hkv == 0``, one dtype and device, ``subtree_end [T]``."""
+    ``k, v [Hkv, T, D]`` with ``Hq % Hkv == 0``, one dtype and device, ``subtree_end [T]``, and
+    ``sinks [Hq]`` when given."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(
             f"{name}: q, k, v must be [H, T, D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
@@ -97,6 +105,8 @@ def check_inputs(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
         raise ValueError(
             f"{name}: subtree_end must be [T] = [{q.shape[1]}], got {tuple(mask.subtree_end.shape)}"
         )
+    if sinks is not None and sinks.shape != (q.shape[0],):
+        raise ValueError(f"{name}: sinks must be [Hq] = [{q.shape[0]}], got {tuple(sinks.shape)}")
 
 
 def check_subtree_end(subtree_end: torch.Tensor) -> None:

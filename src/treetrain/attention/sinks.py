@@ -20,13 +20,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["add_sinks", "sink_grad", "check_sinks"]
-
-
-def check_sinks(name: str, sinks: torch.Tensor, heads: int) -> None:
-    """``sinks`` must be ``[Hq]``."""
-    if sinks.shape != (heads,):
-        raise ValueError(f"{name}: sinks must be [Hq] = [{heads}], got {tuple(sinks.shape)}")
+__all__ = ["add_sinks", "sink_grad"]
 
 
 def add_sinks(
