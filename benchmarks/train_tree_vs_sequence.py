@@ -50,8 +50,8 @@ from common import add_allocator_flag, judge, machine_before, noise_section, use
 
 from treetrain.bench import allocator, noise  # noqa: E402
 from treetrain.data.reader import iter_trees, sample_path
-from treetrain.objectives.policy_config import Objective
-from treetrain.objectives.policy_objective import PolicyObjective
+from treetrain.objectives.policy.config import Objective
+from treetrain.objectives.policy.training import PolicyObjective
 from treetrain.train.batches import StepBatch
 from treetrain.train.build import build_optimizer, configure_model, default_model_config
 from treetrain.train.config import TrainConfig

@@ -183,8 +183,9 @@ def run_case(trainer, P, G, C, prompts, repeats, device, seed=0, generation=Fals
     from trl import GRPOTrainer
 
     from treetrain.objectives.baseline import sequence_microbatches
-    from treetrain.objectives.policy import compute_loss, loss_normalizer
-    from treetrain.objectives.policy_config import Objective
+    from treetrain.objectives.policy.aggregation import loss_normalizer
+    from treetrain.objectives.policy.config import Objective
+    from treetrain.objectives.policy.loss import compute_loss
     from treetrain.trees.packing import pack
 
     model = trainer.model

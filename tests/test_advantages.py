@@ -13,8 +13,9 @@ from treetrain import TrajectoryTree, path_logprobs
 from treetrain.cli import main
 from treetrain.data.records import parse_record
 from treetrain.objectives.advantages import assign_advantages
-from treetrain.objectives.policy import PathMeta, objective
-from treetrain.objectives.policy_config import Objective
+from treetrain.objectives.policy.aggregation import PathMeta
+from treetrain.objectives.policy.config import Objective
+from treetrain.objectives.policy.loss import objective
 
 from .reference import tiny_config, tiny_model
 

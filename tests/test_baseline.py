@@ -20,8 +20,8 @@ from treetrain.objectives.baseline import (
     sequence_microbatches,
     sequence_parts,
 )
-from treetrain.objectives.policy import loss_normalizer
-from treetrain.objectives.policy_objective import PolicyObjective
+from treetrain.objectives.policy.aggregation import loss_normalizer
+from treetrain.objectives.policy.training import PolicyObjective
 from treetrain.train.batches import rank_microbatches
 from treetrain.train.config import TrainConfig, validate
 

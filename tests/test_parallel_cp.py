@@ -69,8 +69,9 @@ def _worker(rank: int, world: int, port: int, out: str, arch: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        from treetrain.objectives.policy import compute_loss, loss_normalizer
-        from treetrain.objectives.policy_config import Objective
+        from treetrain.objectives.policy.aggregation import loss_normalizer
+        from treetrain.objectives.policy.config import Objective
+        from treetrain.objectives.policy.loss import compute_loss
 
         model = _model(arch)
         trees = make_trees(3, seed=1)
@@ -95,8 +96,9 @@ def _worker(rank: int, world: int, port: int, out: str, arch: str) -> None:
 
 
 def _one_process(arch: str):
-    from treetrain.objectives.policy import compute_loss, loss_normalizer
-    from treetrain.objectives.policy_config import Objective
+    from treetrain.objectives.policy.aggregation import loss_normalizer
+    from treetrain.objectives.policy.config import Objective
+    from treetrain.objectives.policy.loss import compute_loss
 
     model = _model(arch)
     trees = make_trees(3, seed=1)

@@ -48,8 +48,8 @@ def one_path_tree(length: int, vocab: int, seed: int = 0) -> TrajectoryTree:
 
 def _objective():
     """What ``treetrain train --objective sft`` runs: its micro-batches and its loss."""
-    from treetrain.objectives.policy_config import Objective
-    from treetrain.objectives.policy_objective import PolicyObjective
+    from treetrain.objectives.policy.config import Objective
+    from treetrain.objectives.policy.training import PolicyObjective
 
     return PolicyObjective(Objective("sft", report_entropy=False))  # as a plain HF step: no entropy metric
 
@@ -65,7 +65,7 @@ def train_step(mode: str, model, trees, micro, backend: str | None) -> float:
     (SFT, token-mean over the trees' trained targets)."""
     objective = _objective()
     if mode == "hf":
-        from treetrain.objectives.policy import loss_normalizer
+        from treetrain.objectives.policy.aggregation import loss_normalizer
 
         return hf_step(model, trees, loss_normalizer(trees, objective.config))
     loss_fn = objective.micro_loss(trees, mode)

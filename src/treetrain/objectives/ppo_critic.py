@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from treetrain.objectives.interface import Kit, Trained
-from treetrain.objectives.policy_objective import PolicyObjective
+from treetrain.objectives.policy.training import PolicyObjective
 
 __all__ = ["CRITIC_OBJECTIVE", "Critic", "PPOCritic", "build_critic", "check_record", "policy_objective"]
 
@@ -59,9 +59,9 @@ def _split_options(loss: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
 
 
 def policy_objective(cfg):
-    """The policy's ``treetrain.objectives.policy.Objective`` (``ppo``) from ``cfg.loss`` minus the
+    """The policy's ``treetrain.objectives.policy.config.Objective`` (``ppo``) from ``cfg.loss`` minus the
     critic's options."""
-    from treetrain.objectives.policy_config import Objective
+    from treetrain.objectives.policy.config import Objective
 
     _, rest = _split_options(cfg.loss)
     for name in ("kl_coef", "entropy_coef"):
@@ -75,7 +75,7 @@ def policy_objective(cfg):
     except TypeError as e:
         raise ValueError(
             f"loss: {e}; --objective {CRITIC_OBJECTIVE} takes {', '.join(CRITIC_OPTIONS)} and the ppo "
-            "options of treetrain.objectives.policy.Objective"
+            "options of treetrain.objectives.policy.config.Objective"
         ) from None
 
 
@@ -177,7 +177,7 @@ def _load_critic(path: str, kit: Kit) -> nn.Module:
 def summarize(sums: dict[str, torch.Tensor]) -> dict[str, float]:
     """The policy's metrics (``summarize_metrics``) plus the critic's: ``value_loss`` and per-token
     means ``value``, ``advantage``, ``return``, ``value_clipfrac``."""
-    from treetrain.objectives.policy import summarize_metrics
+    from treetrain.objectives.policy.loss import summarize_metrics
 
     out = summarize_metrics(sums)
     out["value_loss"] = float(sums["value_loss"])
@@ -226,7 +226,7 @@ class PPOCritic(PolicyObjective):
         """Policy + ``vf_coef`` x value loss of a micro-batch (:func:`compute_ppo_critic_loss`). The value
         loss's normalizer is the step's trained targets (whole trees), so micro-batch losses add up
         to the step's loss whatever the partition."""
-        from treetrain.objectives.policy import PathMeta, loss_normalizer
+        from treetrain.objectives.policy.aggregation import PathMeta, loss_normalizer
         from treetrain.objectives.value import compute_ppo_critic_loss
 
         meta = PathMeta.from_trees(list(trees))  # once per step, for both normalizers

@@ -140,14 +140,16 @@ def compute_ppo_critic_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One micro-batch of PPO with a critic: ``policy_loss + vf_coef * value_loss``.
 
-    ``cfg``: a ``treetrain.objectives.policy.Objective`` (``ppo``; the data carries per-path ``rewards``, no
-    ``advantages``, and optionally ``old_logprobs``: without them the ratio is 1, on-policy).
+    ``cfg``: a ``treetrain.objectives.policy.config.Objective`` (``ppo``; the data carries per-path
+    ``rewards``, no ``advantages``, and optionally ``old_logprobs``: without them the ratio is 1,
+    on-policy).
     ``normalizer``: ``loss_normalizer(step trees, cfg)``; ``value_normalizer``: the step's trained
     targets. The critic's values (one head row per distinct token on a tree), GAE along each path,
     then the policy objective on those advantages.
     """
     from treetrain.objectives.path_outputs import path_target_logprobs
-    from treetrain.objectives.policy import PathMeta, objective
+    from treetrain.objectives.policy.aggregation import PathMeta
+    from treetrain.objectives.policy.loss import objective
 
     if not all("rewards" in t.fields for t in packed.trees):
         raise ValueError("PPO with a critic needs per-path `rewards` in every record (not advantages)")

@@ -2,7 +2,7 @@
 
 One flat dataclass, :class:`TrainConfig`; the objective's own options (clip range, KL and entropy
 coefficients, aggregation) live in its ``loss`` dict and are handed to
-``treetrain.objectives.policy.Objective``.
+``treetrain.objectives.policy.config.Objective``.
 Every bad value raises a ``ValueError`` that names the option and says how to fix it.
 
 YAML example::
@@ -66,7 +66,7 @@ class TrainConfig:
     attention: str | None = None  # tree attention backend (dense|blocksparse|flex|triton); None: by device
     # objective
     objective: str = "sft"  # sft | reinforce | grpo | ppo | gspo | dpo | reward | ppo_critic
-    loss: dict[str, Any] = field(default_factory=dict)  # extra treetrain.objectives.policy.Objective fields
+    loss: dict[str, Any] = field(default_factory=dict)  # the objective's options (objectives.policy.config)
     reference: str = "model"  # KL reference: model (frozen initial copy) | data (ref_logprobs field)
     ref_model: str | None = None  # dpo: the frozen reference model's directory; None: the initial weights
     advantages: str | None = None  # group | batch | none: GRPO advantages from per-path rewards
