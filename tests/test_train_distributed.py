@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from treetrain.train.checkpoint import FAULT_ENV, latest_checkpoint, list_checkpoints, verify_checkpoint
+from treetrain.train.checkpoint import latest_checkpoint, list_checkpoints, verify_checkpoint
+from treetrain.train.checkpoint_files import FAULT_ENV
 
 from .reference import tiny_config
 
