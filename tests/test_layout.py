@@ -25,7 +25,7 @@ ORDER = [
     "parallel", "train", "integrations", "bench", "cli",
 ]
 MAX_TOP_LEVEL = 12
-MAX_LINES = 600
+MAX_LINES = 500
 
 
 def module_name(path: Path) -> str:
