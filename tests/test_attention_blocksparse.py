@@ -21,14 +21,7 @@ from treetrain.attention.blocksparse import blocksparse_attention, build_plan
 from treetrain.attention.dense import dense_attention
 from treetrain.attention.mask import TreeMask, check_subtree_end, dense_tree_mask
 
-
-def subtree_end_from_parents(parent: list[int]) -> torch.Tensor:
-    """DFS-ordered ``parent`` (``-1`` for a root) -> ``subtree_end``."""
-    end = list(range(1, len(parent) + 1))
-    for t in reversed(range(len(parent))):
-        if parent[t] >= 0:
-            end[parent[t]] = max(end[parent[t]], end[t])
-    return torch.tensor(end, dtype=torch.int64)
+from .strategies import subtree_end_from_parents
 
 
 def chains(*lengths: int, prefix: int = 0) -> torch.Tensor:

@@ -26,7 +26,7 @@ from treetrain.integrations.trl_preference import TreeDPOTrainer, TreeRewardTrai
 from treetrain.models.hf import tree_forward as real_tree_forward  # noqa: E402
 
 from .reference import tiny_config  # noqa: E402
-from .trl_tiny import char_tokenizer, save_tiny_policy  # noqa: E402
+from .trl_tiny import TRAINER_ARGS, char_tokenizer, save_tiny_policy  # noqa: E402
 
 NOT_COMPARED = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second"}
 PROMPTS = ["what is 1+2?", "spell cat.", "what is 1+2?", "count to 3"]
@@ -65,21 +65,7 @@ def reward_model(tmp_path_factory):
     return str(path)
 
 
-COMMON = dict(
-    per_device_train_batch_size=4,
-    max_steps=2,
-    learning_rate=0.05,
-    optim="sgd",
-    lr_scheduler_type="constant",
-    use_cpu=True,
-    bf16=False,
-    seed=0,
-    logging_steps=1,
-    report_to="none",
-    save_strategy="no",
-    disable_tqdm=True,
-    model_init_kwargs={"dtype": torch.float32},
-)
+COMMON = dict(per_device_train_batch_size=4, **TRAINER_ARGS)
 
 
 def run(cls, cfg_cls, model, out, data, **over):
