@@ -30,6 +30,21 @@ QWEN3_SHAPES = {
 }  # fmt: skip
 
 
+def provenance(script: str, argv: list[str] | None, device: str, versions: str = "") -> str:
+    """A result's provenance line: ``DATE UTC, device, torch X[versions], command: `python
+    benchmarks/SCRIPT ARGS``` (``argv``: the script's arguments; None: ``sys.argv``'s)."""
+    import sys
+
+    import torch
+
+    name = torch.cuda.get_device_name() if device == "cuda" else hardware()
+    args = " ".join(argv if argv is not None else sys.argv[1:])
+    return (
+        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {name}, torch "
+        f"{torch.__version__}{versions}, command: `python benchmarks/{Path(script).name} {args}`"
+    )
+
+
 def table_head(columns: list[str]) -> str:
     """A markdown table's header row and rule."""
     return "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n"

@@ -43,7 +43,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 import tempfile
@@ -56,10 +55,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     QWEN3_SHAPES,
     add_allocator_flag,
-    hardware,
     judge,
     machine_before,
     noise_section,
+    provenance,
     result_path,
     timed,
     use_allocator,
@@ -378,14 +377,11 @@ def main(argv=None) -> list[dict]:
                     )
                     print(table(rows[-1:], head=False), end="", flush=True)
             del trainer
-    device_name = torch.cuda.get_device_name() if args.device == "cuda" else hardware()
     notes = noise_section(before, [(case_name(r), r.get("untrusted", [])) for r in rows])
     print("\n" + notes, end="")  # the rows are printed above, as they came
     text = (
         f"# GRPO scoring + backward: TreeGRPOTrainer vs trl.GRPOTrainer ({args.model}, {dtype})\n\n"
-        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {device_name}, torch "
-        f"{torch.__version__}, command: `python benchmarks/{Path(__file__).name} "
-        f"{' '.join(argv if argv is not None else sys.argv[1:])}`\n\n" + table(rows) + "\n" + notes
+        f"{provenance(__file__, argv, args.device)}\n\n" + table(rows) + "\n" + notes
     )
     if args.write:
         md = result_path(f"trl_grpo_{args.model}", args.device)

@@ -32,7 +32,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 import tempfile
@@ -43,7 +42,7 @@ import torch.nn.functional as F
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_allocator_flag, hardware, result_path, table_head, timed, use_allocator  # noqa: E402
+from common import add_allocator_flag, provenance, result_path, table_head, timed, use_allocator  # noqa: E402
 from trl_grpo import MODELS, make_batch, online_trainer, qwen3  # noqa: E402
 
 from treetrain.integrations.flat import FlatBatch  # noqa: E402
@@ -256,12 +255,9 @@ def main(argv=None) -> list[dict]:
                 for P in args.prompt_lens:
                     rows.append(run_case(name, args, P, C, dtype, workdir))
                     print(table(rows[-1:]).splitlines()[-1], flush=True)
-    device_name = torch.cuda.get_device_name() if args.device == "cuda" else hardware()
     text = (
         f"# TRL trainers vs their tree drop-ins: one training forward + backward ({args.model}, {dtype})\n\n"
-        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {device_name}, torch "
-        f"{torch.__version__}, command: `python benchmarks/{Path(__file__).name} "
-        f"{' '.join(argv if argv is not None else sys.argv[1:])}`\n\n"
+        f"{provenance(__file__, argv, args.device)}\n\n"
         + table(rows)
         + (f"\n{args.note}\n" if args.note else "")
     )

@@ -41,7 +41,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import sys
 import tempfile
@@ -55,10 +54,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     QWEN3_SHAPES,
     add_allocator_flag,
-    hardware,
     judge,
     machine_before,
     noise_section,
+    provenance,
     result_path,
     table_head,
     timed,
@@ -445,16 +444,14 @@ def main(argv=None) -> list[dict]:
     heads = []
     if args.head_check is not None:
         heads = head_check(cfg, args.head_check or [1070, 4144], max(args.repeats, 2), clock)
-    device_name = torch.cuda.get_device_name() if args.device == "cuda" else hardware()
     import verl
 
+    versions = f", verl {verl.__version__}, transformers {transformers.__version__}"
     text = (
         f"# verl GRPO train_batch: strategy=treetrain vs verl's FSDP2 engine ({args.model}, "
         f"{'fp32' if args.device == 'cpu' else 'bf16 mixed precision'}; times: "
         f"{'CPU seconds, one thread' if args.clock == 'cpu' else 'wall seconds'})\n\n"
-        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {device_name}, torch "
-        f"{torch.__version__}, verl {verl.__version__}, transformers {transformers.__version__}, command: "
-        f"`python benchmarks/{Path(__file__).name} {' '.join(argv if argv is not None else sys.argv[1:])}`"
+        f"{provenance(__file__, argv, args.device, versions)}"
         f"; verl micro-batches: {args.verl_micro}"
         + (f"; verl log-probs: {args.verl_logprobs}" if args.device == "cpu" else "")
         + "\n\n"
