@@ -83,7 +83,7 @@ def check_inputs(
 ) -> None:
     """The checks every backend entry point runs, as ``ValueError``: ``q [Hq, T, D]``,
     ``k, v [Hkv, T, D]`` with ``Hq % Hkv == 0``, one dtype and device, ``subtree_end [T]``, and
-    ``sinks [Hq]`` when given."""
+    ``sinks [Hq]`` or ``[Hq, T]`` (per head and query) when given."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(
             f"{name}: q, k, v must be [H, T, D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
@@ -105,8 +105,12 @@ def check_inputs(
         raise ValueError(
             f"{name}: subtree_end must be [T] = [{q.shape[1]}], got {tuple(mask.subtree_end.shape)}"
         )
-    if sinks is not None and sinks.shape != (q.shape[0],):
-        raise ValueError(f"{name}: sinks must be [Hq] = [{q.shape[0]}], got {tuple(sinks.shape)}")
+    heads, tokens = q.shape[0], q.shape[1]
+    if sinks is not None and sinks.shape not in ((heads,), (heads, tokens)):
+        raise ValueError(
+            f"{name}: sinks must be [Hq] = [{heads}] or [Hq, T] = [{heads}, {tokens}], "
+            f"got {tuple(sinks.shape)}"
+        )
 
 
 def check_subtree_end(subtree_end: torch.Tensor) -> None:

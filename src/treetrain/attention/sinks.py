@@ -1,5 +1,6 @@
-"""Attention sinks (GPT-OSS): one learned logit per head that joins every row's softmax with a zero
-value, as an extra key every query sees.
+"""Attention sinks: one learned logit per head (GPT-OSS), or per head and query (Inkling2, computed
+from the query's hidden state), that joins the row's softmax with a zero value, as an extra key
+every query sees.
 
 With ``lse`` the log-sum-exp of a row's scores over its visible keys and ``s`` the head's sink::
 
@@ -23,21 +24,27 @@ import torch
 __all__ = ["add_sinks", "sink_grad"]
 
 
+def _rows(sinks: torch.Tensor) -> torch.Tensor:
+    """``[H]`` or ``[H, T]`` -> broadcastable against ``[H, T]``."""
+    return sinks[:, None] if sinks.dim() == 1 else sinks
+
+
 def add_sinks(
     out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, *, inplace: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``out [H, T, D]``, ``lse [H, T]`` (natural log), ``sinks [H]`` -> ``(out_sink, lse')``.
+    """``out [H, T, D]``, ``lse [H, T]`` (natural log), ``sinks [H]`` or ``[H, T]`` -> ``(out_sink, lse')``.
 
     ``out_sink`` has ``out``'s dtype; ``lse'`` has ``lse``'s. ``inplace``: rescale ``out`` itself (a
     kernel's own output buffer; not a tensor autograd saved) instead of a new ``[H, T, D]`` tensor.
     """
-    new_lse = torch.logaddexp(lse, sinks.to(lse.dtype)[:, None])
+    new_lse = torch.logaddexp(lse, _rows(sinks).to(lse.dtype))
     factor = torch.exp(lse - new_lse)[..., None].to(out.dtype)
     return (out.mul_(factor) if inplace else out * factor), new_lse
 
 
 def sink_grad(delta: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    """Gradient of the sinks ``[H]``: ``delta = rowsum(d out * out_sink)`` ``[H, T]`` (the flash
-    backward's ``D``), ``lse [H, T]`` (with the sink)."""
+    """Gradient of the sinks (``[H]`` or ``[H, T]``, as given): ``delta = rowsum(d out * out_sink)``
+    ``[H, T]`` (the flash backward's ``D``), ``lse [H, T]`` (with the sink)."""
     acc = lse.dtype
-    return -(torch.exp(sinks.to(acc)[:, None] - lse) * delta.to(acc)).sum(-1).to(sinks.dtype)
+    per_row = -(torch.exp(_rows(sinks).to(acc) - lse) * delta.to(acc))
+    return (per_row.sum(-1) if sinks.dim() == 1 else per_row).to(sinks.dtype)
