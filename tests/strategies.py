@@ -35,6 +35,15 @@ def subtree_end_from_parents(parent: list[int]) -> torch.Tensor:
     return torch.tensor(end, dtype=torch.int64)
 
 
+def tree_from_parents(parent: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """DFS-ordered ``parent`` (-1: a root) -> ``subtree_end [T]``, ``position_ids [T]`` (each token's
+    depth along its path)."""
+    pos: list[int] = []
+    for p in parent:
+        pos.append(pos[p] + 1 if p >= 0 else 0)
+    return subtree_end_from_parents(parent), torch.tensor(pos)
+
+
 def random_parents(n: int, rng: random.Random, p_continue: float = 0.7) -> list[int]:
     """A random forest in DFS order: each token is a child of the previous one (probability
     ``p_continue``), else a child of one of the previous token's ancestors, or a new root."""

@@ -46,13 +46,7 @@ def dfs_trees(draw, max_tokens: int = 96):
     return subtree_end_from_parents(parent)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # many tiny kernel calls: on a busy 2-core runner, OpenMP barriers would dominate
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors (conftest)
 
 
 HAND_WRITTEN = {

@@ -24,7 +24,7 @@ import treetrain.attention.triton_kernel as tk  # noqa: E402
 from treetrain.attention.dense import dense_attention  # noqa: E402
 from treetrain.attention.mask import TreeMask, check_subtree_end, dense_tree_mask  # noqa: E402
 
-from .strategies import random_parents, subtree_end_from_parents  # noqa: E402
+from .strategies import random_parents, subtree_end_from_parents, tree_from_parents  # noqa: E402
 
 INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -207,13 +207,6 @@ def test_low_precision(dtype, seed):
 # ------------------------------------------------------------------------------------------------
 
 
-def path_positions(parent: list[int]) -> torch.Tensor:
-    depth: list[int] = []
-    for p in parent:
-        depth.append(0 if p < 0 else depth[p] + 1)
-    return torch.tensor(depth)
-
-
 @pytest.mark.parametrize(
     "parent, heads, window",
     [
@@ -224,7 +217,7 @@ def path_positions(parent: list[int]) -> torch.Tensor:
     ids=["forest-gqa", "star-window", "bushy"],
 )
 def test_alibi_against_dense(parent, heads, window):
-    end, pos = subtree_end_from_parents(parent), path_positions(parent)
+    end, pos = tree_from_parents(parent)
     hq = heads[0]
     slopes = torch.tensor([2 ** (-8 * (h + 1) / hq) for h in range(hq)])
     # slope * position, plus a random term so a bias read at the wrong token or head shows
