@@ -43,9 +43,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from treetrain.attention.alibi import check_alibi, tile_bias
+from treetrain.attention.alibi import tile_bias
 from treetrain.attention.mask import TreeMask, check_inputs
-from treetrain.attention.relbias import check_rel_bias, rel_bias_tile, rel_bias_tile_grad
+from treetrain.attention.relbias import rel_bias_tile, rel_bias_tile_grad
 from treetrain.attention.sinks import add_sinks, sink_grad
 
 try:  # the CPU flash kernel behind SDPA, called directly for its log-sum-exp and backward
@@ -476,12 +476,9 @@ def blocksparse_attention(
             f"attention logit softcapping ({softcap}) is not supported by the blocksparse backend; "
             "use attention backend 'dense' (CPU) or 'flex'"
         )
-    check_inputs("blocksparse_attention", q, k, v, mask, sinks)
-    if alibi is not None:
-        check_alibi("blocksparse_attention", alibi, q.shape[0], q.shape[1])
+    check_inputs("blocksparse_attention", q, k, v, mask, sinks, alibi, rel_bias)
     rel_pos = None
     if rel_bias is not None:
-        check_rel_bias("blocksparse_attention", rel_bias, q.shape[0], q.shape[1], mask.position_ids)
         rel_pos = mask.position_ids.detach().to("cpu", torch.int64)
     if q.device.type != "cpu":
         raise ValueError(f"blocksparse_attention runs on CPU, got {q.device}; use flex or triton")

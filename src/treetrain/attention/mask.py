@@ -22,6 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from treetrain.attention.alibi import check_alibi
+from treetrain.attention.relbias import check_rel_bias
+
 
 @dataclass(eq=False)
 class TreeMask:
@@ -80,10 +83,13 @@ def check_inputs(
     v: torch.Tensor,
     mask: TreeMask,
     sinks: torch.Tensor | None = None,
+    alibi: torch.Tensor | None = None,
+    rel_bias: torch.Tensor | None = None,
 ) -> None:
     """The checks every backend entry point runs, as ``ValueError``: ``q [Hq, T, D]``,
     ``k, v [Hkv, T, D]`` with ``Hq % Hkv == 0``, one dtype and device, ``subtree_end [T]``, and
-    ``sinks [Hq]`` or ``[Hq, T]`` (per head and query) when given."""
+    when given: ``sinks [Hq]`` or ``[Hq, T]`` (per head and query), ``alibi [Hq, T]``
+    (:func:`.alibi.check_alibi`), ``rel_bias [Hq, T, E]`` (:func:`.relbias.check_rel_bias`)."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(
             f"{name}: q, k, v must be [H, T, D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
@@ -111,6 +117,10 @@ def check_inputs(
             f"{name}: sinks must be [Hq] = [{heads}] or [Hq, T] = [{heads}, {tokens}], "
             f"got {tuple(sinks.shape)}"
         )
+    if alibi is not None:
+        check_alibi(name, alibi, heads, tokens)
+    if rel_bias is not None:
+        check_rel_bias(name, rel_bias, heads, tokens, mask.position_ids)
 
 
 def check_subtree_end(subtree_end: torch.Tensor) -> None:

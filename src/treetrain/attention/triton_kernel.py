@@ -19,7 +19,6 @@ import os
 
 import torch
 
-from treetrain.attention.alibi import check_alibi
 from treetrain.attention.mask import TreeMask, block_bounds, check_inputs
 from treetrain.attention.sinks import add_sinks, sink_grad
 
@@ -453,9 +452,7 @@ def triton_tree_attention(
             f"attention logit softcapping ({softcap}) is not supported by the triton backend; "
             "use attention backend 'flex' (CUDA) or 'dense'"
         )
-    check_inputs("triton_tree_attention", q, k, v, mask, sinks)
-    if alibi is not None:
-        check_alibi("triton_tree_attention", alibi, q.shape[0], q.shape[1])
+    check_inputs("triton_tree_attention", q, k, v, mask, sinks, alibi)
     if triton is None:
         raise RuntimeError("the triton attention backend needs the triton package")
     default_m, default_n, _ = _config(q)
