@@ -38,6 +38,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from treetrain.models.classes import class_entry
+
 __all__ = ["LMHead", "lm_head", "unwrap"]
 
 
@@ -140,10 +142,8 @@ _TRANSFORMS: dict[str, Callable[[nn.Module], dict]] = {
 def _transforms(model: nn.Module) -> dict:
     """The transforms of ``model``'s class; looks through subclasses (FSDP2 wraps a model's class
     in an ``FSDP<Name>`` subclass)."""
-    for c in type(model).__mro__:
-        if c.__name__ in _TRANSFORMS:
-            return _TRANSFORMS[c.__name__](model)
-    return {}
+    transform = class_entry(model, _TRANSFORMS)
+    return {} if transform is None else transform(model)
 
 
 def lm_head(model: nn.Module) -> LMHead:
