@@ -32,7 +32,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 import tempfile
@@ -43,8 +42,8 @@ import torch.nn.functional as F
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_allocator_flag, hardware, result_path, use_allocator  # noqa: E402
-from trl_grpo import MODELS, make_batch, timed  # noqa: E402
+from common import add_allocator_flag, provenance, result_path, table_head, timed, use_allocator  # noqa: E402
+from trl_grpo import MODELS, make_batch, online_trainer, qwen3  # noqa: E402
 
 from treetrain.integrations.flat import FlatBatch  # noqa: E402
 from treetrain.trees.flops import CostModel, Work, baseline_pairs, tree_pairs  # noqa: E402
@@ -52,35 +51,8 @@ from treetrain.trees.flops import CostModel, Work, baseline_pairs, tree_pairs  #
 TRAINERS = ("rloo", "dpo", "reward")
 
 
-def qwen3(model_name: str, device: str, dtype, seq_cls: bool = False):
-    cfg = transformers.Qwen3Config(
-        **MODELS[model_name], max_position_embeddings=32768, tie_word_embeddings=False, pad_token_id=0
-    )
-    torch.manual_seed(0)
-    auto = transformers.AutoModelForSequenceClassification if seq_cls else transformers.AutoModelForCausalLM
-    if seq_cls:
-        cfg.num_labels = 1
-    return auto.from_config(cfg, dtype=dtype, attn_implementation="sdpa").to(device), cfg
-
-
 def rloo_trainer(model, G: int, device: str, dtype, workdir: str):
-    from datasets import Dataset
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from trl import RLOOConfig
-
-    from treetrain.integrations.trl import TreeRLOOTrainer
-
-    tk = Tokenizer(models.WordLevel({"<pad>": 0, "<eos>": 1, "<unk>": 2}, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>")
-    args = RLOOConfig(
-        output_dir=workdir, per_device_train_batch_size=G, num_generations=G, report_to="none",
-        use_cpu=device == "cpu", bf16=dtype == torch.bfloat16, max_completion_length=8, beta=0.0,
-    )  # fmt: skip
-    return TreeRLOOTrainer(
-        model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
-        train_dataset=Dataset.from_dict({"prompt": ["a"] * G}), processing_class=tok,
-    )  # fmt: skip
+    return online_trainer("RLOO", model, G, device, dtype, workdir, beta=0.0)
 
 
 def work(ids, mask, scored_cols: torch.Tensor, cfg, device: str, head: bool = True) -> dict:
@@ -197,7 +169,7 @@ def reward_modes(model, ids, mask):
 
 def run_case(name, args, P, C, dtype, workdir, seed=0) -> dict:
     dev = args.device
-    model, cfg = qwen3(args.model, dev, dtype, seq_cls=name == "reward")
+    model, cfg = qwen3(args.model, dev, dtype, seq_cls=name == "reward", pad_token_id=0)
     if name == "rloo":
         G = args.group
         trainer = rloo_trainer(model, G, dev, dtype, workdir)
@@ -211,7 +183,7 @@ def run_case(name, args, P, C, dtype, workdir, seed=0) -> dict:
         scored = mask.clone()
         scored[:, :P] = 0
         if name == "dpo":
-            ref, _ = qwen3(args.model, dev, dtype)
+            ref, _ = qwen3(args.model, dev, dtype, pad_token_id=0)
             model, modes = dpo_modes(model, ref, ids, mask, P)
         else:
             model, modes = reward_modes(model, ids, mask)
@@ -236,12 +208,10 @@ def run_case(name, args, P, C, dtype, workdir, seed=0) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    head = (
-        "| trainer | P | C | rows | path tok | tree tok | TRL s | per-path s | tree s | "
-        "vs TRL: speedup / bound / efficiency | vs per-path: speedup / bound / efficiency |\n|"
-        + "---|" * 11
-        + "\n"
-    )
+    head = table_head([
+        "trainer", "P", "C", "rows", "path tok", "tree tok", "TRL s", "per-path s", "tree s",
+        "vs TRL: speedup / bound / efficiency", "vs per-path: speedup / bound / efficiency",
+    ])  # fmt: skip
     return (
         head
         + "\n".join(
@@ -285,12 +255,9 @@ def main(argv=None) -> list[dict]:
                 for P in args.prompt_lens:
                     rows.append(run_case(name, args, P, C, dtype, workdir))
                     print(table(rows[-1:]).splitlines()[-1], flush=True)
-    device_name = torch.cuda.get_device_name() if args.device == "cuda" else hardware()
     text = (
         f"# TRL trainers vs their tree drop-ins: one training forward + backward ({args.model}, {dtype})\n\n"
-        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {device_name}, torch "
-        f"{torch.__version__}, command: `python benchmarks/{Path(__file__).name} "
-        f"{' '.join(argv if argv is not None else sys.argv[1:])}`\n\n"
+        f"{provenance(__file__, argv, args.device)}\n\n"
         + table(rows)
         + (f"\n{args.note}\n" if args.note else "")
     )

@@ -41,7 +41,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import sys
 import tempfile
@@ -53,12 +52,15 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
+    QWEN3_SHAPES,
     add_allocator_flag,
-    hardware,
     judge,
     machine_before,
     noise_section,
+    provenance,
     result_path,
+    table_head,
+    timed,
     use_allocator,
 )
 
@@ -67,10 +69,7 @@ from treetrain.bench import noise  # noqa: E402
 MODELS = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=1, head_dim=32, vocab_size=1000),  # the test's smoke run
-    "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=64, vocab_size=32000),
-    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    **QWEN3_SHAPES,
 }  # fmt: skip
 
 
@@ -275,16 +274,6 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def timed(fn, device: str, clock=time.perf_counter) -> float:
-    if device == "cuda":
-        torch.cuda.synchronize()
-    t = clock()
-    fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return clock() - t
-
-
 def run_case(engines, cfg, P, n, C, prompts, repeats, device, verl_micro, clock=time.perf_counter) -> dict:
     """One case: warm-up, then ``repeats`` rounds of both engines interleaved (order alternating),
     under :class:`treetrain.bench.noise.Monitor`; times are each engine's best, the verdict
@@ -324,12 +313,10 @@ def run_case(engines, cfg, P, n, C, prompts, repeats, device, verl_micro, clock=
 
 
 def table(rows: list[dict]) -> str:
-    head = (
-        "| P | n | C | row tokens | tree tokens | verl micro-batches | verl step s | tree step s | speedup "
-        "| bound | efficiency (best) | efficiency (median) | spread verl / tree | timings |\n|"
-        + "---|" * 14
-        + "\n"
-    )
+    head = table_head([
+        "P", "n", "C", "row tokens", "tree tokens", "verl micro-batches", "verl step s", "tree step s",
+        "speedup", "bound", "efficiency (best)", "efficiency (median)", "spread verl / tree", "timings",
+    ])  # fmt: skip
     lines = [
         f"| {r['P']} | {r['n']} | {r['C']} | {r['path_tokens']} | {r['tree_tokens']} | {r['micro']} | "
         f"{r['verl']:.3f} | {r['tree']:.3f} | {r['speedup']:.2f}x | {r['bound']:.2f}x | "
@@ -457,16 +444,14 @@ def main(argv=None) -> list[dict]:
     heads = []
     if args.head_check is not None:
         heads = head_check(cfg, args.head_check or [1070, 4144], max(args.repeats, 2), clock)
-    device_name = torch.cuda.get_device_name() if args.device == "cuda" else hardware()
     import verl
 
+    versions = f", verl {verl.__version__}, transformers {transformers.__version__}"
     text = (
         f"# verl GRPO train_batch: strategy=treetrain vs verl's FSDP2 engine ({args.model}, "
         f"{'fp32' if args.device == 'cpu' else 'bf16 mixed precision'}; times: "
         f"{'CPU seconds, one thread' if args.clock == 'cpu' else 'wall seconds'})\n\n"
-        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {device_name}, torch "
-        f"{torch.__version__}, verl {verl.__version__}, transformers {transformers.__version__}, command: "
-        f"`python benchmarks/{Path(__file__).name} {' '.join(argv if argv is not None else sys.argv[1:])}`"
+        f"{provenance(__file__, argv, args.device, versions)}"
         f"; verl micro-batches: {args.verl_micro}"
         + (f"; verl log-probs: {args.verl_logprobs}" if args.device == "cpu" else "")
         + "\n\n"

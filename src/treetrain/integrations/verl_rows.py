@@ -27,6 +27,7 @@ from torch import nn
 
 from treetrain.models.rope import split_regimes
 from treetrain.trees.packing import PackedTree, pack
+from treetrain.trees.partition import partition
 from treetrain.trees.tree import TrajectoryTree
 
 __all__ = ["RowTree", "balanced_parts", "split_rows"]
@@ -119,7 +120,7 @@ def split_rows(rows: list[np.ndarray], budget: int, model: nn.Module | None = No
         )
     if tree.num_tokens <= budget:
         return [np.arange(len(rows))]
-    return [np.sort(part.path_ids) for part in tree.partition(int(budget))]
+    return [np.sort(part.path_ids) for part in partition(tree, int(budget))]
 
 
 def balanced_parts(parts: list[np.ndarray], count: int) -> list[np.ndarray]:
