@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from treetrain import TrajectoryTree, pack
 from treetrain.attention.mask import dense_tree_mask
+from treetrain.trees.partition import partition
 
 from .strategies import tree_paths
 
@@ -189,7 +190,7 @@ def test_split_by_keys_by_hand():
     sub = split.subset([1, 0])  # a subset (and so every partition part) stays split
     assert sub.num_tokens == 6 and sub.path_groups.tolist() == [1, 0]
     assert split.split_by([0, 0, 1]).num_tokens == 8  # combined with the groups it has: 3 groups
-    for part in split.partition(4):  # parts of whole paths, each still split by group
+    for part in partition(split, 4):  # parts of whole paths, each still split by group
         groups = part.path_groups
         by_group = [[q for q, h in zip(part.paths(), groups) if h == g] for g in set(groups)]
         assert part.num_tokens == sum(TrajectoryTree.from_paths(q).num_tokens for q in by_group)
