@@ -326,7 +326,8 @@ def sweep_table(rows: list[dict], configs) -> str:
 
 
 def run_sweep(args: argparse.Namespace) -> list[str]:
-    configs = [(32, 4), (64, 4), (256, 8)] if args.quick else CONFIGS
+    configs = [(32, 4), (64, 4), (256, 8)] if args.quick else args.configs or CONFIGS
+    configs = list(dict.fromkeys([(64, 4), *configs]))  # the old default: the "before" column
     before = machine_before()
     rows = []
     for name, make in sweep_trees(args.quick).items():
@@ -366,6 +367,15 @@ def main() -> None:
         "--sweep", action="store_true", help="the block and fanout by tree shape (module docstring)"
     )
     p.add_argument("--quick", action="store_true", help="with --sweep: one small tree, three configurations")
+    p.add_argument(
+        "--configs",
+        nargs="+",
+        type=lambda t: tuple(int(x) for x in t.split(":")),
+        metavar="BLOCK:FANOUT",
+        help="with --sweep: the (block, fanout) pairs to time (default: "
+        + " ".join(f"{b}:{f}" for b, f in CONFIGS)
+        + ")",
+    )
     args = p.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
