@@ -413,8 +413,9 @@ def main() -> None:
     if args.write:
         hw = cpu_name()
         slug = re.sub(r"[^a-z0-9]+", "-", hw.lower()).strip("-")
+        results = os.environ.get("TREETRAIN_RESULTS") or os.path.join(os.path.dirname(__file__), "results")
         path = os.path.join(
-            os.path.dirname(__file__), "results", f"attention_cpu_{slug}_{datetime.date.today()}.md"
+            results, f"attention_cpu_{'sweep_' if args.sweep else ''}{slug}_{datetime.date.today()}.md"
         )
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fresh = not os.path.exists(path)

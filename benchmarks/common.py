@@ -18,7 +18,8 @@ from pathlib import Path
 
 from treetrain.bench import allocator, noise
 
-RESULTS = Path(__file__).parent / "results"
+# where result files go; TREETRAIN_RESULTS redirects them (quiet_runs.py --check writes to a scratch folder)
+RESULTS = Path(os.environ.get("TREETRAIN_RESULTS") or Path(__file__).parent / "results")
 
 
 def cpu_name() -> str:

@@ -108,7 +108,7 @@ PRESETS = {
         cases=[(1024, 8, 64, 1), (2048, 16, 64, 1), (1024, 16, 256, 1), (2048, 8, 256, 1), (1024, 8, 64, 2)],
         repeats=3,
     ),
-    "smollm2-135m": dict(model="smollm2-135m", cases=[(512, 4, 64, 1), (1024, 8, 64, 1)], repeats=3),
+    "smollm2-135m": dict(model="smollm2-135m", cases=[(512, 4, 64, 1)], repeats=3),
     "qwen3-0.6b": dict(model="qwen3-0.6b", cases=[(256, 4, 64, 1)], repeats=2),
 }
 # FLOP/s of these steps on the quiet 2-core AMD EPYC (what --estimate divides by; see verl_engine.RATES)
