@@ -23,7 +23,7 @@ from torch import nn
 
 from treetrain.logprobs import path_logprobs
 from treetrain.models import mamba, mamba2
-from treetrain.models.recurrent import HANDS_DOWN, ROUTES, patch_recurrent_layers, tree_layer_forward
+from treetrain.models.recurrent import FORWARDS, ROUTES, patch_recurrent_layers, tree_layer_forward
 from treetrain.trees.packing import pack
 from treetrain.trees.tree import TrajectoryTree
 
@@ -253,7 +253,7 @@ def test_every_layer_class_is_routed():
 
 @pytest.mark.parametrize("model_type", ["mamba", "jamba"])
 def test_handed_down_under_checkpointing_and_subclasses(model_type, monkeypatch):
-    """Mamba's decoder and Jamba's Mamba layer do not pass the tree's kwargs on (``HANDS_DOWN``):
+    """Mamba's decoder and Jamba's Mamba layer do not pass the tree's kwargs on (``FORWARDS``):
     the tree still reaches the mixers through FSDP2-style ``FSDP<Name>`` subclasses and in training
     mode with activation checkpointing, where the backward replays each layer (each mixer's tree
     forward runs twice); ordinary calls are unchanged."""
@@ -265,7 +265,7 @@ def test_handed_down_under_checkpointing_and_subclasses(model_type, monkeypatch)
         ref = zoo_model(model_type)
         model = copy.deepcopy(ref).train()
         for m in model.modules():
-            if type(m).__name__ in HANDS_DOWN | set(ROUTES):
+            if type(m).__name__ in set(FORWARDS) | set(ROUTES):
                 m.__class__ = type(f"FSDP{type(m).__name__}", (type(m),), {})
         mixers = patch_recurrent_layers(model)
         ids = torch.tensor([[3, 14, 15, 92, 65]])

@@ -82,8 +82,7 @@ def test_exact_architecture(model_type):
 
 # state-carrying layers without tree routing, by the layer named in the refusal
 STATEFUL_MODELS = {
-    "minimax": "MiniMaxLightningAttention",
-    "recurrent_gemma": "RecurrentGemmaRecurrentBlock",
+    "inkling2_text": "Inkling2ShortConvolution",
 }
 
 

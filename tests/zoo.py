@@ -140,6 +140,36 @@ PER_TYPE |= {
         num_query_groups=4, adapter_rank=8, hybrid_layer_ids=[1], use_shared_attention_adapter=True,
         use_mem_rope=True, head_dim=32, num_key_value_heads=4,  # adapters: heads * head_dim = 2 * hidden
     ),
+    # ALiBi: 12 heads (not a power of 2: the extra slopes are odd powers of 2^-1/2, rounded to float32
+    # / bfloat16 by the models), every other option away from its default
+    "bloom": dict(
+        num_attention_heads=12, hidden_size=96, pretraining_tp=2, slow_but_exact=True,
+        apply_residual_connection_post_layernorm=True,
+    ),  # fmt: skip
+    "mpt": dict(
+        num_attention_heads=12, hidden_size=96,
+        attn_config=dict(alibi_bias_max=4, softmax_scale=0.3, clip_qkv=4.0),  # bias_max: unused by HF
+    ),  # fmt: skip
+    "falcon": dict(
+        alibi=True, num_attention_heads=12, hidden_size=96, new_decoder_architecture=True, num_kv_heads=4,
+        ffn_hidden_size=128,  # not intermediate_size: Falcon-7B's 18176 otherwise
+    ),  # fmt: skip
+    # RG-LRU: a conv width of 3 (default 4), the attention block too, a logit cap that matters
+    "recurrent_gemma": dict(num_hidden_layers=3, lru_width=64, conv1d_width=3, logits_soft_cap=5.0),
+    # RWKV: attention and FFN widths of their own, layers rescaled every block in eval mode
+    "rwkv": dict(attention_hidden_size=48, intermediate_size=96, rescale_every=1),
+    # xLSTM: gate and logit caps that matter, chunks of 4 then the step kernel (weight_mode="fused"
+    # cannot be built: transformers' own init fails on it)
+    "xlstm": dict(
+        embedding_dim=64, num_blocks=2, gate_soft_cap=4.0, output_logit_soft_cap=6.0, chunk_size=4, eps=1e-4
+    ),
+    # lightning attention in blocks shorter than the paths, first (a layer's decay shrinks with depth);
+    # the residual factors away from 1
+    "minimax": dict(
+        layer_types=["linear_attention", "full_attention", "linear_attention"], block_size=3,
+        linear_attn_alpha_factor=0.7, linear_attn_beta_factor=1.3, full_attn_alpha_factor=0.9,
+        full_attn_beta_factor=1.1, mlp_alpha_factor=0.8, mlp_beta_factor=1.2,
+    ),  # fmt: skip
 }
 # scalings and extras away from their defaults, wherever the config has them
 AWAY = dict(
@@ -214,7 +244,27 @@ def zoo_model(model_type: str, dtype=torch.float64, seed: int = 0, attn: str = "
                 p.mul_(3.0)
             elif name.endswith("sinks"):  # GPT-OSS: sinks comparable to the scores, so they matter
                 p.copy_(torch.randn(p.shape, generator=g) * 2)
-    return model.to(dtype).eval()
+    model = model.to(dtype).eval()
+    if dtype == torch.float64:
+        float64_buffers(model)
+    return model
+
+
+def float64_buffers(model) -> None:
+    """Recompute in float64 the buffers HF derives at init in the default dtype (float32), so a
+    float64 comparison measures the algorithm: MiniMax's lightning-attention slopes and decays."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        for m in model.modules():
+            if type(m).__name__ == "MiniMaxLightningAttention":
+                slope = m.get_slope_rate(m.slope_rate.device)
+                q, k, diagonal = m.decay_factors(slope)
+                bufs = (m.slope_rate, m.query_decay, m.key_decay, m.diagonal_decay)
+                for buf, value in zip(bufs, (slope, q, k, diagonal)):
+                    buf.copy_(value)
+    finally:
+        torch.set_default_dtype(default)
 
 
 def zoo_paths(vocab: int = VOCAB, seed: int = 1) -> list[list[int]]:

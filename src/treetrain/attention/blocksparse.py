@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from treetrain.attention.alibi import check_alibi, tile_bias
 from treetrain.attention.mask import TreeMask, check_inputs
 from treetrain.attention.sinks import add_sinks, check_sinks, sink_grad
 
@@ -319,7 +320,25 @@ def _unfold(x: torch.Tensor, rep: int) -> torch.Tensor:
     return x[0].unflatten(1, (rep, -1)).transpose(0, 1)
 
 
-def _forward(q, k, v, plan: BlockSparsePlan, scale: float, pos=None, window=None):
+def _alibi_mask(alibi: torch.Tensor, t: _Tile, hkv: int, base: torch.Tensor | None, dtype) -> torch.Tensor:
+    """A tile's additive mask with ALiBi's bias (``alibi [Hq, T]``): ``[1, Hkv, rep * rows, n]``.
+
+    ``base``: the tile's own ``[1, 1, rep * rows, n]`` mask (0 / -inf) or None; a causal tile gets
+    its triangle here (the kernel takes no causal flag beside a mask). Built per tile and call, so
+    no per-head copy of the plan's masks is kept.
+    """
+    keys = slice(t.key_start, t.key_stop) if t.index is None else t.index
+    bias = tile_bias(alibi.to(torch.promote_types(dtype, torch.float32)), slice(t.start, t.stop), keys)
+    bias = _fold(_grouped(bias.to(dtype), hkv))
+    if base is None and t.causal:
+        rows = t.stop - t.start
+        tril = torch.ones(rows, t.num_keys, dtype=torch.bool).tril()
+        base = torch.zeros(rows, t.num_keys, dtype=dtype).masked_fill_(~tril, float("-inf"))
+        base = base.repeat(bias.shape[2] // rows, 1)[None, None]
+    return bias if base is None else bias + base
+
+
+def _forward(q, k, v, plan: BlockSparsePlan, scale: float, pos=None, window=None, alibi=None):
     """``q [Hq, T, D]``, ``k, v [Hkv, T, D]`` -> ``out`` like ``q``, ``lse [rep, Hkv, T]``.
 
     ``out`` has ``q``'s memory layout; ``lse`` the kernel's accumulation dtype (float32, or
@@ -336,9 +355,10 @@ def _forward(q, k, v, plan: BlockSparsePlan, scale: float, pos=None, window=None
     lse = q.new_empty(rep, hkv, T, dtype=acc)
     for i, t in enumerate(plan.tiles):
         rows = slice(t.start, t.stop)
+        m = masks.get(i) if alibi is None else _alibi_mask(alibi, t, hkv, masks.get(i), q.dtype)
         o, l = _flash(
-            _fold(q4[:, :, rows]), _keys(k4, t), _keys(v4, t), 0.0, t.causal and rep == 1,
-            attn_mask=masks.get(i), scale=scale,
+            _fold(q4[:, :, rows]), _keys(k4, t), _keys(v4, t), 0.0, t.causal and rep == 1 and alibi is None,
+            attn_mask=m, scale=scale,
         )  # fmt: skip
         o, l = _unfold(o, rep), _unfold(l, rep)
         if i in hidden:  # the window hides all of this tile's keys from some rows: they add nothing
@@ -353,7 +373,7 @@ def _forward(q, k, v, plan: BlockSparsePlan, scale: float, pos=None, window=None
     return out.to(q.dtype), lse
 
 
-def _backward(do, q, k, v, out, lse, plan: BlockSparsePlan, scale: float, pos=None, window=None):
+def _backward(do, q, k, v, out, lse, plan: BlockSparsePlan, scale: float, pos=None, window=None, alibi=None):
     """Gradients of ``_forward``, accumulated over tiles in ``lse.dtype``, in the inputs' layouts."""
     hkv = k.shape[0]
     q4, k4, v4, do4, out4 = _grouped(q, hkv), k[None], v[None], _grouped(do, hkv), _grouped(out, hkv)
@@ -365,10 +385,11 @@ def _backward(do, q, k, v, out, lse, plan: BlockSparsePlan, scale: float, pos=No
     dq4 = _grouped(dq, hkv)
     for i, t in enumerate(plan.tiles):
         rows = slice(t.start, t.stop)
+        m = masks.get(i) if alibi is None else _alibi_mask(alibi, t, hkv, masks.get(i), q.dtype)
         dqt, dkt, dvt = _flash_backward(
             _fold(do4[:, :, rows]), _fold(q4[:, :, rows]), _keys(k4, t), _keys(v4, t),
-            _fold(out4[:, :, rows]), _fold(lse[:, :, rows]), 0.0, t.causal and rep == 1,
-            attn_mask=masks.get(i), scale=scale,
+            _fold(out4[:, :, rows]), _fold(lse[:, :, rows]), 0.0, t.causal and rep == 1 and alibi is None,
+            attn_mask=m, scale=scale,
         )  # fmt: skip
         dqt = _unfold(dqt, rep)
         if i < plan.num_local:
@@ -387,26 +408,26 @@ def _per_head(x: torch.Tensor) -> torch.Tensor:
 
 class _BlockSparseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan: BlockSparsePlan, scale: float, pos, window, sinks):
-        out, lse = _forward(q, k, v, plan, scale, pos, window)
+    def forward(ctx, q, k, v, plan: BlockSparsePlan, scale: float, pos, window, sinks, alibi=None):
+        out, lse = _forward(q, k, v, plan, scale, pos, window, alibi)
         if sinks is not None:  # rescale by the sink's share; the backward then runs with out', lse'
             hkv = k.shape[0]
             sunk, new_lse = add_sinks(out, _per_head(lse), sinks)
             out.copy_(sunk)
             lse = _grouped(new_lse, hkv)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.plan, ctx.scale, ctx.pos, ctx.window = plan, scale, pos, window
+        ctx.plan, ctx.scale, ctx.pos, ctx.window, ctx.alibi = plan, scale, pos, window, alibi
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do):
         q, k, v, out, lse, sinks = ctx.saved_tensors
-        dq, dk, dv = _backward(do, q, k, v, out, lse, ctx.plan, ctx.scale, ctx.pos, ctx.window)
+        dq, dk, dv = _backward(do, q, k, v, out, lse, ctx.plan, ctx.scale, ctx.pos, ctx.window, ctx.alibi)
         ds = None
         if sinks is not None and ctx.needs_input_grad[7]:
             ds = sink_grad(do, out, _per_head(lse), sinks)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, ds
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, ds, None
 
 
 def blocksparse_attention(
@@ -421,6 +442,7 @@ def blocksparse_attention(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    alibi: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Tree attention that computes (nearly) only the pairs the tree allows, with autograd. CPU only.
 
@@ -433,6 +455,8 @@ def blocksparse_attention(
     (accumulated in float32).
     ``window``: sliding window along each path (an extra mask on the tiles that cross it).
     ``sinks [Hq]``: GPT-OSS's per-head sink logits (see :mod:`.sinks`), forward and gradient.
+    ``alibi [Hq, T]``: ALiBi's bias at each token's path position (:mod:`.alibi`), added to each
+    tile's mask (one ``[Hq, rows, keys]`` tile at a time).
     ``softcap`` is not supported (the CPU flash kernel has no score hook).
     """
     if softcap is not None:
@@ -443,6 +467,8 @@ def blocksparse_attention(
     check_inputs("blocksparse_attention", q, k, v, mask)
     if sinks is not None:
         check_sinks("blocksparse_attention", sinks, q.shape[0])
+    if alibi is not None:
+        check_alibi("blocksparse_attention", alibi, q.shape[0], q.shape[1])
     if q.device.type != "cpu":
         raise ValueError(f"blocksparse_attention runs on CPU, got {q.device}; use flex or triton")
     if q.shape[1] == 0:
@@ -457,4 +483,4 @@ def blocksparse_attention(
         return build_plan(mask.subtree_end, block or chosen_block, fanout or chosen_fanout)
 
     plan = mask.cached(("blocksparse", block, fanout), plan_for_tree)
-    return _BlockSparseAttention.apply(q, k, v, plan, scale, pos, window, sinks)
+    return _BlockSparseAttention.apply(q, k, v, plan, scale, pos, window, sinks, alibi)

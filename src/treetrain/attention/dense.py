@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from treetrain.attention.alibi import alibi_scores, check_alibi
 from treetrain.attention.mask import TreeMask, check_inputs, dense_tree_mask
 from treetrain.attention.sinks import check_sinks
 
@@ -19,6 +20,7 @@ def dense_attention(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    alibi: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Tree attention with an explicit mask.
 
@@ -27,20 +29,27 @@ def dense_attention(
     ``softcap``: Gemma 2's attention logit soft-capping, ``softcap * tanh(scores / softcap)``.
     ``sinks [Hq]``: GPT-OSS's per-head sink logits, one more softmax column with a zero value (as HF's
     eager attention: the column joins the softmax and is dropped after it).
+    ``alibi [Hq, T]``: ALiBi's per-head bias at each token's path position; the scores get
+    ``alibi[h, k] - alibi[h, q]`` (see ``alibi.py``).
     """
     check_inputs("dense_attention", q, k, v, mask)
     if sinks is not None:
         check_sinks("dense_attention", sinks, q.shape[0])
+    if alibi is not None:
+        check_alibi("dense_attention", alibi, q.shape[0], q.shape[1])
     pos = mask.window_positions(window)
     dense = mask.cached(("dense", window), lambda: dense_tree_mask(mask.subtree_end, pos, window))
     rep = q.shape[0] // k.shape[0]
     if rep > 1:
         k = k.repeat_interleave(rep, dim=0)
         v = v.repeat_interleave(rep, dim=0)
-    if softcap is not None or sinks is not None:  # SDPA has neither: the scores in full, as HF's eager
+    if softcap is not None or sinks is not None or alibi is not None:  # the scores in full, as HF's eager
         scores = (q @ k.transpose(-1, -2)) * scale
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
+        if alibi is not None:
+            bias = alibi_scores(alibi.to(torch.promote_types(scores.dtype, torch.float32)))
+            scores = scores + bias.to(scores.dtype)
         scores = scores.masked_fill(~dense, float("-inf"))
         if sinks is None:
             return torch.softmax(scores, dim=-1) @ v

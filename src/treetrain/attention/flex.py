@@ -12,6 +12,7 @@ import warnings
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
+from treetrain.attention.alibi import check_alibi
 from treetrain.attention.mask import TreeMask, block_classes, check_inputs
 from treetrain.attention.sinks import add_sinks, check_sinks
 
@@ -75,6 +76,18 @@ def _softcap_mod(softcap: float):
     return score_mod
 
 
+def _alibi_mod(alibi: torch.Tensor, inner=None):
+    """``score + alibi[h, kv] - alibi[h, q]`` (after ``inner``, the softcap, if any): ALiBi along the
+    path (:mod:`.alibi`), a ``score_mod`` closing over ``[Hq, T]`` only."""
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        if inner is not None:
+            score = inner(score, b, h, q_idx, kv_idx)
+        return score + (alibi[h, kv_idx] - alibi[h, q_idx]).to(score.dtype)
+
+    return score_mod
+
+
 def flex_tree_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -85,18 +98,23 @@ def flex_tree_attention(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    alibi: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``q [Hq, T, D]``, ``k, v [Hkv, T, D]`` -> ``[Hq, T, D]``. CPU: forward only (no flex backward).
 
     ``window``: sliding window along each path; ``softcap``: Gemma 2's logit soft-capping (a
     ``score_mod`` on the scaled scores); ``sinks [Hq]``: GPT-OSS's sink logits, applied from the
-    kernel's log-sum-exp (:mod:`.sinks`; the gradient flows through flex's differentiable lse).
+    kernel's log-sum-exp (:mod:`.sinks`; the gradient flows through flex's differentiable lse);
+    ``alibi [Hq, T]``: ALiBi's bias at each token's path position (:mod:`.alibi`), a ``score_mod``.
     """
     check_inputs("flex_tree_attention", q, k, v, mask)
     pos = mask.window_positions(window)
     bm = mask.cached(("flex", window), lambda: tree_block_mask(mask.subtree_end, FLEX_BLOCK, pos, window))
     gqa = q.shape[0] != k.shape[0]
     score_mod = None if softcap is None else _softcap_mod(softcap)
+    if alibi is not None:
+        check_alibi("flex_tree_attention", alibi, q.shape[0], q.shape[1])
+        score_mod = _alibi_mod(alibi.to(torch.promote_types(q.dtype, torch.float32)), score_mod)
     if sinks is None:
         out = _flex(q.device)(
             q[None], k[None], v[None], score_mod=score_mod, block_mask=bm, scale=scale, enable_gqa=gqa

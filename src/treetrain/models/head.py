@@ -19,6 +19,8 @@ HyperCLOVA X                              ``logit_scale = config.logits_scaling`
 Falcon-H1                                 ``logit_scale = model.model.lm_head_multiplier``
 MiniCPM3                                  ``hidden_scale = 1 / config.logits_scaling``
 Gemma 2/3/3n, VaultGemma, NanoChat        ``softcap = config.final_logit_softcapping``
+RecurrentGemma                            ``softcap = config.logits_soft_cap``
+xLSTM                                     ``softcap = config.output_logit_soft_cap``
 ========================================  ============================================================
 
 Any other architecture on the allow-list (:mod:`treetrain.models.support`) has the plain
@@ -117,6 +119,8 @@ _TRANSFORMS: dict[str, Callable[[nn.Module], dict]] = {
     "Gemma3nForCausalLM": _final_softcap,
     "VaultGemmaForCausalLM": _final_softcap,
     "NanoChatForCausalLM": _final_softcap,
+    "RecurrentGemmaForCausalLM": lambda model: {"softcap": float(_cfg(model).logits_soft_cap)},
+    "xLSTMForCausalLM": lambda model: {"softcap": _cfg(model).output_logit_soft_cap},
 }
 
 

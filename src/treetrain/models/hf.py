@@ -150,9 +150,11 @@ def prepare_model(model: nn.Module) -> nn.Module:
     register()
     if model.config._attn_implementation != ATTN_NAME:
         model.set_attn_implementation(ATTN_NAME)
+    from treetrain.models.alibi import patch_own_attention
     from treetrain.models.recurrent import patch_recurrent_layers
 
     patch_recurrent_layers(model)
+    patch_own_attention(model)  # ALiBi decoders (BLOOM, MPT, Falcon): their own attention classes
     return model
 
 

@@ -34,7 +34,16 @@ import torch
 
 from treetrain.trees.packing import PackedTree
 
-__all__ = ["Level", "Scan", "TreeLevels", "build_levels", "length_groups", "tree_levels", "tree_scan"]
+__all__ = [
+    "Level",
+    "Scan",
+    "TreeArgs",
+    "TreeLevels",
+    "build_levels",
+    "length_groups",
+    "tree_levels",
+    "tree_scan",
+]
 
 State = torch.Tensor | tuple[torch.Tensor, ...]
 Scan = Callable[[tuple[torch.Tensor, ...], State | None, torch.Tensor], tuple[torch.Tensor, State]]
@@ -219,6 +228,15 @@ def tree_scan(inputs: Sequence[torch.Tensor], levels: TreeLevels, scan: Scan) ->
             first += n
         state = _cat(states)
     return torch.cat(outs).index_select(0, levels.padded_row)
+
+
+@dataclass(frozen=True, eq=False)
+class TreeArgs:
+    """The tree, handed to routed layers through an argument their decoder passes on unchanged,
+    where it passes them no keyword arguments of its own (RWKV's and xLSTM's ``state``)."""
+
+    packed: PackedTree
+    mask: object | None = None  # the forward's TreeMask (caches, context parallel), or None
 
 
 def tree_levels(packed: PackedTree, tree_mask=None, device=None) -> TreeLevels:

@@ -81,11 +81,19 @@ EXACT |= {
     "nemotron_h": f"Mamba2 mixers {_SSM}; attention; MoE",
     "zamba2": f"Mamba2 mixers {_SSM}; shared hybrid attention blocks",
 }
+EXACT |= {
+    "bloom": "ALiBi along each path (models.alibi: its own attention class); pretraining_tp slices",
+    "mpt": "ALiBi along each path (models.alibi: its own attention class); clip_qkv, softmax_scale",
+    "minimax": "lightning attention routed along the tree (models.lightning); MoE",
+    "xlstm": "mLSTM layers routed along the tree (models.xlstm); head: output_logit_soft_cap",
+    "rwkv": "time-mix (WKV recurrence) and channel-mix token shifts routed along the tree (models.rwkv)",
+    "recurrent_gemma": "RG-LRU and its conv1d routed along the tree (models.rglru); head: logits softcap",
+    "falcon": "ALiBi along each path or rotary (models.alibi: its own attention class); multi-query, GQA",
+}
 
 _ENCODER = "an encoder (BERT family) run as a decoder: its attention and mask are its own, not the tree's"
 _ENC_DEC = "the decoder of an encoder-decoder model (cross-attention, its own mask handling)"
 _MULTIMODAL = "a multimodal model: load its text-only causal LM instead"
-_LINEAR = "linear-attention / convolution layers carry state along the sequence; not routed along the tree"
 _INKLING = (
     "its attention adds a learned bias per query-key distance, computed from indices in the packed sequence "
     "(arange) instead of path positions, and per-query sink logits: no tree attention backend carries them"
@@ -115,18 +123,9 @@ REFUSED: dict[str, str] = {
         ),
         _MULTIMODAL,
     ),
-    **dict.fromkeys(
-        _words(
-            """minimax rwkv xlstm recurrent_gemma"""
-        ),
-        _LINEAR,
-    ),
     **dict.fromkeys(_words("inkling_text inkling2_text inkling2_loop_text"), _INKLING),
     "qwen4_exp_text": "QSA indexed attention: each query keeps its own top-k blocks of visible keys (read "
     "from a dense causal mask), a key set the tree mask (one query interval per key) cannot express",
-    "bloom": "ALiBi position bias computed outside the attention interface",
-    "mpt": "ALiBi position bias computed outside the attention interface (log-probs differ by 1.3)",
-    "falcon": "ALiBi / its own attention path",
     "phimoe": "sliding-window run differs from HF's (0.09 on the model-zoo test); not understood yet",
     "deepseek_v2": "gradients agree only to 5e-8 at float64 (float32 internals not found yet): not verified",
     "diffllama": "gradients agree only to 1e-7 at float64 (float32 internals not found yet): not verified",
@@ -144,8 +143,8 @@ STATEFUL: dict[str, str] = {
     r"GatedDeltaNet|DeltaAttention": "a Gated DeltaNet recurrence",
     r"LinearAttention|LightningAttention": "a linear-attention recurrence",
     r"ShortConv": "a short causal convolution over the previous tokens",
-    r"Rwkv": "an RWKV recurrence",
-    r"xLSTM|mLSTM|sLSTM": "an xLSTM recurrence",
+    r"Rwkv(SelfAttention|FeedForward)": "an RWKV recurrence (time-mix) or token shift (channel-mix)",
+    r"xLSTMLayer|xLSTMBackend|mLSTM|sLSTM": "an xLSTM (mLSTM) recurrence",
     r"Rglru|RecurrentBlock": "an RG-LRU recurrence",
 }
 _STATEFUL = [(re.compile(p), what) for p, what in STATEFUL.items()]
@@ -159,9 +158,11 @@ _DOCS = "docs/architectures.md lists what runs exactly and why the rest is refus
 
 
 def _stateful_layer(model: nn.Module) -> tuple[str, str] | None:
-    """``(class name, what it carries)`` of the first state-carrying layer without tree routing."""
+    """``(class name, what it carries)`` of the first state-carrying layer without tree routing (a
+    layer inside a routed one, e.g. RecurrentGemma's RG-LRU in its recurrent block, is routed with it)."""
+    inside_routed = {id(m) for r in model.modules() if route(r) is not None for m in r.modules()}
     for module in model.modules():
-        if route(module) is not None:  # routed (models.recurrent.ROUTES), through subclasses
+        if id(module) in inside_routed:
             continue
         if any(c.__name__ in NOT_STATEFUL for c in type(module).__mro__):
             continue
