@@ -133,7 +133,9 @@ def test_trl_grpo_help_is_whole():
 @pytest.mark.slow  # TRL's trainer and one tiny case (~15 s quiet, more on a loaded machine)
 def test_trl_grpo_prints_each_row_once_with_its_noise():
     pytest.importorskip("trl")
-    out = _script("--prompt-lens", "16", "--groups", "2", "--completion-lens", "8", "--repeats", "2")
+    out = _script(
+        "--model", "tiny", "--prompt-lens", "16", "--groups", "2", "--completion-lens", "8", "--repeats", "2"
+    )
     rows = [line for line in out.splitlines() if line.startswith("| 16 | 2 | 8 |")]
     assert len(rows) == 1, out  # printed as it is measured, not again in a closing table
     assert out.count("| P | G | C |") == 1
@@ -141,7 +143,7 @@ def test_trl_grpo_prints_each_row_once_with_its_noise():
     assert rows[0].endswith("| ok |") or "NOT TRUSTWORTHY" in rows[0]
     assert "Machine before the run: load average" in out
     if "NOT TRUSTWORTHY" in rows[0]:
-        assert "- P=16 G=2 C=8: " in out  # the reasons, spelled out
+        assert "- P=16 G=2 C=8 x1: " in out  # the reasons, spelled out
 
 
 def test_above_the_bound_is_flagged_not_a_speedup():
