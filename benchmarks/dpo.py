@@ -126,6 +126,7 @@ def main() -> None:
     t_tree, t_seq = min(times["tree"]), min(times["sequence"])
     bound = flop_bound(trees, CostModel.from_config(config))
     speedup = t_seq / t_tree
+    untrusted += noise.verdict({}, efficiency=speedup / bound)  # above 1.05 of the bound: flagged
     row = (
         f"| {args.pairs} | {args.prompt_len} | {args.response_len} "
         f"| {args.hidden}x{args.layers}, V={args.vocab} | {token_bound(trees):.2f} | {bound:.2f} "

@@ -90,6 +90,7 @@ def measure(model, model_args, tree, args, cost, rate) -> dict:
     row["bound"] = base_flops / tree_flops
     row["flops"] = {"sequence": base_flops, "tree": tree_flops}
     row["speedup"] = row["sequence"]["s"] / row["tree"]["s"]
+    row["untrusted"] += noise.verdict({}, efficiency=row["speedup"] / row["bound"])  # above 1.05: flagged
     return row
 
 
