@@ -58,6 +58,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     add_allocator_flag,
+    block_rule_line,
     estimate_line,
     flop_audit_table,
     hardware,
@@ -473,7 +474,7 @@ def main(argv=None) -> list[dict]:
     stamp = (
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {device_name}, torch "
         f"{torch.__version__}, command: `python benchmarks/{Path(__file__).name} "
-        f"{' '.join(argv if argv is not None else sys.argv[1:])}`\n\n"
+        f"{' '.join(argv if argv is not None else sys.argv[1:])}`; {block_rule_line()}\n\n"
     )
     if args.flops:
         text = (

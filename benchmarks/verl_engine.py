@@ -76,6 +76,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     add_allocator_flag,
+    block_rule_line,
     estimate_line,
     hardware,
     judge,
@@ -653,6 +654,7 @@ def main(argv=None) -> list[dict]:
     )
     stamp = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {device_name}, torch "
     stamp += f"{torch.__version__}, verl {verl.__version__}, transformers {transformers.__version__}"
+    stamp += f"; {block_rule_line()}"
     if args.flops:
         text = f"# verl vs tree: FLOPs executed vs the bound's model ({args.model})\n\n{stamp}, {command}\n\n"
         text += audit_table(audit)

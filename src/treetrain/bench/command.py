@@ -191,6 +191,12 @@ def _opt(x: float | None, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def _block_rule() -> tuple:
+    from treetrain.attention.blocksparse import BLOCK_RULE
+
+    return BLOCK_RULE
+
+
 def _mib(x: float) -> str:
     return f"{x:,.0f}" if x >= 10 else f"{x:.2f}"
 
@@ -456,6 +462,8 @@ def results_header(args, rate: float, dtype, device, load: str = "unknown") -> s
         f"{torch.__version__}, {torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d %H:%M')}, "
         f"allocator {getattr(args, 'allocator_used', allocator.active())}\n"
         f"- machine before the run: {load}\n"
+        f"- tree attention: {args.backend or 'by device'}; on the CPU blocksparse, block / fanout by the "
+        f"tree's shape (treetrain.attention.blocksparse.BLOCK_RULE {_block_rule()})\n"
         f"- model: Qwen3-shaped, hidden {args.hidden}, {args.layers} layers, {args.heads} heads "
         f"({args.kv_heads or max(1, args.heads // 2)} key/value, "
         f"{args.head_dim or args.hidden // args.heads} wide), MLP {args.intermediate or 3 * args.hidden}, "
