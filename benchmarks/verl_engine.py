@@ -303,8 +303,10 @@ class Case:
         self.least = min(own, key=self.flops.get)
         self.screened = [name for name in own if self.flops[name] <= screen_flops * self.flops[self.least]]
 
-    def step(self, mode: str):
-        """A function that runs one ``train_batch`` of ``mode`` (built before the clock starts)."""
+    def step(self, mode: str, clock=None):
+        """A function that runs one ``train_batch`` of ``mode``; with ``clock``, it returns the
+        seconds ``train_batch`` took by it (the batch built and the engine put in train mode before
+        the clock starts, as verl's trainer does once per step outside its engine)."""
         from verl.workers.config import FSDPActorConfig
         from verl.workers.utils.losses import ppo_loss
 
@@ -324,7 +326,9 @@ class Case:
             td, _ = make_batch(*args, remove_padding=c["remove_padding"])
             use_verl_logprobs(c["logprobs"])
             with engine.train_mode():
-                engine.train_batch(td, loss_fn)
+                if clock is None:
+                    return engine.train_batch(td, loss_fn)
+                return timed(lambda: engine.train_batch(td, loss_fn), self.device, clock)
 
         return run
 
@@ -347,15 +351,16 @@ def run_case(case: Case, repeats: int, clock=time.perf_counter, default=True, me
     for mode in ("tree", case.least):  # warm-up: one step of each engine
         case.step(mode)()
     names = case.screened + (["default"] if default else [])
-    screen = {name: timed(case.step(name), dev, clock) for name in names}
+    screen = {name: case.step(name, clock)() for name in names}
     best = min(screen, key=screen.get)
     modes = ["tree", best]
     steps = {m: case.step(m) for m in modes}
+    timed_steps = {m: case.step(m, clock) for m in modes}
     times = {m: [] for m in modes}
     with noise.Monitor() as monitor:  # every step has run once: no warm-up round
         for r in range(repeats):
             for m in modes if r % 2 == 0 else modes[::-1]:
-                times[m].append(timed(steps[m], dev, clock))
+                times[m].append(timed_steps[m]())
     stats, untrusted = judge(times, monitor.load)
     bound = case.flops[best] / case.flops["tree"]
     speedup = stats[best]["best"] / stats["tree"]["best"]
