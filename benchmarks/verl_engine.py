@@ -631,7 +631,12 @@ def main(argv=None) -> list[dict]:
 
     for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():
         os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_PORT", "29617")
+    if "MASTER_PORT" not in os.environ:  # a free port: another run (or a test) may hold any fixed one
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
     dist.init_process_group("gloo" if args.device == "cpu" else "nccl")
     transformers.logging.set_verbosity_error()
     cfg = transformers.Qwen3Config(
