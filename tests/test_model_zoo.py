@@ -8,7 +8,7 @@
   path's own Hugging Face forward (eager attention, the literal definition) to float64 rounding
   (slow: about 1 s per architecture).
 - Every state-carrying layer without tree routing is refused with the layer's name, never run as
-  if the tree were one sequence.
+  if the tree were one sequence (a fake one per family: none is left in transformers' causal LMs).
 """
 
 from __future__ import annotations
@@ -80,27 +80,27 @@ def test_exact_architecture(model_type):
         assert sinks and all(g_ref[n].abs().max() > 1e-3 for n in sinks)
 
 
-# state-carrying layers without tree routing, by the layer named in the refusal
-STATEFUL_MODELS = {
-    "inkling2_text": "Inkling2ShortConvolution",
-}
-
-
-@pytest.mark.parametrize("model_type", sorted(STATEFUL_MODELS))
-def test_stateful_layers_are_refused_by_name(model_type):
-    layer = STATEFUL_MODELS[model_type]
-    model = zoo_model(model_type, dtype=torch.float32)
-    if not any(type(m).__name__ == layer for m in model.modules()):
-        pytest.fail(f"{model_type}: the tiny config has no {layer} layer to refuse")
-    with pytest.raises(ValueError, match=f"recurrent layer {layer} .*no tree routing"):
-        check_model(model)
-
-
 class FooMamba2Mixer(nn.Module):
     """A state-space layer treetrain does not route (its name matches ``support.STATEFUL``)."""
 
     def forward(self, hidden_states, *args, **kwargs):
         return hidden_states
+
+
+# one unrouted layer per state-carrying family (``support.STATEFUL``), refused by its name: every
+# such layer transformers 5.24 ships in a causal LM is routed (Inkling's short convolutions were last)
+STATEFUL_LAYERS = [
+    "FooShortConvolution", "FooMamba2Mixer", "FooGatedDeltaNet", "FooLinearAttention", "FooRglru",
+    "FooRwkvFeedForward", "FoomLSTM",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("layer", STATEFUL_LAYERS)
+def test_stateful_layers_are_refused_by_name(layer):
+    model = zoo_model("llama", dtype=torch.float32)
+    model.model.layers[0].mixer = type(layer, (FooMamba2Mixer,), {})()
+    with pytest.raises(ValueError, match=f"recurrent layer {layer} .*no tree routing"):
+        check_model(model)
 
 
 def _with_unrouted_layer(model_type: str = "llama") -> nn.Module:

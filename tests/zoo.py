@@ -171,6 +171,30 @@ PER_TYPE |= {
         full_attn_beta_factor=1.1, mlp_alpha_factor=0.8, mlp_beta_factor=1.2,
     ),  # fmt: skip
 }
+# Inkling: a relative bias reaching 4 tokens back (shorter than the paths: farther keys get none),
+# log scaling from position 2 (default off / 128000), conv width 3 (default 4), sliding layers with
+# heads of their own (one key head), L2 clips and MLP softcaps that bind, block residuals every 2
+# layers (Inkling2) and a loop over layers 1-2 run twice, head transforms away from 1
+_INKLING = dict(
+    d_rel=4, rel_extent=4, log_scaling_n_floor=2, log_scaling_alpha=0.5, conv_kernel_size=3,
+    swa_num_attention_heads=4, swa_num_key_value_heads=1, swa_head_dim=8, route_scale=2.0,
+    layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding", "hybrid"],
+)  # fmt: skip
+_INKLING2 = dict(
+    _INKLING, unpadded_vocab_size=VOCAB, qk_l2_clip_threshold=3.0, rel_l2_clip_threshold=1.0,
+    mlp_gate_softcap=1.0, mlp_up_softcap=2.0, n_layers_per_attn_res_block=2,
+)  # fmt: skip
+PER_TYPE |= {
+    "inkling_text": dict(
+        _INKLING, vocab_size=VOCAB + 16, unpadded_vocab_size=VOCAB, logits_mup_width_multiplier=0.5,
+        mlp_layer_types=["dense", "sparse", "dense", "sparse"],
+    ),  # fmt: skip
+    "inkling2_text": _INKLING2,
+    "inkling2_loop_text": dict(
+        _INKLING2, n_layers_per_attn_res_block=1, loop_layer_index_start=1, loop_layer_index_end=3,
+        loop_num_passes=2, loop_gate_rank=8,
+    ),  # fmt: skip
+}
 # scalings and extras away from their defaults, wherever the config has them
 AWAY = dict(
     logit_scale=2.5,  # Cohere: logits * 2.5
@@ -240,6 +264,8 @@ def zoo_model(model_type: str, dtype=torch.float64, seed: int = 0, attn: str = "
                 p.copy_((torch.rand(p.shape, generator=g) * 0.45 + 0.05).log())
             elif name.endswith(("dt_bias", "dt_proj.bias", "dt_proj_bias")):  # and small steps
                 p.copy_(-torch.rand(p.shape, generator=g))
+            elif name.endswith(("static_weight", ".query")) and not p.any():  # Inkling2's zero inits:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)  # dynamic conv taps, depth-attention queries
             elif p.ndim >= 2:
                 p.mul_(3.0)
             elif name.endswith("sinks"):  # GPT-OSS: sinks comparable to the scores, so they matter

@@ -41,9 +41,9 @@ BACKENDS: dict[str, tuple[str, str]] = {
 
 # what each backend computes besides the tree mask (keyword arguments it takes)
 FEATURES: dict[str, frozenset[str]] = {
-    "dense": frozenset({"window", "softcap", "sinks", "alibi"}),
-    "blocksparse": frozenset({"window", "sinks", "alibi"}),
-    "flex": frozenset({"window", "softcap", "sinks", "alibi"}),
+    "dense": frozenset({"window", "softcap", "sinks", "alibi", "rel_bias"}),
+    "blocksparse": frozenset({"window", "sinks", "alibi", "rel_bias"}),
+    "flex": frozenset({"window", "softcap", "sinks", "alibi", "rel_bias"}),
     "triton": frozenset({"window", "sinks", "alibi"}),
     "cp": frozenset(),
     "depth_first": frozenset(),
@@ -53,6 +53,7 @@ _FEATURE_NAMES = {
     "softcap": "attention logit softcapping",
     "sinks": "attention sinks",
     "alibi": "ALiBi position bias",
+    "rel_bias": "a learned relative position bias per query and path distance",
 }
 
 

@@ -436,9 +436,11 @@ def triton_tree_attention(
     fp32 / fp16 / bf16 inputs, fp32 accumulation. ``block_m`` / ``block_n`` (powers of two >= 16) are
     the query / key tile sizes (defaults: ``_CUDA_CONFIGS`` on CUDA, 32 under the interpreter).
     ``window``: sliding window along each path (``pos[q] - pos[k] < window``; every visited tile is
-    then masked). ``sinks [Hq]``: GPT-OSS's sink logits (:mod:`.sinks`), forward and gradient.
+    then masked). ``sinks [Hq]`` or ``[Hq, T]``: sink logits per head (GPT-OSS) or per head and query
+    (Inkling2) (:mod:`.sinks`), forward and gradient.
     ``alibi [Hq, T]``: ALiBi's bias at each token's path position (:mod:`.alibi`): one more ``[BLOCK_N]``
-    load per tile. ``softcap`` is not supported.
+    load per tile. ``softcap`` and Inkling's ``rel_bias`` are not supported (refused by name through
+    ``attention.FEATURES`` before a model calls it).
     """
     if softcap is not None:
         raise ValueError(
@@ -447,7 +449,7 @@ def triton_tree_attention(
         )
     check_inputs("triton_tree_attention", q, k, v, mask)
     if sinks is not None:
-        check_sinks("triton_tree_attention", sinks, q.shape[0])
+        check_sinks("triton_tree_attention", sinks, q.shape[0], q.shape[1])
     if alibi is not None:
         check_alibi("triton_tree_attention", alibi, q.shape[0], q.shape[1])
     if triton is None:

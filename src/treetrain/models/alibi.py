@@ -19,6 +19,11 @@ modified, and the patches survive ``copy.deepcopy``) do it:
 Any other call runs the class's ``forward`` unchanged. A backend without ALiBi (``cp``,
 ``depth_first``) is refused by name before anything runs.
 
+Inkling's attention modules (:mod:`treetrain.models.inkling`) attend in their own way too (a learned
+bias per query and distance, per-query sinks) but their decoders pass the tree on as keyword
+arguments: they share the attention patch, which runs their tree attention when ``tree_mask`` is
+given.
+
 Example, paths ``[A B C D]``, ``[A B E F]``, ``[A G H]``: positions ``0 1 2 3 2 3 1 2``; BLOOM's bias
 for head ``h`` is ``slope_h * [0 1 2 3 2 3 1 2]``, and query E sees keys A B E at ``-2 -1 0`` slopes.
 """
@@ -36,6 +41,7 @@ from torch import nn
 
 from treetrain.attention import check_features, get_backend
 from treetrain.attention.mask import TreeMask
+from treetrain.models.inkling import ATTENTIONS as INKLING_ATTENTIONS
 
 __all__ = ["ATTENTIONS", "DECODERS", "TreeCall", "patch_own_attention", "tree_bias"]
 
@@ -173,6 +179,8 @@ ATTENTIONS: dict[str, Callable] = {
     "MptAttention": _mpt_attention,
     "FalconAttention": _falcon_attention,  # and FalconFlashAttention2, its subclass
 }
+# attentions whose decoder passes the tree on as keyword arguments (``tree_mask``): Inkling's
+ATTENTIONS |= INKLING_ATTENTIONS
 
 
 # ---- the decoders ---------------------------------------------------------------------------------
@@ -277,15 +285,15 @@ def _decoder_forward(self: nn.Module, *args, **kwargs):
 
 def _attention_forward(self: nn.Module, *args, **kwargs):
     """Instance ``forward`` of a patched attention: the tree attention when its ``attention_mask`` is
-    a :class:`TreeCall` (the tree decoder's), else the class's own."""
-    if isinstance(kwargs.get("attention_mask"), TreeCall):
+    a :class:`TreeCall` (the tree decoder's) or ``tree_mask`` is given, else the class's own."""
+    if isinstance(kwargs.get("attention_mask"), TreeCall) or kwargs.get("tree_mask") is not None:
         return _lookup(self, ATTENTIONS)(self, *args, **kwargs)
     return type(self).forward(self, *args, **kwargs)
 
 
 def patch_own_attention(model: nn.Module) -> int:
-    """Make every ALiBi decoder and its attentions tree-aware. Returns how many modules were patched
-    (0 for any other model). Idempotent."""
+    """Make every ALiBi decoder and its attentions, and Inkling's attentions, tree-aware. Returns how
+    many modules were patched (0 for any other model). Idempotent."""
     n = 0
     for module in model.modules():
         if _lookup(module, DECODERS) is not None:

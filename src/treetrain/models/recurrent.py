@@ -14,7 +14,8 @@ Some transformers modules do not pass the tree's keyword arguments on to their r
 get an instance forward of their own (:data:`FORWARDS`) that hands the tree down as a
 :class:`~treetrain.models.scan.TreeArgs` through an argument they do pass on, which only a patched
 layer reads: Mamba's and FalconMamba's decoders and Jamba's Mamba layer in place of
-``attention_mask``, RWKV's and xLSTM's decoders as the layers' ``state``. It reaches the layer through
+``attention_mask``, Inkling's decoder layer in place of ``conv_mask``, RWKV's and xLSTM's decoders as
+the layers' ``state``. It reaches the layer through
 the calls transformers makes, gradient-checkpoint replays included.
 
 A state-carrying layer that is not routed is refused before any forward
@@ -31,6 +32,7 @@ import torch
 from torch import nn
 
 from treetrain.models.gdn import GDN_LAYOUTS, tree_gdn_forward
+from treetrain.models.inkling import CONVS, KV_PROJECTIONS, hand_down_as_conv_mask, tree_inkling2_kv_forward
 from treetrain.models.kda import KDA_LAYOUTS, tree_kda_forward
 from treetrain.models.lightning import tree_lightning_forward
 from treetrain.models.mamba import MAMBA_LAYOUTS, tree_mamba_forward
@@ -65,6 +67,8 @@ ROUTES["RecurrentGemmaRecurrentBlock"] = tree_rglru_block_forward
 ROUTES["RwkvSelfAttention"] = tree_rwkv_time_mix_forward
 ROUTES["RwkvFeedForward"] = tree_rwkv_ffn_forward
 ROUTES["xLSTMLayer"] = tree_xlstm_layer_forward
+ROUTES |= CONVS  # Inkling's and Inkling2's short convolutions (models.inkling)
+ROUTES |= dict.fromkeys(KV_PROJECTIONS, tree_inkling2_kv_forward)  # returns [1, Hkv, T, D], as the layer
 
 # a routed layer whose forward returns more than its output: exact class name ->
 # (output [1, T, H], the call's args, kwargs) -> what the layer's own forward returns
@@ -89,11 +93,13 @@ def _hand_down_as_attention_mask(self: nn.Module, *args, **kwargs):
 
 # other modules of a routed family that get an instance forward: exact class name -> that forward.
 # Modules that pass their layers no keyword arguments hand them the tree as a TreeArgs (Mamba's
-# `attention_mask`, RWKV's and xLSTM's `state`); xLSTM's kernel backend receives it as its initial state.
+# `attention_mask`, Inkling's `conv_mask`, RWKV's and xLSTM's `state`); xLSTM's kernel backend receives
+# it as its initial state.
 FORWARDS: dict[str, Callable[..., Any]] = {
     "MambaModel": _hand_down_as_attention_mask,
     "FalconMambaModel": _hand_down_as_attention_mask,
     "JambaMambaDecoderLayer": _hand_down_as_attention_mask,
+    "InklingDecoderLayer": hand_down_as_conv_mask,
     "RwkvModel": rwkv_decoder_forward,
     "xLSTMModel": xlstm_decoder_forward,
     "xLSTMBackend": xlstm_backend_forward,

@@ -90,14 +90,21 @@ EXACT |= {
     "recurrent_gemma": "RG-LRU and its conv1d routed along the tree (models.rglru); head: logits softcap",
     "falcon": "ALiBi along each path or rotary (models.alibi: its own attention class); multi-query, GQA",
 }
+_INKLING = (
+    "short convolutions along each path and a learned bias per query and path distance (models.inkling); "
+)
+EXACT |= {
+    "inkling_text": _INKLING + "log scaling at path positions; sliding window; MoE; head: hidden / "
+    "logits_mup_width_multiplier, unpadded vocab",
+    "inkling2_text": _INKLING + "dynamic key/value convolutions; per-query sinks; L2 clips; block "
+    "attention residuals; sliding window; MoE; head: final logit softcap",
+    "inkling2_loop_text": _INKLING + "dynamic key/value convolutions; per-query sinks; looped layers with "
+    "message gates; block attention residuals; sliding window; MoE; head: final logit softcap",
+}
 
 _ENCODER = "an encoder (BERT family) run as a decoder: its attention and mask are its own, not the tree's"
 _ENC_DEC = "the decoder of an encoder-decoder model (cross-attention, its own mask handling)"
 _MULTIMODAL = "a multimodal model: load its text-only causal LM instead"
-_INKLING = (
-    "its attention adds a learned bias per query-key distance, computed from indices in the packed sequence "
-    "(arange) instead of path positions, and per-query sink logits: no tree attention backend carries them"
-)
 # model type -> why it is refused (a type on neither list is refused as not verified)
 REFUSED: dict[str, str] = {
     **dict.fromkeys(
@@ -123,9 +130,11 @@ REFUSED: dict[str, str] = {
         ),
         _MULTIMODAL,
     ),
-    **dict.fromkeys(_words("inkling_text inkling2_text inkling2_loop_text"), _INKLING),
-    "qwen4_exp_text": "QSA indexed attention: each query keeps its own top-k blocks of visible keys (read "
-    "from a dense causal mask), a key set the tree mask (one query interval per key) cannot express",
+    "qwen4_exp_text": "QSA indexed attention: each query attends its own top-k pooled blocks of "
+    "indexer_compress_ratio consecutive path positions plus the incomplete tail, a per-query key subset "
+    "the tree mask (one query interval per key) cannot express and that HF's indexer reads only from a "
+    "dense [T, T] mask (well defined along paths: a block is fixed by its last token, so one straddling a "
+    "branch point is a distinct block per branch; not implemented)",
     "phimoe": "sliding-window run differs from HF's (0.09 on the model-zoo test); not understood yet",
     "deepseek_v2": "gradients agree only to 5e-8 at float64 (float32 internals not found yet): not verified",
     "diffllama": "gradients agree only to 1e-7 at float64 (float32 internals not found yet): not verified",
