@@ -18,7 +18,7 @@ Timing is the fastest of ``--repeats`` runs (noise on a shared machine only adds
 ``--threads 1`` only.
 
 ``--sweep``: the block and fanout the blocksparse backend should choose by tree shape
-(``treetrain.attention.blocksparse.choose_block``, whose thresholds are provisional until this sweep
+(``treetrain.attention.blockrule.choose_block``, whose thresholds are provisional until this sweep
 runs on a quiet machine). Group trees across prompt length, width and branch length (1k-12k tokens),
 per-turn trees and small forests; per tree the efficiency (the causal kernel's per-pair rate x the
 allowed pairs / time) of every ``(block, fanout)`` in ``--configs``, the best, the rule's pick, and
@@ -45,13 +45,8 @@ import torch
 import torch.nn.functional as F
 from common import machine_before, noise_section
 
-from treetrain.attention.blocksparse import (
-    FANOUT,
-    blocksparse_attention,
-    build_plan,
-    choose_block,
-    segment_mean,
-)
+from treetrain.attention.blockrule import FANOUT, choose_block, segment_mean
+from treetrain.attention.blocksparse import blocksparse_attention, build_plan
 from treetrain.attention.dense import dense_attention
 from treetrain.attention.mask import TreeMask, dense_tree_mask
 from treetrain.bench import noise
@@ -338,7 +333,7 @@ def run_sweep(args: argparse.Namespace) -> list[str]:
     return [
         "Efficiency per (block / fanout): the causal kernel's per-pair rate x allowed pairs / time, "
         "forward + backward; *segment mean*: the token-weighted mean length of the tree's chains "
-        "(`blocksparse.segment_mean`), what the rule reads; *rule*: `blocksparse.choose_block` "
+        "(`blockrule.segment_mean`), what the rule reads; *rule*: `blockrule.choose_block` "
         "(BLOCK_RULE, provisional until this sweep).\n",
         sweep_table(rows, configs),
         noise_section(before, [(r["name"], r["untrusted"]) for r in rows]),

@@ -48,7 +48,7 @@ class Step:
 STEPS = [
     Step("attention-sweep", [B + "attention_cpu.py", "--sweep", "--repeats", "3", "--write"], 8,
          [B + "attention_cpu.py", "--sweep", "--quick", "--repeats", "1", "--write"],
-         why="the block / fanout rule's thresholds (blocksparse.BLOCK_RULE) and its before/after"),
+         why="the block / fanout rule's thresholds (blockrule.BLOCK_RULE) and its before/after"),
     Step("verl-small", [B + "verl_engine.py", "--preset", "small", "--write"], 40,
          [B + "verl_engine.py", "--quick", "--model", "tiny", "--repeats", "1", "--write"], verl=True,
          why="verl's grid: the fastest verl configuration per case, its default, several prompts, memory"),

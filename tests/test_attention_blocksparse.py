@@ -16,7 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from treetrain.attention import blocksparse
+from treetrain.attention import blockrule, blocksparse
 from treetrain.attention.blocksparse import blocksparse_attention, build_plan
 from treetrain.attention.dense import dense_attention
 from treetrain.attention.mask import TreeMask, check_subtree_end, dense_tree_mask
@@ -228,14 +228,14 @@ SHORT_BRANCHES = chains(*[24] * 12, prefix=40)  # segment mean (40^2 + 12 * 24^2
 
 
 def test_block_rule_picks_by_segment_mean(monkeypatch):
-    assert blocksparse.segment_mean(chains(10)) == 10.0
-    assert blocksparse.segment_mean(chains(3, 1, prefix=2)) == (4 + 9 + 1) / 6
-    assert blocksparse.choose_block(LONG_PROMPT) == (256, 8)
-    assert blocksparse.choose_block(SHORT_BRANCHES) == (64, 4)
+    assert blockrule.segment_mean(chains(10)) == 10.0
+    assert blockrule.segment_mean(chains(3, 1, prefix=2)) == (4 + 9 + 1) / 6
+    assert blockrule.choose_block(LONG_PROMPT) == (256, 8)
+    assert blockrule.choose_block(SHORT_BRANCHES) == (64, 4)
     # the first row whose threshold the mean reaches wins
-    monkeypatch.setattr(blocksparse, "BLOCK_RULE", ((100, 32, 2), (20, 16, 3), (0, 8, 4)))
-    assert blocksparse.choose_block(SHORT_BRANCHES) == (16, 3)
-    assert blocksparse.choose_block(LONG_PROMPT) == (32, 2)
+    monkeypatch.setattr(blockrule, "BLOCK_RULE", ((100, 32, 2), (20, 16, 3), (0, 8, 4)))
+    assert blockrule.choose_block(SHORT_BRANCHES) == (16, 3)
+    assert blockrule.choose_block(LONG_PROMPT) == (32, 2)
 
 
 def test_chosen_block_is_used_and_cached():
@@ -306,3 +306,4 @@ def test_edge_cases():
 
 def test_docstring_examples():
     assert doctest.testmod(blocksparse).failed == 0
+    assert doctest.testmod(blockrule).failed == 0

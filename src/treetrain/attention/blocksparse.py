@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from treetrain.attention.alibi import check_alibi, tile_bias
+from treetrain.attention.blockrule import FANOUT, block_and_fanout, level_sizes
 from treetrain.attention.mask import TreeMask, check_inputs
 from treetrain.attention.relbias import check_rel_bias, rel_bias_tile, rel_bias_tile_grad
 from treetrain.attention.sinks import add_sinks, check_sinks, sink_grad
@@ -53,15 +54,6 @@ try:  # the CPU flash kernel behind SDPA, called directly for its log-sum-exp an
     _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 except (AttributeError, RuntimeError) as e:  # the registry then falls back to dense
     raise ImportError(f"this torch {torch.__version__} has no CPU flash-attention kernel: {e}") from e
-
-FANOUT = 4  # row blocks per parent block; 4 ~ 8 > 2, 16 (benchmarks/results/attention_cpu_*)
-
-# The block and fanout a tree gets (``choose_block``): the first row whose threshold its token-weighted
-# mean segment length reaches. PROVISIONAL thresholds, to be set from ``benchmarks/attention_cpu.py
-# --sweep`` on a quiet machine: block 256 / fanout 8 measured 1.01 of the causal kernel's per-pair rate
-# on a 10k-token tree with a 4k-token prompt (segment mean ~1.9k) where 64 / 4 gave 0.93; on 2k-5k
-# trees of short branches (segment means 100-650) 64 / 4 was best or within noise of best.
-BLOCK_RULE: tuple[tuple[int, int, int], ...] = ((1024, 256, 8), (0, 64, FANOUT))  # (min mean, block, fanout)
 
 
 @dataclass(frozen=True)
@@ -162,51 +154,6 @@ def _window_allowed(pos: torch.Tensor, t: _Tile, window: int) -> torch.Tensor | 
     return None if bool(near.all()) else near
 
 
-def segment_mean(subtree_end: torch.Tensor) -> float:
-    """Token-weighted mean length of the tree's segments (maximal chains of only children):
-    ``sum(len**2) / T``, the length of the segment a random token lies in.
-
-    Token ``t`` continues token ``t - 1``'s segment when it is ``t - 1``'s only child: inside its
-    subtree (``end[t - 1] > t``) and covering all of it (``end[t] == end[t - 1]``).
-
-    >>> segment_mean(torch.tensor([8, 6, 4, 4, 6, 6, 8, 8]))  # A | B | C D | E F | G H: 14 / 8
-    1.75
-    >>> segment_mean(torch.tensor([6, 6, 6, 4, 5, 6]))  # prompt of 3, branches of 1, 1, 1: (9 + 3) / 6
-    2.0
-    """
-    end = subtree_end.detach().to("cpu", torch.int64)
-    T = end.numel()
-    if T == 0:
-        return 0.0
-    t = torch.arange(1, T)
-    starts = torch.cat([torch.ones(1, dtype=torch.bool), ~((end[:-1] > t) & (end[1:] == end[:-1]))])
-    first = torch.nonzero(starts).flatten()
-    lengths = torch.diff(torch.cat([first, torch.tensor([T])])).double()
-    return float((lengths**2).sum() / T)
-
-
-def choose_block(subtree_end: torch.Tensor) -> tuple[int, int]:
-    """``(block, fanout)`` for a tree, by :data:`BLOCK_RULE` on its :func:`segment_mean`: long
-    chains (a long prompt) get large tiles near the kernel's long-sequence rate; trees of short
-    branches small ones, which mask fewer pairs.
-
-    >>> choose_block(torch.full((4096,), 4096))  # one chain of 4096 tokens
-    (256, 8)
-    >>> choose_block(torch.tensor([8, 6, 4, 4, 6, 6, 8, 8]))
-    (64, 4)
-    """
-    mean = segment_mean(subtree_end)
-    return next((block, fanout) for least, block, fanout in BLOCK_RULE if mean >= least)
-
-
-def _tree_sizes(T: int, block: int, fanout: int) -> list[int]:
-    """Row-block sizes per level, ``block * fanout**j``, up to the first that covers ``T``."""
-    sizes = [block]
-    while sizes[-1] < T:
-        sizes.append(sizes[-1] * fanout)
-    return sizes
-
-
 def build_plan(subtree_end: torch.Tensor, block: int = 64, fanout: int = FANOUT) -> BlockSparsePlan:
     """Tile the allowed pairs of ``subtree_end [T]``: ``block``-row local tiles, coarser levels above.
 
@@ -220,7 +167,7 @@ def build_plan(subtree_end: torch.Tensor, block: int = 64, fanout: int = FANOUT)
         raise ValueError(f"need block >= 1 and fanout >= 2, got {block}, {fanout}")
     end = subtree_end.detach().to("cpu", torch.int64)
     T = end.numel()
-    sizes = _tree_sizes(T, block, fanout)
+    sizes = level_sizes(T, block, fanout)
     full: dict[tuple[int, int], list[torch.Tensor]] = {}  # (level, row start) -> keys all its rows see
     local: dict[int, list[torch.Tensor]] = {}  # row start -> keys for the masked local tile
 
@@ -256,8 +203,8 @@ def build_plan(subtree_end: torch.Tensor, block: int = 64, fanout: int = FANOUT)
     for (level, s), keys in sorted(full.items()):
         tiles.append(_Tile(s, min(s + sizes[level], T), **_keyset(torch.cat(keys).sort().values)))
     allowed = int((end - torch.arange(T)).sum())
-    computed = sum(t.pairs for t in tiles)
-    return BlockSparsePlan(T, block, tiles, len(range(0, T, block)), allowed, computed, fanout)
+    computed = sum(t.pairs for t in tiles)  # num_local: one local tile per row block
+    return BlockSparsePlan(T, block, tiles, -(-T // block), allowed, computed, fanout)
 
 
 def _masked_tile(end: torch.Tensor, s: int, e: int, keys: torch.Tensor) -> _Tile:
@@ -509,7 +456,7 @@ def blocksparse_attention(
     reads key head ``h // (Hq // Hkv)``); returns ``[Hq, T, D]`` in ``q``'s memory layout (so
     token-major ``[T, H, D]`` storage stays token-major). ``block``: rows of the finest tiles
     (smaller masks fewer pairs but makes more kernel calls), ``fanout``: row blocks per parent
-    block; None: chosen from the tree's shape (:func:`choose_block`, benchmarks/attention_cpu.py
+    block; None: chosen from the tree's shape (:func:`.blockrule.choose_block`, benchmarks/attention_cpu.py
     --sweep). The result is exact for any block and fanout. float64, float32, bfloat16
     (accumulated in float32).
     ``window``: sliding window along each path (an extra mask on the tiles that cross it).
@@ -541,12 +488,8 @@ def blocksparse_attention(
         return q.new_empty(q.shape)
     pos = mask.window_positions(window)
     pos = None if pos is None else pos.detach().to("cpu", torch.int64)
-    if block is not None and block < 1 or fanout is not None and fanout < 2:
-        raise ValueError(f"blocksparse_attention: need block >= 1 and fanout >= 2, got {block}, {fanout}")
-
-    def plan_for_tree() -> BlockSparsePlan:
-        chosen_block, chosen_fanout = choose_block(mask.subtree_end)
-        return build_plan(mask.subtree_end, block or chosen_block, fanout or chosen_fanout)
-
-    plan = mask.cached(("blocksparse", block, fanout), plan_for_tree)
+    plan = mask.cached(  # a bad block or fanout raises here (never cached)
+        ("blocksparse", block, fanout),
+        lambda: build_plan(mask.subtree_end, *block_and_fanout(mask.subtree_end, block, fanout)),
+    )
     return _BlockSparseAttention.apply(q, k, v, plan, scale, pos, window, sinks, alibi, rel_bias, rel_pos)

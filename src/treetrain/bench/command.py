@@ -192,7 +192,7 @@ def _opt(x: float | None, fmt: str) -> str:
 
 
 def _block_rule() -> tuple:
-    from treetrain.attention.blocksparse import BLOCK_RULE
+    from treetrain.attention.blockrule import BLOCK_RULE
 
     return BLOCK_RULE
 
@@ -463,7 +463,7 @@ def results_header(args, rate: float, dtype, device, load: str = "unknown") -> s
         f"allocator {getattr(args, 'allocator_used', allocator.active())}\n"
         f"- machine before the run: {load}\n"
         f"- tree attention: {args.backend or 'by device'}; on the CPU blocksparse, block / fanout by the "
-        f"tree's shape (treetrain.attention.blocksparse.BLOCK_RULE {_block_rule()})\n"
+        f"tree's shape (treetrain.attention.blockrule.BLOCK_RULE {_block_rule()})\n"
         f"- model: Qwen3-shaped, hidden {args.hidden}, {args.layers} layers, {args.heads} heads "
         f"({args.kv_heads or max(1, args.heads // 2)} key/value, "
         f"{args.head_dim or args.hidden // args.heads} wide), MLP {args.intermediate or 3 * args.hidden}, "
