@@ -8,7 +8,7 @@ fixed costs; benchmarks/QUIET_RUNS.md lists them and says what each figure is fo
 Usage::
 
     python benchmarks/quiet_runs.py --list            # the commands and their estimated times
-    python benchmarks/quiet_runs.py                   # run them all (about 2.3 hours quiet)
+    python benchmarks/quiet_runs.py                   # run them all (about 2.5 hours quiet)
     python benchmarks/quiet_runs.py --only verl-small trl-trainers-small
     python benchmarks/quiet_runs.py --check           # each command's quick variant into a scratch
                                                       # folder, checking it writes a well-formed result
@@ -82,6 +82,13 @@ STEPS = [
          [B + "attention_cpu.py", "--sweep", "--quick", "--heads", "16", "--kv-heads", "8", "--dim", "128",
           "--repeats", "1", "--write"],
          why="the block rule with Qwen3-0.6B's attention heads (16 / 8 of 128)"),
+    Step("dpo", [B + "dpo.py", "--write"], 2,
+         [B + "dpo.py", "--pairs", "2", "--prompt-len", "64", "--response-len", "8", "--hidden", "64",
+          "--layers", "1", "--vocab", "512", "--repeats", "1", "--write"],
+         why="the DPO step vs the per-path baseline, with peak memory"),
+    Step("train-tree-vs-sequence", [B + "train_tree_vs_sequence.py", "--write"], 2,
+         [B + "train_tree_vs_sequence.py", "--vocab", "compact", "--lines", "1", "--repeats", "1", "--write"],
+         why="the SFT step on the bundled sample vs the per-path baseline, with peak memory"),
 ]  # fmt: skip
 
 
@@ -113,6 +120,8 @@ def run(step: Step, args, results: Path, log_dir: Path, quick: bool) -> dict:
     problems += well_formed(written)
     print(f"[{step.name}] {'ok' if not problems else 'FAILED: ' + '; '.join(problems)}, {wall:.0f} s, "
           f"wrote {', '.join(p.name for p in written) or 'nothing'}", flush=True)  # fmt: skip
+    if problems and quick:  # --check's scratch folder (the log with it) is removed at the end
+        print("".join(log.read_text().splitlines(keepends=True)[-30:]), flush=True)
     return {"step": step, "rc": rc, "wall": wall, "written": written, "problems": problems}
 
 
