@@ -159,7 +159,7 @@ def main() -> None:
             f"Hardware: {where}. Times: min over {args.repeats} steps after a warm-up, modes interleaved. "
             f"Policy forward+backward and the reference's no-grad forward per step. Peak live MiB: the "
             "most tensor bytes alive at once during one step of each mode (treetrain.bench.measure."
-            "peak_bytes), beside the activation bound (path tokens / distinct tokens).\n\n{table}\n"
+            f"peak_bytes), beside the activation bound (path tokens / distinct tokens).\n\n{table}\n"
         )
         print(f"wrote {path}")
 
