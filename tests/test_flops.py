@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from treetrain import TrajectoryTree
-from treetrain.trees.flops import CostModel, Work, baseline_work, flop_bound, tree_work
+from treetrain.trees.flops import (
+    CostModel,
+    Work,
+    baseline_work,
+    flop_bound,
+    layer_kinds,
+    mixer_cost,
+    tree_work,
+)
 
 from .reference import tiny_model
 
@@ -90,3 +98,59 @@ def test_recomputed_head_and_checkpointing_are_priced():
     from treetrain.trees.flops import recomputed_targets
 
     assert recomputed_targets([10, 30], vocab=10, keep_bytes=800) == 30  # 400 bytes kept, 1,200 not
+
+
+def _config(model_type, **kw):
+    return SimpleNamespace(model_type=model_type, hidden_size=8, num_attention_heads=2, head_dim=4, **kw)
+
+
+def test_recurrent_and_pair_flops_per_family():
+    """Each family's formula (trees/flops.py: 5 per state element and token, 7 for the delta rule,
+    2 for RG-LRU's add-only write; conv 2 * channels * width) on hand-worked shapes; per pair
+    2 * heads * (d_qk + d_v) per attention layer (here 2 * 2 * (4 + 4) = 32)."""
+    hybrid = ["linear_attention", "full_attention"]
+    gdn = _config(
+        "qwen3_5_text", layer_types=hybrid, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=4, linear_conv_kernel_dim=3,
+    )  # fmt: skip
+    # 4 value heads of an [8, 4] state: 7 * 4 * 8 * 4 = 896; conv over q, k (2 * 2 * 8) and v (4 * 4)
+    assert mixer_cost(gdn) == (896 + 2 * (32 + 16) * 3, 32)
+    kda = _config(
+        "kimi_linear", layer_types=["linear_attention"] * 2 + ["full_attention"], linear_num_heads=2,
+        linear_head_dim=4, linear_conv_kernel_dim=4, qk_nope_head_dim=3, qk_rope_head_dim=1, v_head_dim=4,
+    )  # fmt: skip
+    # per KDA layer 7 * 2 * 4 * 4 = 224 plus a conv over q, k, v (3 * 8 channels, width 4) = 192
+    assert mixer_cost(kda) == (2 * (224 + 192), 32)
+    nemotron = _config(
+        "nemotron_h", layer_types=["linear_attention", "mlp", "full_attention"], mamba_num_heads=2,
+        mamba_head_dim=4, ssm_state_size=8, n_groups=1, conv_kernel=4,
+    )  # fmt: skip
+    assert layer_kinds(nemotron) == ["mamba2", "none", "attention"]
+    assert mixer_cost(nemotron) == (5 * 2 * 4 * 8 + 2 * (8 + 2 * 8) * 4, 32)  # 320 + 192
+    jamba = _config("jamba", layer_types=hybrid, mamba_expand=2, mamba_d_state=4, mamba_d_conv=3)
+    assert mixer_cost(jamba) == (5 * 16 * 4 + 2 * 16 * 3, 32)  # inner 16 channels x state 4: 320 + 96
+    mamba = _config("mamba", num_hidden_layers=2, intermediate_size=16, state_size=4, conv_kernel=3)
+    assert layer_kinds(mamba) == ["mamba", "mamba"] and mixer_cost(mamba) == (2 * 416, 0)
+    assert mixer_cost(_config("lfm2", layer_types=["conv", "full_attention"], conv_L_cache=3)) == (48, 32)
+    assert mixer_cost(_config("minimax", layer_types=hybrid)) == (5 * 2 * 4 * 4, 32)
+    gemma = _config(
+        "recurrent_gemma", layer_types=["linear_attention", "linear_attention", "sliding_attention"],
+        lru_width=8, conv1d_width=4,
+    )  # fmt: skip
+    assert mixer_cost(gemma) == (2 * (2 * 8 + 2 * 8 * 4), 32)  # two blocks of 16 + 64
+    rwkv = _config("rwkv", num_hidden_layers=2, attention_hidden_size=8)
+    assert mixer_cost(rwkv) == (2 * 5 * 2 * 8, 0)  # numerator and denominator per channel
+    xlstm = _config(
+        "xlstm", num_hidden_layers=2, embedding_dim=8, num_heads=2, qk_dim_factor=0.5, v_dim_factor=1
+    )
+    assert mixer_cost(xlstm) == (2 * 5 * 2 * (2 * 4 + 2), 0)  # per head C [2, 4] and n [2]
+    qwen3 = _config("qwen3", num_hidden_layers=3)
+    assert mixer_cost(qwen3) == (0, 3 * 32)
+    with pytest.raises(ValueError, match="no FLOP formula for its 'linear_attention' layers"):
+        layer_kinds(_config("bamba", layer_types=hybrid))
+
+
+def test_recurrent_flops_count_per_token():
+    cost = CostModel(COST.linear, COST.per_pair, COST.head, recurrent=100.0)
+    assert cost.per_token == 2304 + 100 + 160
+    assert Work(8, 22, 7).flops(cost) == 3 * (8 * 2404 + 22 * 64 + 7 * 160)

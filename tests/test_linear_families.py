@@ -110,12 +110,12 @@ def _rule_inputs(T, H=2, D=4, seed=0):
     return [t.requires_grad_() for t in (q, k, v, decay, beta)]
 
 
-def _check_kda_rule(paths):
+def _check_kda_rule(paths, **kw):
     packed = pack(TrajectoryTree.from_paths(paths))
     levels = build_levels(packed.node_start, packed.node_end, packed.node_parent)
     rule = _torch_rule(_layout(_layer("kimi_linear")[1])[0])
     xs = _rule_inputs(packed.num_tokens)
-    out = tree_kda_rule(*xs, levels, rule)
+    out = tree_kda_rule(*xs, levels, rule, **kw)
     coef = torch.randn_like(out)
     counts = torch.bincount(packed.path_index, minlength=packed.num_tokens).double()
     mine = torch.autograd.grad((out * coef * counts[:, None, None]).sum(), xs)
@@ -139,6 +139,16 @@ def test_kda_rule_matches_each_path_alone(tree):
         rule = _torch_rule(_layout(_layer("kimi_linear")[1])[0])
         unrouted = tree_kda_rule(*_rule_inputs(packed.num_tokens), orphans, rule)
     assert rel_err(unrouted, out) > 1e-2
+
+
+def test_kda_rule_in_pieces():
+    """Groups longer than two chunks go through the rule two chunks at a time (chunks of 4 here: a
+    23-token root in 3 pieces, 9- and 13-token leaves in 2), every piece from the last one's state."""
+    g = torch.Generator().manual_seed(3)
+    trunk = torch.randint(0, 6, (23,), generator=g).tolist()
+    paths = [trunk + torch.randint(0, 6, (n,), generator=g).tolist() for n in (9, 13, 2)]
+    with float64_everywhere():
+        _check_kda_rule(paths, max_chunk=4, piece_chunks=2)
 
 
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -2,14 +2,18 @@
 
 Every rank runs its chunk; log-probs and entropies of every tree token, the SFT loss of
 ``compute_loss`` and every parameter gradient (summed over ranks) must equal the 1-process run,
-for a dense model (Qwen3), a Gated DeltaNet hybrid (Qwen3.5: recurrent state and conv window
-cross rank boundaries) and a KDA hybrid (Kimi Linear, latent attention and MoE). Float64
-everywhere (``float64_everywhere``: HF's internal float32 casts off): only the summation order
-differs (gradient sums over ranks), hence 1e-10 relative.
+for a dense model (Qwen3), a Gated DeltaNet hybrid (Qwen3.5), a short-convolution hybrid (LFM2), a
+KDA hybrid (Kimi Linear, latent attention and MoE) and a Mamba2 hybrid (Nemotron-H, its SSD state
+``[H, P, N]``). Their recurrent layers run split: each rank
+its own chunk, from the states and conv halo the other ranks hand over (the chunk cuts a node
+shorter than the conv width after its first token). Float64 everywhere (``float64_everywhere``:
+HF's internal float32 casts off): only the summation order differs (gradient sums over ranks),
+hence 1e-10 relative. Many more chunk splits, in one process: ``tests/test_parallel_cp_recurrent.py``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 
@@ -27,6 +31,15 @@ from treetrain.logprobs import tree_logprobs
 from treetrain.parallel.cp import CPChunk, context_parallel, cp_tree_logprobs, split_balanced
 
 RTOL = 1e-10
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: one thread (a loaded 2-core machine spends more in thread hand-offs than in work)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def test_split_balanced_worked_example():
@@ -63,40 +76,76 @@ def _loss(logp, ent, w1, w2):
 
 
 def _model(arch: str):
-    # KDA layers (kimi_linear), a Mamba2 hybrid (nemotron_h): state and conv window cross ranks
-    if arch in ("kimi_linear", "nemotron_h"):
+    if arch in ("kimi_linear", "lfm2", "nemotron_h"):
         return zoo_model(arch)
     return tiny_model(arch) if arch == "qwen3" else tiny_hybrid_model(arch)
 
 
-def _worker(rank: int, world: int, port: int, out: str, arch: str) -> None:
+def _trees(arch: str):
+    # recurrent models: with 2 ranks the cut falls at token 46, inside the 2-token node [45, 47)
+    # (asserted below): rank 1 starts from the state after token 45, and token 46's conv window
+    # (width 3-4) reaches through token 45 into the node's parent, all on rank 0
+    return make_trees(3, seed=1) if arch == "qwen3" else make_trees(4, seed=6)
+
+
+@contextlib.contextmanager
+def _routed_layer_sizes():
+    """The set of token counts every routed layer runs on (split: its chunk's, not the tree's)."""
+    import treetrain.models.recurrent as R
+
+    inner, seen = R.tree_layer_forward, set()
+
+    def spy(module, hidden, packed, mask=None):
+        seen.add(packed.num_tokens)
+        return inner(module, hidden, packed, mask)
+
+    R.tree_layer_forward = spy  # read at call time by parallel.cp.cp_recurrent_forward
+    try:
+        yield seen
+    finally:
+        R.tree_layer_forward = inner
+
+
+def _worker(rank: int, world: int, port: int, out: str, archs: tuple[str, ...]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        from treetrain.objectives.policy import compute_loss, loss_normalizer
-        from treetrain.objectives.policy_config import Objective
-
-        model = _model(arch)
-        trees = make_trees(3, seed=1)
-        packed = pack(trees)
-        g = torch.Generator().manual_seed(0)
-        w1 = torch.randn(packed.num_tokens, generator=g, dtype=torch.float64)
-        w2 = torch.randn(packed.num_tokens, generator=g, dtype=torch.float64)
-        with float64_everywhere():
-            logp, ent = cp_tree_logprobs(model, packed)
-            _loss(logp, ent, w1, w2).backward()
-            obj = Objective(name="sft")
-            with context_parallel():
-                sft, _ = compute_loss(model, packed, obj, loss_normalizer(trees, obj))
-            sft.backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        for t in grads.values():
-            dist.all_reduce(t)
+        saved = {arch: _run_rank(rank, world, arch) for arch in archs}
         if rank == 0:
-            torch.save({"logp": logp.detach(), "ent": ent.detach(), "sft": sft.detach(), "grads": grads}, out)
+            torch.save(saved, out)
     finally:
         dist.destroy_process_group()
+
+
+def _run_rank(rank: int, world: int, arch: str) -> dict:
+    from treetrain.objectives.policy import compute_loss, loss_normalizer
+    from treetrain.objectives.policy_config import Objective
+
+    model = _model(arch)
+    trees = _trees(arch)
+    packed = pack(trees)
+    g = torch.Generator().manual_seed(0)
+    w1 = torch.randn(packed.num_tokens, generator=g, dtype=torch.float64)
+    w2 = torch.randn(packed.num_tokens, generator=g, dtype=torch.float64)
+    with float64_everywhere(), _routed_layer_sizes() as seen:
+        logp, ent = cp_tree_logprobs(model, packed)
+        _loss(logp, ent, w1, w2).backward()
+        obj = Objective(name="sft")
+        if arch == "qwen3_5":  # activation checkpointing replays each layer, hand-overs included
+            model.train().gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+        with context_parallel():
+            sft, _ = compute_loss(model, packed, obj, loss_normalizer(trees, obj))
+        sft.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for t in grads.values():
+        dist.all_reduce(t)
+    bounds = split_balanced(packed.position_ids, world)
+    routed = {bounds[rank + 1] - bounds[rank]} if arch != "qwen3" else set()
+    assert seen == routed, (arch, seen, routed)  # every recurrent layer split, not replicated
+    return {"logp": logp.detach(), "ent": ent.detach(), "sft": sft.detach(), "grads": grads, "bounds": bounds}
 
 
 def _one_process(arch: str):
@@ -104,7 +153,7 @@ def _one_process(arch: str):
     from treetrain.objectives.policy_config import Objective
 
     model = _model(arch)
-    trees = make_trees(3, seed=1)
+    trees = _trees(arch)
     packed = pack(trees)
     g = torch.Generator().manual_seed(0)
     w1 = torch.randn(packed.num_tokens, generator=g, dtype=torch.float64)
@@ -123,27 +172,31 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize(
-    "world, arch",
+    "world, archs",
     [
-        (2, "qwen3"),
+        pytest.param(2, ("qwen3",), id="2-qwen3"),
         # 4 ranks on the hybrid: its attention layers exercise the dense CP path as well (a 4-rank
         # dense qwen3 case passed too; left out to keep CI short, as tests/test_parallel_cp_train.py
         # trains dense on 4 CP ranks)
-        pytest.param(4, "qwen3_5", marks=pytest.mark.slow),
-        pytest.param(2, "kimi_linear", marks=pytest.mark.slow),
-        pytest.param(2, "nemotron_h", marks=pytest.mark.slow),
+        pytest.param(4, ("qwen3_5",), marks=pytest.mark.slow, id="4-qwen3_5"),
+        # one process group for four families (each spawn costs seconds of imports)
+        pytest.param(
+            2, ("qwen3_5", "lfm2", "kimi_linear", "nemotron_h"), marks=pytest.mark.slow, id="2-recurrent"
+        ),
     ],
 )
-def test_cp_equals_one_process(tmp_path, world, arch):
+def test_cp_equals_one_process(tmp_path, world, archs):
     out = str(tmp_path / "cp.pt")
-    mp.spawn(_worker, args=(world, _free_port(), out, arch), nprocs=world, join=True)
-    got = torch.load(out)
-    logp, ent, sft, grads = _one_process(arch)
-    assert _close(got["logp"], logp) and _close(got["ent"], ent)
-    assert torch.allclose(got["sft"], sft, rtol=RTOL, atol=0)
-    assert grads.keys() == got["grads"].keys()
-    bad = [n for n in grads if not _close(got["grads"][n], grads[n])]
-    assert not bad, bad
+    mp.spawn(_worker, args=(world, _free_port(), out, archs), nprocs=world, join=True)
+    for arch, got in torch.load(out).items():
+        if arch != "qwen3" and world == 2:  # the cut the module docstring names
+            assert got["bounds"][1] == 46
+        logp, ent, sft, grads = _one_process(arch)
+        assert _close(got["logp"], logp) and _close(got["ent"], ent), arch
+        assert torch.allclose(got["sft"], sft, rtol=RTOL, atol=0), arch
+        assert grads.keys() == got["grads"].keys()
+        bad = [n for n in grads if not _close(got["grads"][n], grads[n])]
+        assert not bad, (arch, bad)
 
 
 def test_cp_backend_outside_cp_is_a_clear_error():
@@ -153,3 +206,14 @@ def test_cp_backend_outside_cp_is_a_clear_error():
     q = torch.zeros(2, 3, 4)
     with pytest.raises(ValueError, match="runs inside context parallelism only"):
         get_backend("cp")(q, q, q, TreeMask(torch.tensor([3, 3, 3])), 0.5)
+
+
+def test_cp_refuses_a_binding_sliding_window():
+    """Mistral's window (3, on a path of 8) under the cp backend: refused by name before any
+    collective (one chunk, no process group), not the mask's missing-positions error."""
+    from treetrain.parallel.cp import cp_tree_forward
+    from treetrain.trees.tree import TrajectoryTree
+
+    packed = pack(TrajectoryTree.from_paths([[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 9]]))
+    with pytest.raises(ValueError, match="'cp' does not support sliding-window attention"):
+        cp_tree_forward(zoo_model("mistral"), packed, CPChunk(None, 0, (0, packed.num_tokens)))

@@ -1,6 +1,7 @@
 """Depth-first execution (``treetrain.parallel.depth_first``): the packed run's log-probs, loss and
 every parameter gradient (float64, only summation order differs: 1e-10 relative), with peak
-saved-activation memory that follows the deepest path, not the tree's width."""
+saved-activation memory that follows the deepest path, not the tree's width; attention-only and
+recurrent (hybrid) models."""
 
 from __future__ import annotations
 
@@ -17,6 +18,15 @@ from treetrain.parallel.depth_first import depth_first_backward, node_children, 
 from treetrain.parallel.memory import SavedTensorMeter
 
 RTOL = 1e-10
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: one thread (a loaded 2-core machine spends more in thread hand-offs than in work)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def test_node_children():
@@ -92,12 +102,86 @@ def test_depth_first_memory_does_not_grow_with_width():
     assert peaks[1] < 1.2 * peaks[0], peaks
 
 
-def test_depth_first_rejects_recurrent_layers():
+# a 1-token node under a 5-token root with two grandchildren: a conv window (width 3-4) reaches
+# through the 1-token node into the root, so a node's halo spans two ancestors on the stack
+GRANDPARENT = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6, 9], [1, 2, 3, 4, 5, 10, 11]]
+
+
+def _recurrent_model(arch: str, window: int | None = None):
+    """A tiny hybrid; ``window``: every sliding attention window set to it (the zoo's binds at 3)."""
+    from tests.hybrid_models import tiny_hybrid_model
+    from tests.zoo import zoo_model
+
+    model = tiny_hybrid_model(arch) if arch == "qwen3_5" else zoo_model(arch)
+    if window is not None:
+        model.config.sliding_window = window
+        for m in model.modules():
+            if getattr(m, "sliding_window", None) is not None:
+                m.sliding_window = window
+    return model
+
+
+# every routed family: GDN, KDA, short conv, Mamba2, Mamba, RWKV, mLSTM, lightning, RG-LRU, and two
+# hybrids with Mamba layers; MiniMax's and RecurrentGemma's attention windows widened past every
+# path (depth-first has no sliding window: a binding one is refused, below)
+ARCHS = ["qwen3_5", "kimi_linear", "lfm2", "nemotron_h", "mamba", "rwkv", "xlstm", "minimax"]
+ARCHS += ["recurrent_gemma", "jamba", "falcon_h1"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_depth_first_recurrent_equals_packed(arch):
+    """Recurrent layers depth-first: each node from its parent's final states and its ancestors'
+    last conv inputs, kept on the stack."""
+    from tests.hybrid_models import float64_everywhere
+
+    trees = [
+        TrajectoryTree.from_paths(GRANDPARENT),
+        TrajectoryTree.from_paths([[1, 2, 3, 4], [1, 2, 5, 6], [1, 7, 8]]),
+    ]
+    packed = pack(trees)
+    w = torch.rand(packed.num_tokens, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    with float64_everywhere():
+        model = _recurrent_model(arch, window=64 if arch in ("minimax", "recurrent_gemma") else None)
+        loss, logp, grads = _packed_run(model, packed, w)
+        got_loss, got_logp = depth_first_backward(model, packed, weighted_token_loss(w))
+    assert torch.allclose(got_loss, loss, rtol=RTOL, atol=0)
+    assert _close(got_logp, logp)
+    bad = [n for n, p in model.named_parameters() if not _close(p.grad, grads[n])]
+    assert not bad, bad
+
+
+def test_depth_first_recurrent_memory_does_not_grow_with_width():
+    """A node holds its parent's final states and last conv inputs, not its siblings': peak saved
+    activations follow the deepest path, as for attention."""
     from tests.hybrid_models import tiny_hybrid_model
 
-    model, w = tiny_hybrid_model("qwen3_5"), torch.ones(3)
-    with pytest.raises(ValueError, match="depth-first execution supports attention-only models"):
-        depth_first_backward(model, TrajectoryTree.from_paths([[1, 2, 3]]), weighted_token_loss(w))
+    model = tiny_hybrid_model("qwen3_5", dtype=torch.float32)
+    peaks = []
+    for width in (2, 8):
+        packed = pack(_wide_tree(width, prefix=24, branch=24))
+        with SavedTensorMeter() as meter:
+            depth_first_backward(model, packed, weighted_token_loss(torch.ones(packed.num_tokens)))
+        peaks.append(meter.peak)
+        model.zero_grad(set_to_none=True)
+    assert peaks[1] < 1.2 * peaks[0], peaks
+
+
+def test_depth_first_refuses_a_binding_sliding_window():
+    """RecurrentGemma's local attention (window 3 on paths of 8): refused by name, not run wrong."""
+    model = _recurrent_model("recurrent_gemma")
+    packed = pack(TrajectoryTree.from_paths(GRANDPARENT))
+    loss = weighted_token_loss(torch.ones(packed.num_tokens, dtype=torch.float64))
+    with pytest.raises(ValueError, match="'depth_first' does not support sliding-window attention"):
+        depth_first_backward(model, packed, loss)
+
+
+def test_depth_first_refuses_activation_checkpointing():
+    model = tiny_model("qwen3")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with pytest.raises(ValueError, match="depth-first execution does not take activation checkpointing"):
+        depth_first_backward(
+            model, TrajectoryTree.from_paths([[1, 2, 3]]), weighted_token_loss(torch.ones(3))
+        )
 
 
 def test_depth_first_trains_like_packed():

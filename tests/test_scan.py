@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from hypothesis import given, settings
 
-from treetrain.models.scan import build_levels, tree_scan
+from treetrain.models.scan import balanced_chunk, build_levels, merge_chains, tree_scan
 from treetrain.trees.packing import pack
 from treetrain.trees.tree import TrajectoryTree
 
@@ -59,9 +59,10 @@ def _per_path(scan, xs, packed):
     return outs
 
 
-def _check(paths, scan, pad_slack):
+def _check(paths, scan, pad_slack, chains=False):
     packed = pack(TrajectoryTree.from_paths(paths))
-    levels = build_levels(packed.node_start, packed.node_end, packed.node_parent, pad_slack=pad_slack)
+    nodes = (packed.node_start, packed.node_end, packed.node_parent)
+    levels = build_levels(*(merge_chains(*nodes) if chains else nodes), pad_slack=pad_slack)
     xs = _inputs(packed)
     got = tree_scan(xs, levels, scan)
     assert got.shape == (packed.num_tokens, D)
@@ -82,6 +83,23 @@ def test_hand_tree():
 def test_random_trees(paths):
     _check(paths, _gated, 0)  # slack 0: a level splits into length groups wherever it can
     _check(paths, _decaying, None)  # one padded group per level: padded steps must be masked
+    _check(paths, _decaying, 0, chains=True)  # only children folded into their parents' runs
+
+
+def test_chains_of_only_children_fold_into_one_run():
+    """Per-turn samples (nested prefixes) are one chain: one run, one level, one call."""
+    paths = [[1, 2], [1, 2, 3, 4], [1, 2, 3, 4, 5]]  # nodes [1 2] [3 4] [5], each the only child
+    packed = pack(TrajectoryTree.from_paths(paths))
+    assert packed.node_parent.tolist() == [-1, 0, 1]
+    start, end, parent = merge_chains(packed.node_start, packed.node_end, packed.node_parent)
+    assert (start.tolist(), end.tolist(), parent.tolist()) == ([0], [5], [-1])
+    # a branch ends a run: [1 2] has two children, [3] has one ([4 5]), [6] none
+    packed = pack(TrajectoryTree.from_paths([[1, 2, 3, 4, 5], [1, 2, 6], [1, 2, 3]]))
+    assert packed.node_start.tolist() == [0, 2, 3, 5] and packed.node_parent.tolist() == [-1, 0, 1, 0]
+    start, end, parent = merge_chains(packed.node_start, packed.node_end, packed.node_parent)
+    assert (start.tolist(), end.tolist(), parent.tolist()) == ([0, 2, 5], [2, 5, 6], [-1, 0, 0])
+    for scan in (_gated, _decaying):
+        _check(paths, scan, 256, chains=True)
 
 
 def test_gradients_flow_through_parent_states():
@@ -92,3 +110,11 @@ def test_gradients_flow_through_parent_states():
     x.requires_grad_(True)
     tree_scan((a, x), levels, _gated)[-1].sum().backward()
     assert x.grad[0].abs().sum() > 0
+
+
+def test_balanced_chunk():
+    # (steps, max chunk) -> chunk: as few chunks as fit, the padding of the last one least
+    cases = {(110, 64): 55, (20, 64): 20, (256, 64): 64, (65, 64): 33, (1, 64): 1, (23, 4): 4, (0, 64): 1}
+    for (length, most), want in cases.items():
+        assert balanced_chunk(length, most) == want
+        assert want <= most and -(-length // want) == -(-length // most)  # no extra chunk

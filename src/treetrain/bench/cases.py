@@ -152,13 +152,13 @@ def _peak_rss_bytes() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
 
 
-def _child_peak(mode: str, model_args: tuple, trees, capacity: int, backend) -> int:
+def _child_peak(mode: str, model_args: tuple, trees, capacity: int, backend, factory=None) -> int:
     """In a fresh process: bytes the RSS high-water mark grows by during one step.
 
     The mark is reset first (``/proc/self/clear_refs``): a spawned child otherwise inherits the
     parent's mark through fork+exec.
     """
-    model = bench_model(*model_args)
+    model = (factory or bench_model)(*model_args)
     micro = prepare(mode, trees, capacity) if mode != "hf" else []
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
@@ -167,8 +167,11 @@ def _child_peak(mode: str, model_args: tuple, trees, capacity: int, backend) -> 
     return max(0, _peak_rss_bytes() - before)
 
 
-def peak_memory(mode: str, model, model_args: tuple, trees, capacity: int, backend) -> int:
+def peak_memory(mode: str, model, model_args: tuple, trees, capacity: int, backend, factory=None) -> int:
     """Peak memory of one step: CUDA allocator stats, or a fresh CPU process's RSS high-water mark.
+
+    ``factory(*model_args)`` builds the model in that process (default :func:`bench_model`; an
+    importable function: the process is spawned).
 
     On CPU one process cannot measure both modes: freed memory stays mapped, so whichever mode
     runs second would look free. Each mode runs once in its own spawned process instead.
@@ -185,7 +188,7 @@ def peak_memory(mode: str, model, model_args: tuple, trees, capacity: int, backe
     import multiprocessing as mp
 
     with mp.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_child_peak, (mode, model_args, trees, capacity, backend))
+        return pool.apply(_child_peak, (mode, model_args, trees, capacity, backend, factory))
 
 
 @dataclass
@@ -285,9 +288,11 @@ def run_case(
     rate: float,
     memory: bool,
     matmul_size: int = 2048,
+    factory=None,
 ) -> Result:
     """One case: both modes (and a plain HF step on one-path cases) timed ``repeats`` times each,
-    interleaved, after an untimed warm-up round; the load while they ran and the verdict on them."""
+    interleaved, after an untimed warm-up round; the load while they ran and the verdict on them.
+    ``factory(*model_args)`` rebuilds the model for the peak-memory processes (:func:`peak_memory`)."""
     device = model.get_input_embeddings().weight.device
     capacity = case_capacity(trees, capacity)
     vocab = model.get_output_embeddings().weight.shape[0]
@@ -312,7 +317,7 @@ def run_case(
     load = monitor.stop() if repeats else None
     model.zero_grad(set_to_none=True)
     peaks = {
-        m: peak_memory(m, model, model_args, trees, capacity, backend) / 2**20 if memory else None
+        m: peak_memory(m, model, model_args, trees, capacity, backend, factory) / 2**20 if memory else None
         for m in ("sequence", "tree")
     }
     live = {m: live_peak_mb(m, model, trees, micro[m], backend) for m in ("sequence", "tree")}

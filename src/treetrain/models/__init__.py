@@ -3,7 +3,8 @@
 :mod:`.hf` registers the tree attention through transformers' public attention registry and runs
 the decoder (:func:`~treetrain.models.hf.tree_forward`); :mod:`.recurrent` routes every state-carrying
 layer along the tree (:mod:`.scan`: each node starts from its parent's final state, level by level;
-:mod:`.pathconv`: convolution windows along each token's path; the families: :mod:`.gdn` Gated
+:mod:`.pathconv`: convolution windows along each token's path; :mod:`.segment`: the same on a
+segment of the tree, a context-parallel chunk or a depth-first node; the families: :mod:`.gdn` Gated
 DeltaNet, :mod:`.kda` Kimi Delta Attention, :mod:`.shortconv` LFM2 short convolutions, :mod:`.mamba2`
 Mamba2 SSD mixers, :mod:`.mamba` Mamba selective-scan mixers, :mod:`.lightning` MiniMax, :mod:`.rglru`
 RecurrentGemma, :mod:`.rwkv`, :mod:`.xlstm`); :mod:`.alibi` runs the ALiBi decoders (BLOOM, MPT,

@@ -29,7 +29,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from treetrain.models.pathconv import path_window, tree_causal_conv1d
-from treetrain.models.scan import TreeLevels, tree_levels, tree_scan
+from treetrain.models.scan import TreeLevels, balanced_chunk, tree_levels, tree_scan, tree_scan_varlen
 from treetrain.trees.packing import PackedTree
 
 __all__ = [
@@ -92,7 +92,7 @@ def tree_gated_delta_rule(
         qg, kg, vg, gg, bg = xs
         return rule(
             qg, kg, vg, g=gg, beta=bg,
-            chunk_size=min(max_chunk, qg.shape[1]),  # a group of 1-token nodes is not padded to 64
+            chunk_size=balanced_chunk(qg.shape[1], max_chunk),  # 110 steps: 2 x 55, not 2 x 64
             initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm,
         )  # fmt: skip
 
@@ -109,17 +109,16 @@ def _tree_rule_fla(q, k, v, g, beta, levels: TreeLevels, use_qk_l2norm: bool) ->
     rep = v.shape[1] // q.shape[1]
     if rep > 1:  # grouped value heads: each q/k head serves `rep` consecutive value heads
         q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
-    outs, state = [], None
-    for d, lv in enumerate(levels.levels):
-        idx = lv.flat_index
-        init = state.index_select(0, lv.parent_row) if d else None
-        out, state = rule(
-            q[idx][None], k[idx][None], v[idx][None], g[idx][None].float(), beta[idx][None],
-            initial_state=init, output_final_state=True, cu_seqlens=lv.cu_seqlens,
+
+    def scan(xs, init, cu_seqlens):
+        qg, kg, vg, gg, bg = (x[None] for x in xs)
+        out, final = rule(
+            qg, kg, vg, gg.float(), bg, initial_state=init, output_final_state=True, cu_seqlens=cu_seqlens,
             use_qk_l2norm_in_kernel=use_qk_l2norm,
         )  # fmt: skip
-        outs.append(out[0])
-    return torch.cat(outs).index_select(0, levels.varlen_row)
+        return out[0], final
+
+    return tree_scan_varlen((q, k, v, g, beta), levels, scan)
 
 
 def tree_gated_delta_rule_nodewise(

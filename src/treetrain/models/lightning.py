@@ -50,11 +50,10 @@ def lightning_rule(
     q, k, v, g = (x.transpose(1, 2) for x in (q, k, v, g))  # [n, H, L, ...]
     S = q.new_zeros(n, H, D, v.shape[-1]) if init is None else init.to(q.dtype)
     outs = []
-    for s in range(0, L, block):
-        e = min(s + block, L)
-        qc, kc, vc = q[:, :, s:e], k[:, :, s:e], v[:, :, s:e]
-        b = torch.cumsum(g[:, :, s:e], dim=-1)  # [n, H, C]
-        C = e - s
+    # split, not q[:, :, s:e]: a slice's backward fills a zero tensor of the whole input, per block
+    for qc, kc, vc, gc in zip(*(x.split(block, dim=2) for x in (q, k, v, g))):
+        b = torch.cumsum(gc, dim=-1)  # [n, H, C]
+        C = b.shape[-1]
         causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
         decay = torch.exp((b[..., :, None] - b[..., None, :]).masked_fill(~causal, float("-inf")))
         out = ((qc @ kc.transpose(-1, -2)) * decay) @ vc + (qc * b.exp()[..., None]) @ S

@@ -35,7 +35,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from treetrain.models.pathconv import path_window, tree_causal_conv1d
-from treetrain.models.scan import TreeLevels, tree_levels, tree_scan
+from treetrain.models.scan import TreeLevels, balanced_chunk, tree_levels, tree_scan
 from treetrain.trees.packing import PackedTree
 
 __all__ = ["MAMBA2_LAYERS", "chunk_scan_of", "tree_mamba2_forward", "tree_ssd"]
@@ -98,13 +98,13 @@ def tree_ssd(
     x ``[T, H, P]``; dt ``[T, H]`` (after bias, softplus and clamp; ``>= 0``); A, D ``[H]``;
     B, C ``[T, G, N]``; all in DFS order. ``chunk_scan`` is a transformers ``mamba2_chunk_scan``
     (or anything with its signature); each node starts from its parent's final state ``[H, P, N]``.
-    ``shrink_chunks``: a group shorter than ``chunk_size`` runs as one chunk of its own length (the
-    PyTorch scan pads every sequence to whole chunks).
+    ``shrink_chunks``: a group runs in chunks of :func:`~treetrain.models.scan.balanced_chunk` size
+    (at most ``chunk_size``, the least padding: the PyTorch scan pads every sequence to whole chunks).
     """
 
     def scan(xs, init, valid):
         xg, dtg, Bg, Cg = xs  # padded steps are zero rows: dt = 0, an identity step
-        chunk = min(chunk_size, xg.shape[1]) if shrink_chunks else chunk_size
+        chunk = balanced_chunk(xg.shape[1], chunk_size) if shrink_chunks else chunk_size
         kw = dict(chunk_size=chunk, D=D, initial_states=init, return_final_states=True)
         return chunk_scan(xg, dtg, A, Bg, Cg, **kw)
 

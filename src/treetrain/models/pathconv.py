@@ -20,9 +20,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from treetrain.models.segment import HaloWindow
 from treetrain.trees.packing import PackedTree
 
-__all__ = ["conv_window_index", "path_conv1d_reference", "path_window", "tree_causal_conv1d"]
+__all__ = ["conv_window_index", "path_conv1d_reference", "path_gather", "path_window", "tree_causal_conv1d"]
 
 
 def conv_window_index(prev: torch.Tensor, width: int) -> torch.Tensor:
@@ -42,7 +43,8 @@ def conv_window_index(prev: torch.Tensor, width: int) -> torch.Tensor:
 
 
 class _TreeConv1d(torch.autograd.Function):
-    """``out[t, c] = bias[c] + sum_j weight[c, j] * x[index[t, j], c]`` (``x[T] = 0``).
+    """``out[t, c] = bias[c] + sum_j weight[c, j] * x[index[t, j], c]`` (``x[len(x)] = 0``), for the
+    ``len(index)`` rows of ``index`` (``x`` may hold more rows: a segment's halo before its own).
 
     Saves only ``x`` and the index (not the ``[T, width, C]`` windows); backward re-gathers one
     column at a time.
@@ -51,7 +53,8 @@ class _TreeConv1d(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, index):
         xp = torch.cat([x, x.new_zeros(1, x.shape[1])])
-        out = x.new_zeros(x.shape) if bias is None else bias.expand_as(x).clone()
+        shape = (index.shape[0], x.shape[1])
+        out = x.new_zeros(shape) if bias is None else bias.expand(shape).clone()
         for j in range(weight.shape[1]):
             out += xp.index_select(0, index[:, j]) * weight[:, j]
         ctx.save_for_backward(x, weight, index)
@@ -74,24 +77,55 @@ class _TreeConv1d(torch.autograd.Function):
         return (gx[:-1] if need_x else None), gw, gb, None
 
 
+Window = torch.Tensor | HaloWindow
+
+
+def _rows(x: torch.Tensor, window: Window) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows, index)``: the rows a window indexes (a segment's halo first) and the index."""
+    if isinstance(window, HaloWindow):
+        return torch.cat([window.exchange(x), x]), window.index
+    return x, window
+
+
 def tree_causal_conv1d(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, window: torch.Tensor
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, window: Window
 ) -> torch.Tensor:
     """Depthwise causal conv along each token's path, before the activation.
 
     x ``[T, C]`` (DFS order), weight ``[C, width]`` (``nn.Conv1d.weight[:, 0]``), bias ``[C]`` or
-    None, window ``[T, width]`` from :func:`conv_window_index` -> ``[T, C]``. On a single path it is
+    None, window ``[T, width]`` from :func:`path_window` -> ``[T, C]``. On a single path it is
     ``F.conv1d(x.T[None], weight[:, None], bias, padding=width - 1, groups=C)[..., :T]``.
     """
-    if weight.shape[1] != window.shape[1]:
-        raise ValueError(f"conv width {weight.shape[1]} does not match the window index {window.shape[1]}")
-    return _TreeConv1d.apply(x, weight, bias, window)
+    width = window.width if isinstance(window, HaloWindow) else window.shape[1]
+    if weight.shape[1] != width:
+        raise ValueError(f"conv width {weight.shape[1]} does not match the window index {width}")
+    rows, index = _rows(x, window)
+    return _TreeConv1d.apply(rows, weight, bias, index)
 
 
-def path_window(packed: PackedTree, width: int, tree_mask=None, device=None) -> torch.Tensor:
+def path_gather(x: torch.Tensor, window: Window) -> torch.Tensor:
+    """``[T, width, C]``: the rows of ``x [T, C]`` in each token's window (zeros before a path's start).
+
+    For a layer that mixes a token with its path predecessors by other means than a conv (RWKV's
+    token shift: ``path_gather(x, path_window(packed, 2, mask))[:, 0]``); like the conv, it works
+    on a segment (context parallelism, depth-first), where a window reaches before the segment.
+    """
+    rows, index = _rows(x, window)
+    return torch.cat([rows, rows.new_zeros(1, *rows.shape[1:])])[index]
+
+
+def path_window(packed: PackedTree, width: int, tree_mask=None, device=None) -> Window:
     """``[T, width]`` conv window of every token along its own path (:func:`conv_window_index`),
-    built once per forward and width (cached in ``tree_mask``)."""
-    device = packed.prev.device if device is None else device
+    built once per forward and width (cached in ``tree_mask``).
+
+    Where ``tree_mask.cache["segment"]`` holds a segment (context parallelism, depth-first), the
+    segment's :class:`~treetrain.models.segment.HaloWindow` instead: pass it to
+    :func:`tree_causal_conv1d` or :func:`path_gather`, never index with it directly.
+    """
+    device = packed.input_ids.device if device is None else device
+    segment = tree_mask.cache.get("segment") if tree_mask is not None else None
+    if segment is not None:
+        return tree_mask.cached(("segment_window", width, str(device)), lambda: segment.window(width, device))
 
     def build() -> torch.Tensor:
         return conv_window_index(packed.prev.to(device), width)
@@ -104,4 +138,3 @@ def path_conv1d_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     L, C = x.shape
     w = weight.shape[1]
     return F.conv1d(x.T[None], weight[:, None], bias, padding=w - 1, groups=C)[0, :, :L].T
-

@@ -34,9 +34,9 @@ def rglru_scan(xs, init, valid):
     a, x = xs
     h = torch.zeros(x.shape[0], x.shape[2], dtype=torch.float32, device=x.device) if init is None else init
     outs = []
-    for t in range(x.shape[1]):
-        step = a[:, t].to(torch.float32) * h + x[:, t].to(torch.float32)
-        h = torch.where(valid[:, t, None], step, h)
+    for a_t, x_t, keep in zip(a.unbind(1), x.unbind(1), valid.unbind(1)):  # unbind: a linear backward
+        step = a_t.to(torch.float32) * h + x_t.to(torch.float32)
+        h = torch.where(keep[:, None], step, h)
         outs.append(h.to(x.dtype))
     return torch.stack(outs, dim=1), h
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from treetrain.models.pathconv import path_window
+from treetrain.models.pathconv import path_gather, path_window
 from treetrain.models.scan import TreeArgs, tree_levels, tree_scan
 from treetrain.trees.packing import PackedTree
 
@@ -36,8 +36,7 @@ __all__ = ["rwkv_decoder_forward", "tree_rwkv_ffn_forward", "tree_rwkv_time_mix_
 
 def _shifted(x: torch.Tensor, packed: PackedTree, tree_mask) -> torch.Tensor:
     """``x [T, C]`` -> the previous token's row along each path (zeros at a path's first token)."""
-    prev = path_window(packed, 2, tree_mask, x.device)[:, 0]  # T where the path has none
-    return torch.cat([x, x.new_zeros(1, x.shape[1])]).index_select(0, prev)
+    return path_gather(x, path_window(packed, 2, tree_mask, x.device))[:, 0]  # also on a segment (CP)
 
 
 def _mix(x: torch.Tensor, shifted: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
@@ -56,8 +55,8 @@ def wkv_scan(w: torch.Tensor, u: torch.Tensor):
         else:
             num, den, m = init
         outs = []
-        for t in range(k.shape[1]):
-            kt, vt, keep = k[:, t].float(), v[:, t], valid[:, t, None]
+        for kt, vt, keep in zip(k.unbind(1), v.unbind(1), valid.unbind(1)):  # unbind: a linear backward
+            kt, keep = kt.float(), keep[:, None]
             top = torch.maximum(m, kt + u)
             e1, e2 = torch.exp(m - top), torch.exp(kt + u - top)
             outs.append(((e1 * num + e2 * vt) / (e1 * den + e2)).to(v.dtype))

@@ -2,7 +2,7 @@
 
 A state-carrying layer (Gated DeltaNet, Mamba2, Mamba, linear attention, ...) supplies only its
 *scan*: the recurrence over a padded batch of node segments from given initial states. This module
-schedules the forest level by level (:func:`treetrain.models.gdn.build_levels`: nodes of one level
+schedules the forest level by level (:func:`build_levels`: nodes of one level
 are independent given their parents, so a level's nodes run as one batch, or a few batches of
 similar length) and hands every node its parent's final state.
 
@@ -22,6 +22,11 @@ a tuple of tensors (every one ``[n, ...]``).
 Example, paths ``[A B C D]``, ``[A B E F]``, ``[A G H]``: level 0 runs ``[A]`` from zeros, level 1
 runs ``[G H]`` and ``[B]`` (padded to 2 steps) from A's final state twice, level 2 runs ``[C D]``
 and ``[E F]`` from B's final state twice.
+
+Under context parallelism and depth-first execution a forward holds only a segment of the DFS
+order; :func:`tree_levels` then returns the segment's schedule and :func:`tree_scan` runs it,
+taking the states of the nodes before the segment and handing its own on
+(:mod:`treetrain.models.segment`). A family needs no code of its own for that.
 """
 
 from __future__ import annotations
@@ -37,16 +42,23 @@ from treetrain.trees.packing import PackedTree
 __all__ = [
     "Level",
     "Scan",
+    "ScanVarlen",
     "TreeArgs",
     "TreeLevels",
+    "balanced_chunk",
     "build_levels",
     "length_groups",
+    "merge_chains",
+    "run_levels",
+    "schedule",
     "tree_levels",
     "tree_scan",
+    "tree_scan_varlen",
 ]
 
 State = torch.Tensor | tuple[torch.Tensor, ...]
 Scan = Callable[[tuple[torch.Tensor, ...], State | None, torch.Tensor], tuple[torch.Tensor, State]]
+ScanVarlen = Scan  # (xs, init, cu_seqlens) -> (out, final): see tree_scan_varlen
 
 
 # ---- the level schedule -------------------------------------------------------------------------
@@ -127,6 +139,18 @@ def length_groups(lengths: np.ndarray, slack: int | None) -> list[int]:
     return sizes
 
 
+def balanced_chunk(length: int, max_chunk: int) -> int:
+    """The chunk size for a chunked scan over ``length`` steps: as few chunks of at most
+    ``max_chunk`` as cover them, sized equally so the last one pads least:
+    ``ceil(length / ceil(length / max_chunk))``.
+
+    Example: 110 steps, chunks of at most 64 -> 55 (2 chunks; 64 would pad to 128); 20 -> 20
+    (one chunk, no padding to 64); 256 -> 64.
+    """
+    chunks = max(1, -(-length // max_chunk))
+    return max(1, -(-length // chunks))
+
+
 def build_levels(
     node_start: torch.Tensor,
     node_end: torch.Tensor,
@@ -141,17 +165,32 @@ def build_levels(
     ``node_parent = [-1 0 1 1 0]`` -> one group per level: ``[[0]]``, ``[[6 7] [1 8]]`` (G H, then
     B), ``[[2 3] [4 5]]`` with ``parent_row = [1 1]`` (B is row 1 of level 1).
     """
-    start = node_start.detach().cpu().numpy().astype(np.int64)
-    end = node_end.detach().cpu().numpy().astype(np.int64)
-    parent = node_parent.detach().cpu().numpy().astype(np.int64)
+    as_np = lambda t: t.detach().cpu().numpy().astype(np.int64)  # noqa: E731
     device = node_start.device if device is None else device
+    return schedule(as_np(node_start), as_np(node_end), as_np(node_parent), device, pad_slack)[0]
+
+
+def schedule(
+    start: np.ndarray,
+    end: np.ndarray,
+    parent: np.ndarray,
+    device,
+    pad_slack: int | None = 256,
+    num_tokens: int | None = None,
+) -> tuple[TreeLevels, np.ndarray, np.ndarray]:
+    """:func:`build_levels` on numpy arrays; also returns each node's level and row in its level.
+
+    ``num_tokens`` (default ``end.max()``): the padding index and the length of ``padded_row`` /
+    ``varlen_row``, whose entries for tokens outside the nodes are left unset (a segment schedules
+    its nodes in two parts, :func:`build_segment_levels`).
+    """
     as_t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
-    T = int(end.max()) if end.size else 0
+    T = (int(end.max()) if end.size else 0) if num_tokens is None else num_tokens
     depth = node_depth(parent)
     lengths = end - start
     row_in_level = np.zeros(start.size, dtype=np.int64)
-    padded_row = np.empty(T, dtype=np.int64)
-    varlen_row = np.empty(T, dtype=np.int64)
+    padded_row = np.zeros(T, dtype=np.int64)
+    varlen_row = np.zeros(T, dtype=np.int64)
     levels = []
     padded_off = varlen_off = 0
     for d in range(int(depth.max()) + 1 if depth.size else 0):
@@ -181,10 +220,10 @@ def build_levels(
                 flat_index=as_t(flat_index),
             )
         )
-    return TreeLevels(
+    tree_levels = TreeLevels(
         levels=tuple(levels), padded_row=as_t(padded_row), varlen_row=as_t(varlen_row), num_tokens=T
     )
-
+    return tree_levels, depth, row_in_level
 
 
 # ---- the scan along it --------------------------------------------------------------------------
@@ -206,28 +245,75 @@ def _cat(states: list[State]) -> State:
     return torch.cat(states)
 
 
+def run_levels(
+    inputs: Sequence[torch.Tensor],
+    levels: TreeLevels,
+    scan: Scan,
+    init: State | None = None,
+    keep: Sequence[torch.Tensor] | None = None,
+    varlen: bool = False,
+) -> tuple[torch.Tensor, State | None]:
+    """The level loop of :func:`tree_scan` (``varlen``: :func:`tree_scan_varlen`).
+
+    Returns the outputs in the schedule's row order (``levels.padded_row`` / ``varlen_row`` maps
+    tokens to them) and the final states of the rows ``keep[d]`` of every level ``d``, concatenated
+    level by level (None if none is kept). ``init``: the states level 0 starts from, in its row
+    order (None: roots, from zeros).
+    """
+    T = levels.num_tokens
+    if not varlen:
+        inputs = [_pad_row(x) for x in inputs]  # row T: the zero input past a node's end
+    outs, kept, state = [], [], None
+    for d, lv in enumerate(levels.levels):
+        level_init = _map(state, lambda s, rows=lv.parent_row: s.index_select(0, rows)) if d else init
+        if varlen:
+            out, state = scan(tuple(x[lv.flat_index] for x in inputs), level_init, lv.cu_seqlens)
+            outs.append(out)
+        else:
+            states, first = [], 0
+            for idx in lv.groups:
+                n = idx.shape[0]
+                group_init = (
+                    None if level_init is None else _map(level_init, lambda s, a=first, b=first + n: s[a:b])
+                )
+                out, final = scan(tuple(x[idx] for x in inputs), group_init, idx < T)
+                outs.append(out.flatten(0, 1))
+                states.append(final)
+                first += n
+            state = _cat(states)
+        if keep is not None and keep[d].numel():
+            kept.append(_map(state, lambda s, rows=keep[d]: s.index_select(0, rows)))
+    return torch.cat(outs), (_cat(kept) if kept else None)
+
+
 def tree_scan(inputs: Sequence[torch.Tensor], levels: TreeLevels, scan: Scan) -> torch.Tensor:
     """Run ``scan`` along every root-to-leaf path of a packed forest: ``[T, ...]`` outputs.
 
     inputs: ``[T, ...]`` tensors in DFS order (the same ``T`` as ``levels``). Every node's scan starts
     from its parent's final state (roots: ``init=None``). The result equals running ``scan`` over
     each path alone, token by token (``tests/test_scan.py``).
+
+    ``levels`` may instead be a segment's schedule (:class:`treetrain.models.segment.SegmentLevels`:
+    a context-parallel rank's chunk, a depth-first node), which also takes the states of the nodes
+    before the segment and hands its own on.
     """
-    T = levels.num_tokens
-    padded = [_pad_row(x) for x in inputs]  # row T: the zero input past a node's end
-    outs, state = [], None
-    for d, lv in enumerate(levels.levels):
-        init = _map(state, lambda s, rows=lv.parent_row: s.index_select(0, rows)) if d else None
-        states, first = [], 0
-        for idx in lv.groups:
-            n = idx.shape[0]
-            group_init = None if init is None else _map(init, lambda s, a=first, b=first + n: s[a:b])
-            out, final = scan(tuple(x[idx] for x in padded), group_init, idx < T)
-            outs.append(out.flatten(0, 1))
-            states.append(final)
-            first += n
-        state = _cat(states)
-    return torch.cat(outs).index_select(0, levels.padded_row)
+    if not isinstance(levels, TreeLevels):
+        return levels.scan(inputs, scan)
+    out, _ = run_levels(inputs, levels, scan)
+    return out.index_select(0, levels.padded_row)
+
+
+def tree_scan_varlen(inputs: Sequence[torch.Tensor], levels: TreeLevels, scan: ScanVarlen) -> torch.Tensor:
+    """:func:`tree_scan` through a varlen kernel: one call per level over its unpadded tokens.
+
+    ``scan(xs, init, cu_seqlens) -> (out, final)``: ``xs`` tuple of ``[sum lengths, ...]`` (the
+    level's nodes one after another), ``init [n, *state]`` or None, ``cu_seqlens [n + 1]``;
+    ``out [sum lengths, ...]``, ``final [n, *state]``.
+    """
+    if not isinstance(levels, TreeLevels):
+        return levels.scan(inputs, scan, varlen=True)
+    out, _ = run_levels(inputs, levels, scan, varlen=True)
+    return out.index_select(0, levels.varlen_row)
 
 
 @dataclass(frozen=True, eq=False)
@@ -239,12 +325,49 @@ class TreeArgs:
     mask: object | None = None  # the forward's TreeMask (caches, context parallel), or None
 
 
+def merge_chains(
+    node_start: torch.Tensor, node_end: torch.Tensor, node_parent: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fold every node that is its parent's only child into its parent: ``(start, end, parent)`` of
+    the resulting runs (CPU tensors, the same DFS order and meaning as ``PackedTree.node_*``).
+
+    An only child directly follows its parent in DFS order and starts from its parent's final state,
+    so a chain of only children is one contiguous run of tokens that a scan can take in one piece:
+    one call instead of one per node, one level instead of one per node. Per-turn samples of one
+    dialogue (nested prefixes) are such a chain. Example: nodes ``[A] [B C] [D]`` with parents
+    ``[-1 0 1]`` (``node_start = [0 1 3]``, ``node_end = [1 3 4]``) -> one run ``[0, 4)``; a node
+    with two children ends its run: parents ``[-1 0 0]`` keep all three nodes.
+    """
+    as_np = lambda x: x.detach().cpu().numpy().astype(np.int64)  # noqa: E731
+    start, end, parent = as_np(node_start), as_np(node_end), as_np(node_parent)
+    has_parent = parent >= 0
+    children = np.bincount(parent[has_parent], minlength=start.size)
+    only = has_parent & (children[np.maximum(parent, 0)] == 1)
+    folded = np.flatnonzero(only)
+    assert (parent[folded] == folded - 1).all() and (start[folded] == end[folded - 1]).all(), "not DFS order"
+    run = np.cumsum(~only) - 1  # each node's run: its own if it heads one, else its parent's
+    head = np.flatnonzero(~only)
+    run_end = np.zeros(head.size, dtype=np.int64)
+    np.maximum.at(run_end, run, end)
+    run_parent = np.where(parent[head] >= 0, run[np.maximum(parent[head], 0)], -1)
+    return tuple(torch.from_numpy(a) for a in (start[head], run_end, run_parent))
+
+
 def tree_levels(packed: PackedTree, tree_mask=None, device=None) -> TreeLevels:
-    """The level schedule of ``packed``, built once per forward (cached in ``tree_mask``)."""
-    device = packed.node_start.device if device is None else device
+    """The level schedule of ``packed``, built once per forward (cached in ``tree_mask``), with
+    chains of only children folded into one run each (:func:`merge_chains`).
+
+    Where ``tree_mask.cache["segment"]`` holds a segment (context parallelism, depth-first), the
+    segment's schedule (:class:`treetrain.models.segment.SegmentLevels`) instead (its nodes as cut,
+    not folded).
+    """
+    device = packed.input_ids.device if device is None else device
+    segment = tree_mask.cache.get("segment") if tree_mask is not None else None
+    if segment is not None:
+        return tree_mask.cached(("segment_levels", str(device)), lambda: segment.levels(device))
 
     def build() -> TreeLevels:
-        return build_levels(packed.node_start, packed.node_end, packed.node_parent, device=device)
+        runs = merge_chains(packed.node_start, packed.node_end, packed.node_parent)
+        return build_levels(*runs, device=device)
 
     return tree_mask.cached(("levels", str(device)), build) if tree_mask is not None else build()
-

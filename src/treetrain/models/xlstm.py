@@ -46,19 +46,20 @@ def mlstm_scan(eps: float):
         else:
             C, nvec, m = init
         outs = []
-        for t in range(q.shape[1]):
-            f_log = F.logsigmoid(fg[:, t].to(acc))
-            i_t = ig[:, t].to(acc)
+        steps = zip(*(x.unbind(1) for x in (q, k, v, ig, fg, valid)))  # unbind: a linear backward
+        for q_t, k_t, v_t, i_t, f_t, keep in steps:
+            f_log = F.logsigmoid(f_t.to(acc))
+            i_t = i_t.to(acc)
             m_new = torch.maximum(f_log + m, i_t)
             f_act, i_act = torch.exp(f_log + m - m_new), torch.exp(i_t - m_new)
-            qs, kt, vt = q[:, t].to(acc) * Dk**-0.5, k[:, t].to(acc), v[:, t].to(acc)
+            qs, kt, vt = q_t.to(acc) * Dk**-0.5, k_t.to(acc), v_t.to(acc)
             kv = kt[..., :, None] * vt[..., None, :]
             C_new = f_act[..., None, None] * C + i_act[..., None, None] * kv
             n_new = f_act[..., None] * nvec + i_act[..., None] * kt
             num = (qs[..., None, :] @ C_new)[..., 0, :]
             den = torch.maximum((qs * n_new).sum(-1).abs(), torch.exp(-m_new)) + eps
             outs.append((num / den[..., None]).to(v.dtype))
-            keep = valid[:, t, None]
+            keep = keep[:, None]
             C = torch.where(keep[..., None, None], C_new, C)
             nvec = torch.where(keep[..., None], n_new, nvec)
             m = torch.where(keep, m_new, m)

@@ -8,12 +8,14 @@ queries need the keys/values of its own chunk and of EARLIER chunks only.
 Each rank runs the unmodified Hugging Face decoder on its chunk (its own ``input_ids``, global
 ``position_ids``); the ``cp`` tree-attention backend gathers every layer's K/V with autograd (an
 all-gather whose backward sums the key gradients of all ranks and keeps this rank's slice) and
-attends its queries against keys ``[0, chunk_end)``. The LM head scores target ``t`` on the rank
-that holds its context row ``prev[t]`` (which may be any earlier rank, not only the previous one),
-and the per-token log-probs are summed over ranks (disjoint supports, so every rank gets the same
-``[T]`` vector bit for bit). Every rank then computes the same full loss; the all-reduce's backward
-is the identity, so each rank's parameter gradients are exactly its share and their SUM over the
-group is the 1-rank gradient (FSDP's summed reduction, :func:`treetrain.parallel.fsdp.shard_model`).
+attends its queries against keys ``[0, chunk_end)``. Recurrent layers run on the chunk too, from
+the states the previous rank hands over (:mod:`treetrain.parallel.cp_recurrent`). The LM head
+scores target ``t`` on the rank that holds its context row ``prev[t]`` (which may be any earlier
+rank, not only the previous one), and the per-token log-probs are summed over ranks (disjoint
+supports, so every rank gets the same ``[T]`` vector bit for bit). Every rank then computes the
+same full loss; the all-reduce's backward is the identity, so each rank's parameter gradients are
+exactly its share and their SUM over the group is the 1-rank gradient (FSDP's summed reduction,
+:func:`treetrain.parallel.fsdp.shard_model`).
 
 Example, 2 ranks, ``A B C D E F G H`` with ``subtree_end = [8 6 4 4 6 6 8 8]``: rank 1 holds
 ``E F G H`` and attends keys ``A..H``; ``prev[E] = B`` sits on rank 0, so rank 0 scores ``E``.
@@ -187,18 +189,19 @@ def cp_recurrent_forward(
 ) -> torch.Tensor:
     """A routed recurrent layer under CP: ``[1, n, hidden]`` (this rank's chunk) -> ``[1, n, hidden]``.
 
-    The layer's inputs are gathered with autograd and the tree-routed layer
-    (``models.recurrent.tree_layer_forward``) runs over the whole tree on every rank; each rank keeps
-    its chunk. So every node starts from its parent's recurrent state and conv window wherever the
-    parent lives, exactly; the cost is that recurrent layers are replicated, not split (their
-    inputs' gradients are summed over ranks by the gather's backward, their parameters' gradients
-    come from each rank's own chunk, so the group's sum is exact).
+    The layer runs on this rank's chunk alone, as a segment of the tree
+    (:mod:`treetrain.parallel.cp_recurrent`): its nodes start from the states the previous rank
+    hands over, its conv windows read the halo the other ranks export. Built once per forward (the
+    ``segment`` in ``mask.cache``), shared by every recurrent layer.
     """
     from treetrain.models.recurrent import tree_layer_forward
+    from treetrain.parallel.cp_recurrent import CPSegment, DistTransport
 
     chunk: CPChunk = mask.cache["cp"]
-    full = _GatherChunks.apply(hidden_states, chunk)  # [1, T, hidden]
-    return tree_layer_forward(module, full, packed, mask)[:, chunk.start : chunk.end]
+    segment = mask.cached(
+        "segment", lambda: CPSegment(packed, chunk.bounds, chunk.rank, DistTransport(chunk.group, chunk.rank))
+    )
+    return tree_layer_forward(module, hidden_states, segment.view, mask)
 
 
 def make_chunk(packed: PackedTree, group: dist.ProcessGroup | None, per_token: float = 0.0) -> CPChunk:
@@ -215,7 +218,8 @@ def cp_tree_forward(model: nn.Module, packed: PackedTree, chunk: CPChunk) -> tor
     device = model.get_input_embeddings().weight.device
     packed = packed.to(device)
     s, e = chunk.start, chunk.end
-    mask = TreeMask(packed.subtree_end, backend="cp", cache={"cp": chunk})
+    # position_ids: a sliding window that binds is refused by name (the cp backend has none)
+    mask = TreeMask(packed.subtree_end, backend="cp", cache={"cp": chunk}, position_ids=packed.position_ids)
     decoder = getattr(model, "treetrain_decoder", None) or model.base_model
     out = decoder(
         input_ids=packed.input_ids[None, s:e],

@@ -18,20 +18,30 @@ Example, paths ``[A B C D]``, ``[A B E F]``, ``[A G H]`` (nodes ``AB``, ``CD``, 
     forward AB -> forward CD (past AB), backward CD -> forward EF (past AB), backward EF
                -> forward GH (past AB), backward GH -> backward AB (its loss + the K/V grads)
 
+Recurrent layers the same way: a node is a segment of the tree (:mod:`treetrain.models.segment`)
+that starts from its parent's final state per recurrent layer and reads its conv windows' first
+inputs from its ancestors' last ones; it leaves its own (as leaves, beside its K/V) to its
+children, and the gradients they accumulate there flow back through its compute with the K/V's.
+In the example, ``CD``, ``EF`` and ``GH`` start from the states ``AB`` left on the stack.
+
 The loss must be a sum of per-token terms, ``token_loss(logp [n], targets [n]) -> scalar`` over
-the targets each node predicts (a weighted SFT / policy-gradient loss). Attention-only models.
+the targets each node predicts (a weighted SFT / policy-gradient loss).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from treetrain.attention.mask import TreeMask
+from treetrain.models.pathconv import conv_window_index
+from treetrain.models.segment import HaloWindow, build_segment_levels, segment_view
 from treetrain.trees.packing import PackedTree, pack
 from treetrain.trees.tree import TrajectoryTree
 
@@ -62,26 +72,87 @@ def weighted_token_loss(weights: torch.Tensor) -> TokenLoss:
 
 
 def _check(model: nn.Module) -> None:
-    from treetrain.models.recurrent import route
-
-    layer = next((type(m).__name__ for m in model.modules() if route(m) is not None), None)
-    if layer is not None:
+    on = getattr(model, "is_activation_checkpointing", None)  # transformers >= 5.x renamed it
+    if on if on is not None else getattr(model, "is_gradient_checkpointing", False):
         raise ValueError(
-            "depth-first execution supports attention-only models for now: this model has recurrent "
-            f"layers ({layer}); train it packed or partitioned"
+            "depth-first execution does not take activation checkpointing: a node's layers record what "
+            "its children read in call order, and a replay would record it twice; turn checkpointing "
+            "off (depth-first already keeps only the root-to-node stack)"
         )
 
 
 @dataclass
-class _Stack:
-    """What the ``depth_first`` backend reads and writes during one node's forward.
+class _Carry:
+    """What a node leaves its descendants (as leaves, detached from its graph) or holds for them (in
+    its graph): per attention layer its ``(k, v)`` ``[Hkv, n, D]``; per recurrent scan (numbered in
+    call order) its final state; per conv its last ``width - 1`` inputs; its length."""
 
-    past: per ancestor (root first), per attention layer, its ``(k, v)`` leaves ``[Hkv, n_a, D]``.
-    own: filled by the forward, per attention layer, this node's ``(k, v)`` (in the graph).
+    tokens: int
+    kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    states: dict[int, torch.Tensor | tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    convs: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def tensors(self) -> list[torch.Tensor]:
+        flat = [t for pair in self.kv for t in pair]
+        for st in self.states.values():
+            flat += list(st) if isinstance(st, tuple) else [st]
+        return flat + list(self.convs.values())
+
+    def leaves(self) -> _Carry:
+        def leaf(t):
+            return t.detach().requires_grad_()
+
+        def state(s):
+            return tuple(map(leaf, s)) if isinstance(s, tuple) else leaf(s)
+
+        states = {op: state(s) for op, s in self.states.items()}
+        convs = {op: leaf(x) for op, x in self.convs.items()}
+        return _Carry(self.tokens, [(leaf(k), leaf(v)) for k, v in self.kv], states, convs)
+
+
+class _Stack:
+    """What one node's forward reads from its root-to-node stack and records for its children.
+
+    past: the ancestors' carries (root first, leaves); own: this node's (in its graph). For the
+    ``depth_first`` attention backend (``mask.cache["stack"]``) and, as the segment of
+    :mod:`treetrain.models.segment` (``mask.cache["segment"]``), for recurrent layers: the node
+    starts from its parent's final states and reads its conv halo from its ancestors' last inputs.
     """
 
-    past: list[list[tuple[torch.Tensor, torch.Tensor]]]
-    own: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    def __init__(self, past: list[_Carry], packed: PackedTree, start: int, end: int, has_children: bool):
+        self.past, self.own, self.has_children = past, _Carry(end - start), has_children
+        self.view = segment_view(packed.input_ids[start:end], packed.position_ids[start:end])
+        self._scans, self._convs = itertools.count(), itertools.count()
+
+    def levels(self, device):
+        one = lambda v: np.array([v], dtype=np.int64)  # noqa: E731
+        send = one(0) if self.has_children else np.zeros(0, dtype=np.int64)
+        parent = bool(self.past)
+        return build_segment_levels(
+            one(0), one(self.own.tokens), one(-1), one(0 if parent else -1), send, int(parent), self, device
+        )
+
+    def window(self, width: int, device):
+        h = min(width - 1, sum(c.tokens for c in self.past))  # the path's tokens before the node
+        index = conv_window_index(torch.arange(-1, h + self.own.tokens - 1, device=device), width)[h:]
+
+        def exchange(x: torch.Tensor) -> torch.Tensor:
+            op = next(self._convs)
+            if self.has_children:
+                self.own.convs[op] = x[max(x.shape[0] - (width - 1), 0) :].clone()
+            return torch.cat([c.convs[op] for c in self.past])[-h:] if h else x[:0]
+
+        return HaloWindow(index=index, num_halo=h, exchange=exchange)
+
+    def begin(self) -> int:
+        return next(self._scans)
+
+    def receive(self, op: int, anchor: torch.Tensor):
+        return self.past[-1].states[op]
+
+    def send(self, op: int, out: torch.Tensor, states) -> torch.Tensor:
+        self.own.states[op] = states
+        return out
 
 
 def _attend(q, k, v, past: tuple[torch.Tensor, ...], scale: float) -> torch.Tensor:
@@ -130,9 +201,9 @@ def stack_attention(
     if "stack" not in mask.cache:
         raise ValueError("attention backend 'depth_first' runs inside parallel.depth_first only")
     stack: _Stack = mask.cache["stack"]
-    layer = len(stack.own)
-    stack.own.append((k, v))
-    past = [a[layer][0] for a in stack.past] + [a[layer][1] for a in stack.past]
+    layer = len(stack.own.kv)
+    stack.own.kv.append((k, v))
+    past = [a.kv[layer][0] for a in stack.past] + [a.kv[layer][1] for a in stack.past]
     return _StackAttention.apply(q, k, v, scale, *past)
 
 
@@ -167,12 +238,18 @@ def depth_first_backward(
     def run(node: int, stack: list) -> None:
         nonlocal total
         s, e = starts[node], ends[node]
-        ctx = _Stack(past=stack)
+        ctx = _Stack(stack, packed, s, e, has_children=bool(kids[node]))
         out = decoder(
             input_ids=packed.input_ids[None, s:e],
             position_ids=packed.position_ids[None, s:e],
             attention_mask=packed.subtree_end[s:e].view(1, 1, 1, e - s),  # unused: passed through
-            tree_mask=TreeMask(packed.subtree_end[s:e], backend="depth_first", cache={"stack": ctx}),
+            tree_mask=TreeMask(
+                packed.subtree_end[s:e],
+                backend="depth_first",
+                cache={"stack": ctx, "segment": ctx},
+                position_ids=packed.position_ids[s:e],  # a sliding window is refused by name if it binds
+            ),
+            packed_tree=ctx.view,  # recurrent layers run on the node (models.segment)
             use_cache=False,
         )
         hidden = out.last_hidden_state[0]  # [n, H]
@@ -189,16 +266,15 @@ def depth_first_backward(
             )
             all_logp[targets.cpu()] = logp.detach().to(all_logp.dtype).cpu()
             loss = token_loss(logp, targets)
-        leaves = [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in own]
+        leaves = own.leaves()
         del out, ctx
         for child in kids[node]:
             run(child, [*stack, leaves])
         outputs, grads = [loss], [torch.ones_like(loss)]
-        for (k, v), (lk, lv) in zip(own, leaves):
-            for t, leaf in ((k, lk), (v, lv)):
-                if leaf.grad is not None:
-                    outputs.append(t)
-                    grads.append(leaf.grad)
+        for t, leaf in zip(own.tensors(), leaves.tensors()):
+            if leaf.grad is not None and t.requires_grad:
+                outputs.append(t)
+                grads.append(leaf.grad)
         if outputs[0].requires_grad or len(outputs) > 1:
             torch.autograd.backward(outputs, grads)
         total += float(loss.detach())

@@ -2,16 +2,19 @@
 
 Three kinds of work, counted for each mode from what it actually runs (:class:`Work`):
 
-- ``tokens``: tokens through the decoder's linear layers (every matmul of every layer);
+- ``tokens``: tokens through the decoder's linear layers (every matmul of every layer) and, in a
+  hybrid, through its recurrent layers' state updates and causal convolutions (``CostModel.recurrent``,
+  :func:`mixer_cost`: a cost per token like the linear layers', so it pulls the bound toward the
+  token ratio);
 - ``pairs``: allowed (query, key) attention pairs; a token at path position ``i`` attends ``i + 1``
   keys in the tree and in the baseline alike;
 - ``targets``: targets scored by the LM head. Both modes score only targets some path trains on
   (``loss_masks``; all targets when a tree has none): the tree each distinct (context, target)
   once, the baseline once per path through it.
 
-Training = forward + backward = 3 x forward (model FLOPs: the head's recomputation in backward
-and the elementwise work are not counted). Example, paths ``[A B C]``, ``[A B D]``, every target
-trained::
+Training = forward + backward = 3 x forward (model FLOPs: the head's recomputation in backward,
+the elementwise work outside the recurrences and the padding of a padded scan are not counted).
+Example, paths ``[A B C]``, ``[A B D]``, every target trained::
 
     tree      tokens 4 (A B C D)   pairs 1+2+3+3 = 9    targets 3 (B, C, D)
     baseline  tokens 6             pairs 6+6 = 12       targets 4 (B C, B D)
@@ -38,6 +41,8 @@ __all__ = [
     "baseline_pairs",
     "baseline_work",
     "flop_bound",
+    "layer_kinds",
+    "mixer_cost",
     "recomputed_targets",
     "token_bound",
     "train_flops",
@@ -49,21 +54,23 @@ __all__ = [
 
 @dataclass(frozen=True)
 class CostModel:
-    """Forward FLOPs per decoder token (``linear``), per allowed attention pair (``per_pair``) and
-    per target scored by the LM head (``head = 2 * hidden * vocab``). ``checkpointed``: the linear
-    FLOPs per token that activation checkpointing recomputes in backward (torch's non-reentrant
-    checkpoint stops once backward has what it needs: every matmul of a layer but the MLP's down
-    projection, whose output backward does not use)."""
+    """Forward FLOPs per decoder token (``linear``), per allowed attention pair (``per_pair``), per
+    target scored by the LM head (``head = 2 * hidden * vocab``) and per token in the recurrent
+    layers' state updates and convolutions (``recurrent``, :func:`mixer_cost`; 0 without any).
+    ``checkpointed``: the linear FLOPs per token that activation checkpointing recomputes in backward
+    (torch's non-reentrant checkpoint stops once backward has what it needs: every matmul of a layer
+    but the MLP's down projection, whose output backward does not use)."""
 
     linear: float
     per_pair: float
     head: float = 0.0
+    recurrent: float = 0.0
     checkpointed: float = 0.0
 
     @property
     def per_token(self) -> float:
-        """A token that runs the decoder and is scored: ``linear + head``."""
-        return self.linear + self.head
+        """A token that runs the decoder and is scored: ``linear + recurrent + head``."""
+        return self.linear + self.recurrent + self.head
 
     @classmethod
     def from_config(cls, config) -> CostModel:
@@ -80,7 +87,7 @@ class CostModel:
         linear = 2 * layers * (attn_proj + mlp)
         per_pair = 4 * heads * head_dim * n_attn  # QK^T and PV, 2 FLOPs per multiply-add
         checkpointed = 2 * layers * (attn_proj + 2 * h * inter)  # all but the down projection
-        return cls(float(linear), float(per_pair), float(2 * h * vocab), float(checkpointed))
+        return cls(float(linear), float(per_pair), float(2 * h * vocab), checkpointed=float(checkpointed))
 
 
 # A Qwen3-0.6B-shaped model: the reference shape when no model is given.
@@ -95,6 +102,118 @@ QWEN3_0_6B = CostModel.from_config(
         intermediate_size=3072,
     )
 )
+
+
+# ---- hybrids: which mixer each layer has, and what it costs --------------------------------------
+
+# model type -> the family of its recurrent layers (those of config.layer_types that are not
+# attention, MLP or MoE; every layer where a config has no layer_types)
+RECURRENT_FAMILY = dict.fromkeys(
+    ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid"), "gdn"
+)
+RECURRENT_FAMILY |= dict.fromkeys(("kimi_linear",), "kda")
+RECURRENT_FAMILY |= dict.fromkeys(("lfm2", "lfm2_moe"), "shortconv")
+RECURRENT_FAMILY |= dict.fromkeys(("nemotron_h", "mamba2"), "mamba2")
+RECURRENT_FAMILY |= dict.fromkeys(("jamba", "mamba", "falcon_mamba"), "mamba")
+RECURRENT_FAMILY |= {"minimax": "lightning", "recurrent_gemma": "rglru", "rwkv": "rwkv", "xlstm": "mlstm"}
+_ATTENTION = ("full_attention", "sliding_attention", "attention")
+_NO_MIXER = ("mlp", "moe")
+
+
+def layer_kinds(config) -> list[str]:
+    """The sequence mixer of each decoder layer: ``"attention"``, ``"none"`` (an MLP-only layer, as
+    Nemotron-H has) or the model's recurrent family (:data:`RECURRENT_FAMILY`).
+
+    Example: a Qwen3.5 config with ``layer_types = [linear_attention, full_attention]`` ->
+    ``["gdn", "attention"]``; RWKV (no layer types) -> ``["rwkv"] * num_hidden_layers``.
+    """
+    c = getattr(config, "text_config", None) or config
+    family = RECURRENT_FAMILY.get(getattr(c, "model_type", None))
+    types = getattr(c, "layer_types", None)
+    if not types:
+        return [family or "attention"] * c.num_hidden_layers
+    kinds = ["attention" if t in _ATTENTION else "none" if t in _NO_MIXER else family for t in types]
+    if None in kinds:
+        other = types[kinds.index(None)]
+        kind = getattr(c, "model_type", "?")
+        raise ValueError(
+            f"model type {kind!r}: no FLOP formula for its {other!r} layers; "
+            f"add its family to treetrain.trees.flops.RECURRENT_FAMILY ({', '.join(RECURRENT_FAMILY)})"
+        )
+    return kinds
+
+
+def _first(c, *names: str):
+    return next(getattr(c, n) for n in names if getattr(c, n, None) is not None)
+
+
+def _state_flops(c, family: str) -> float:
+    """Forward FLOPs per token of one recurrent layer of ``family``: its state update in the recurrent
+    form, plus its causal conv (``2 * channels * width``).
+
+    A state element costs 5 per token: the decay (1 multiply), the write (an outer product added:
+    2) and the read (a contraction: 2); the delta rule (GDN, KDA) reads the state once more to erase
+    (2 more: 7). RG-LRU's state is written by an add (2 in all); RWKV's per channel state is a
+    numerator and a denominator (2 elements); Mamba's per-channel decays cost as Mamba2's scalar ones.
+    """
+    if family in ("gdn", "kda"):
+        if family == "gdn":
+            hk, hv = c.linear_num_key_heads, c.linear_num_value_heads
+            dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
+        else:
+            hk = hv = c.linear_num_heads
+            dk = dv = c.linear_head_dim
+        return 7.0 * hv * dk * dv + 2.0 * (2 * hk * dk + hv * dv) * c.linear_conv_kernel_dim
+    if family == "mamba2":
+        h, p = _first(c, "mamba_num_heads", "num_heads"), _first(c, "mamba_head_dim", "head_dim")
+        n, g = _first(c, "ssm_state_size", "state_size"), c.n_groups
+        return 5.0 * h * p * n + 2.0 * (h * p + 2 * g * n) * c.conv_kernel
+    if family == "mamba":
+        if c.model_type == "jamba":
+            d, n, w = c.mamba_expand * c.hidden_size, c.mamba_d_state, c.mamba_d_conv
+        else:
+            d, n, w = c.intermediate_size, c.state_size, c.conv_kernel
+        return 5.0 * d * n + 2.0 * d * w
+    if family == "shortconv":
+        return 2.0 * c.hidden_size * c.conv_L_cache
+    if family == "lightning":
+        d = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return 5.0 * c.num_attention_heads * d * d
+    if family == "rglru":
+        return 2.0 * c.lru_width + 2.0 * c.lru_width * c.conv1d_width
+    if family == "rwkv":
+        return 5.0 * 2 * (c.attention_hidden_size or c.hidden_size)
+    if family == "mlstm":
+        h = c.num_heads
+        dk, dv = int(c.embedding_dim * c.qk_dim_factor) // h, int(c.embedding_dim * c.v_dim_factor) // h
+        return 5.0 * h * (dk * dv + dk)
+    raise ValueError(f"no state FLOP formula for the recurrent family {family!r}")
+
+
+def _pair_flops(c) -> float:
+    """Forward FLOPs per allowed pair in one attention layer: ``2 * heads * (d_qk + d_v)`` (QK^T and
+    PV); multi-head latent attention (Kimi Linear) with its own query/key and value widths."""
+    heads = c.num_attention_heads
+    if getattr(c, "qk_nope_head_dim", None):
+        d_qk, d_v = c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim
+    else:
+        d_qk = d_v = getattr(c, "head_dim", None) or c.hidden_size // heads
+    return 2.0 * heads * (d_qk + d_v)
+
+
+def mixer_cost(config) -> tuple[float, float]:
+    """``(recurrent, per_pair)``: forward FLOPs per token of every recurrent layer's state update and
+    conv (:func:`_state_flops`), and per allowed (query, key) pair summed over the attention layers.
+
+    Example: Qwen3.5 with 2 key / 4 value heads of 64, conv width 4, layers ``[gdn, attention]`` with
+    4 heads of 64: recurrent ``7 * 4 * 64 * 64 + 2 * (2 * 128 + 256) * 4 = 118784``, per pair
+    ``2 * 4 * 128 = 1024``.
+    """
+    c = getattr(config, "text_config", None) or config
+    kinds = layer_kinds(c)
+    recurrent = sum(_state_flops(c, k) for k in kinds if k not in ("attention", "none"))
+    attention = kinds.count("attention")
+    return float(recurrent), attention * _pair_flops(c) if attention else 0.0
 
 
 @dataclass(frozen=True)
@@ -117,16 +236,17 @@ class Work:
 
     def flops(self, cost: CostModel, checkpointing: bool = False) -> float:
         """Training FLOPs (3 x forward, plus the recomputed head matmuls; with ``checkpointing`` the
-        decoder layers' forward recomputed in backward, ``cost.checkpointed`` per token and every
-        attention pair again)."""
+        decoder layers' forward recomputed in backward: ``cost.checkpointed`` per token, the
+        recurrent layers' state updates and convs, and every attention pair again)."""
         recompute = self.recomputed * cost.head
         if checkpointing:
-            recompute += self.tokens * cost.checkpointed + self.pairs * cost.per_pair
+            recompute += self.tokens * (cost.checkpointed + cost.recurrent) + self.pairs * cost.per_pair
         return 3.0 * self.forward_flops(cost) + recompute
 
     def forward_flops(self, cost: CostModel) -> float:
         """FLOPs of the forward alone (no-grad scoring: a reference model, old log-probs)."""
-        return self.tokens * cost.linear + self.pairs * cost.per_pair + self.targets * cost.head
+        per_token = cost.linear + cost.recurrent
+        return self.tokens * per_token + self.pairs * cost.per_pair + self.targets * cost.head
 
 
 def _trained(tree: TrajectoryTree, p: int) -> np.ndarray:

@@ -1,0 +1,83 @@
+"""The hybrid benchmark's pieces (benchmarks/hybrids.py, treetrain.bench.families) at tiny sizes: the
+family configs and their FLOP cost, the scan schedule counts on a hand-worked tree, and one family
+end to end (both parts), with the modes' log-probs equal."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from benchmarks.hybrids import deep_tree, parse_args, run, scan_work, wide_tree
+from treetrain.bench import cases as bench
+from treetrain.bench.families import FAMILIES, family_config, linear_flops
+from treetrain.trees.flops import layer_kinds, mixer_cost
+from treetrain.trees.packing import pack
+
+
+def test_every_family_config_has_its_layer_mix_and_a_cost():
+    want = {
+        "gdn": ["gdn"] * 3 + ["attention"],
+        "mamba2": ["mamba2", "none", "mamba2", "attention", "mamba2", "none"],
+        "mamba": ["mamba", "mamba", "attention", "mamba"],
+        "rglru": ["rglru", "rglru", "attention"] * 2,
+        "rwkv": ["rwkv"] * 4,
+        "alibi": ["attention"] * 4,
+    }
+    for family in FAMILIES:
+        cfg = family_config(family, hidden=32, vocab=64)
+        kinds = layer_kinds(cfg)
+        assert kinds == want.get(family, kinds)
+        recurrent, per_pair = mixer_cost(cfg)
+        assert (recurrent > 0) == (family != "alibi") and (per_pair > 0) == ("attention" in kinds)
+    with pytest.raises(ValueError, match="unknown family 'hyena'"):
+        family_config("hyena")
+
+
+def test_linear_flops_count_matmul_weights_only():
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = SimpleNamespace()
+            self.embed, self.head = nn.Embedding(10, 8), nn.Linear(8, 10, bias=False)
+            self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+            self.conv = nn.Conv1d(8, 8, 4, groups=8)  # a recurrent layer's conv: counted with the recurrence
+            self.mix = nn.Parameter(torch.zeros(1, 1, 8))  # RWKV's token-shift ratios: not a matrix
+
+        def get_input_embeddings(self):
+            return self.embed
+
+        def get_output_embeddings(self):
+            return self.head
+
+    assert linear_flops(Tiny()) == 2 * (8 * 16 + 16 * 8) == 512
+
+
+def test_scan_work_of_a_per_turn_tree():
+    tree = bench.per_turn_tree(turns=3, turn_len=2, vocab=50)  # paths of 2, 4, 6 tokens: one chain
+    tree_side = scan_work(bench.prepare("tree", [tree], 6))
+    assert tree_side == dict(calls=1, steps=6, padded=6, tokens=6)  # the chain folds into one run
+    # the baseline packs [6] and [4 2] (budget 6); the 2-token path pads to 4 beside the 4-token one
+    assert scan_work(bench.prepare("sequence", [tree], 6)) == dict(calls=2, steps=10, padded=14, tokens=12)
+
+
+def test_overhead_trees():
+    wide, deep = pack(wide_tree(64, 4, 50)), pack(deep_tree(64, 4, 50))
+    assert wide.num_tokens == 64 and wide.node_parent.tolist() == [-1, 0, 0, 0, 0]
+    assert deep.num_tokens == 64 and deep.node_parent.tolist() == [-1, 0, 0, 2, 2, 4, 4]
+
+
+@pytest.mark.slow
+def test_one_family_end_to_end():
+    a = parse_args(["--quick", "--families", "mamba", "--allocator", "system", "--threads", "1"])
+    rows, over, text = run(a)
+    assert [r["shape"] for r in rows] == ["per-turn", "group"]
+    for row in rows:
+        r = row["result"]
+        assert r["max_logprob_diff"] < 1e-4 and r["speedup"] > 0  # float32: the modes agree
+        assert r["flop_bound"] > row["bound_no_recurrent"] > 1  # Mamba's state work weighs the token ratio
+        assert r["efficiency"] == pytest.approx(r["speedup"] / r["flop_bound"])
+    assert [p["nodes"] for p in over[0]["shapes"]["deep"]["points"]] == [1, 7, 31]
+    assert "### Per-node overhead" in text and "| mamba (jamba) | per-turn |" in text
