@@ -1,5 +1,5 @@
 """Shared helpers for the benchmark scripts: hardware description, the machine's load and the noise
-of timed repeats (``treetrain.bench.noise``), and result files.
+of timed repeats (``treetrain.bench.noise``), a synchronized timer, the Qwen3 shapes and result files.
 
 Every script that times something should say how far to trust it::
 
@@ -14,12 +14,54 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import time
 from pathlib import Path
 
 from treetrain.bench import allocator, noise
 
 # where result files go; TREETRAIN_RESULTS redirects them (quiet_runs.py --check writes to a scratch folder)
 RESULTS = Path(os.environ.get("TREETRAIN_RESULTS") or Path(__file__).parent / "results")
+
+# Qwen3-shaped random-init models of the TRL and verl benchmarks
+QWEN3_SHAPES = {
+    "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64, vocab_size=32000),
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936),
+}  # fmt: skip
+
+
+def provenance(script: str, argv: list[str] | None, device: str, versions: str = "") -> str:
+    """A result's provenance line: ``DATE UTC, device, torch X[versions], command: `python
+    benchmarks/SCRIPT ARGS``` (``argv``: the script's arguments; None: ``sys.argv``'s)."""
+    import sys
+
+    import torch
+
+    name = torch.cuda.get_device_name() if device == "cuda" else hardware()
+    args = " ".join(argv if argv is not None else sys.argv[1:])
+    return (
+        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {name}, torch "
+        f"{torch.__version__}{versions}, command: `python benchmarks/{Path(script).name} {args}`"
+    )
+
+
+def table_head(columns: list[str]) -> str:
+    """A markdown table's header row and rule."""
+    return "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n"
+
+
+def timed(fn, device: str, clock=time.perf_counter) -> float:
+    """Seconds ``fn()`` takes by ``clock``; on CUDA the queued work is waited for before and after."""
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t = clock()
+    fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return clock() - t
 
 
 def cpu_name() -> str:

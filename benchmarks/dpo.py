@@ -36,8 +36,9 @@ from common import hardware, judge, machine_before, noise_section, result_path
 from treetrain.bench import noise
 from treetrain.bench.measure import peak_bytes
 from treetrain.data.records import parse_record
-from treetrain.objectives.preference import PreferenceObjective, pair_microbatches
-from treetrain.objectives.preference_objective import PreferenceTraining
+from treetrain.objectives.preference.loss import PreferenceObjective
+from treetrain.objectives.preference.pairs import pair_microbatches
+from treetrain.objectives.preference.training import PreferenceTraining
 from treetrain.train.batches import StepBatch
 from treetrain.train.build import build_optimizer, configure_model
 from treetrain.train.step import train_step

@@ -385,33 +385,24 @@ def main() -> None:
     lines += ["", f"({time.perf_counter() - t0:.0f} s)", ""]
     print("\n".join(lines), flush=True)
 
-    rows = realistic()
-    block = [
-        "## ERR on realistic shapes (mean of 3 seeds; higher is better)",
-        "",
+    err_note = (
         "ERR = (baseline - partitioned) / (baseline - tree). `lower bound` is the ERR of the "
         "token lower bound (no partition reaches above it); `greedy/lb` is greedy's excess over it "
         "in tokens. `plan ms`: greedy's path assignment; `partition ms`: plus building the part trees "
-        "(`TrajectoryTree.subset`, O(path tokens)).",
-        "",
-        *_table(rows, _err_cell),
-        "",
-    ]
-    print("\n".join(block), flush=True)
-    lines += block
-
-    rows = speed()
-    block = [
-        "## Planning time on 100k-node trees (path assignment; best of 3, beam 4 once)",
-        "",
+        "(`TrajectoryTree.subset`, O(path tokens))."
+    )
+    speed_note = (
         "`greedy` is the default, which is beam 1 at this size (`BEAM_MAX_NODES`); `vs lb` is the "
-        "excess in tokens over `lower_bound`.",
-        "",
-        *_table(rows, _speed_cell),
-        "",
-    ]
-    print("\n".join(block), flush=True)
-    lines += block
+        "excess in tokens over `lower_bound`."
+    )
+    for title, note, run, cell in (
+        ("ERR on realistic shapes (mean of 3 seeds; higher is better)", err_note, realistic, _err_cell),
+        ("Planning time on 100k-node trees (path assignment; best of 3, beam 4 once)", speed_note, speed,
+         _speed_cell),
+    ):  # fmt: skip
+        block = [f"## {title}", "", note, "", *_table(run(), cell), ""]
+        print("\n".join(block), flush=True)
+        lines += block
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")

@@ -7,12 +7,13 @@ Two tree shapes, each at a fixed POR while the size grows (so only the size chan
 - ``group``: ``--paths`` paths sharing a prompt at ``--por``, the path length grows with the size.
 
 Both modes run one SFT training step through the library (``treetrain.bench.command``: the same model,
-loss and :mod:`treetrain.train.strategies`), each in a single micro-batch (capacity = the largest of the
-step's tree and path lengths). Time: median of ``--repeats`` steps after a warm-up, modes
-alternating; peak memory: the RSS high-water mark of one step in a fresh process (CPU) or the
-allocator's peak (CUDA). The fitted exponent is the log-log slope of time vs tree tokens: ~1 when
-linear layers dominate, rising toward 2 where attention pairs (quadratic in the path length) take
-over. ``--profile`` runs torch.profiler on the tree step of the largest size and lists the top ops.
+loss and micro-batches as training, :class:`treetrain.objectives.policy.training.PolicyObjective`), each
+in a single micro-batch (capacity = the largest of the step's tree and path lengths). Time: median of
+``--repeats`` steps after a warm-up, modes alternating; peak memory: the RSS high-water mark of one step
+in a fresh process (CPU) or the allocator's peak (CUDA). The fitted exponent is the log-log slope of time
+vs tree tokens: ~1 when linear layers dominate, rising toward 2 where attention pairs (quadratic in the
+path length) take over. ``--profile`` runs torch.profiler on the tree step of the largest size and lists
+the top ops.
 
 Usage::
 

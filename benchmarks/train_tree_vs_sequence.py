@@ -1,7 +1,7 @@
 """Training steps, tree packing vs the per-path sequence baseline, on the bundled sample.
 
 Each selected tree of the bundled ``agent-dialogues`` sample is one optimizer step (SFT on its
-loss masks) through the same functions ``treetrain train`` uses (``make_microbatches`` +
+loss masks) through the same functions ``treetrain train`` uses (``objective.microbatches`` +
 ``train_step``): ``--packing tree`` (every shared prefix once, tree attention: the CPU default
 backend) and ``--packing sequence`` (the baseline of ``treetrain.objectives.baseline``: every path its own
 sequence, packed padding-free under the same token budget, the same attention backend family, the
@@ -51,9 +51,9 @@ from common import RESULTS, add_allocator_flag, judge, machine_before, noise_sec
 from treetrain.bench import allocator, noise  # noqa: E402
 from treetrain.bench.measure import peak_bytes
 from treetrain.data.reader import iter_trees, sample_path
-from treetrain.objectives.policy_config import Objective
-from treetrain.objectives.policy_objective import PolicyObjective
-from treetrain.train.batches import StepBatch, make_microbatches
+from treetrain.objectives.policy.config import Objective
+from treetrain.objectives.policy.training import PolicyObjective
+from treetrain.train.batches import StepBatch
 from treetrain.train.build import build_optimizer, configure_model, default_model_config
 from treetrain.train.config import TrainConfig
 from treetrain.train.step import train_step
@@ -107,7 +107,7 @@ def build(vocab: int, seed: int) -> torch.nn.Module:
 
 def timed_step(model, optimizer, trees, packing: str, capacity: int, objective) -> tuple[float, float, dict]:
     """One optimizer step; returns (wall s, process CPU s, metrics). Packing is not timed."""
-    micro = [pack(mb) for mb in make_microbatches(trees, packing, capacity)]
+    micro = [pack(mb) for mb in objective.microbatches(trees, packing, capacity)]
     batch = StepBatch(trees=trees, micro=micro, trees_consumed=len(trees), packing=packing)
     t0, c0 = time.perf_counter(), time.process_time()
     metrics = train_step(model, optimizer, batch, objective, grad_clip=1.0)
@@ -144,7 +144,7 @@ def bench_tree(name, tree, vocab, args, objective, cost) -> dict:
     peak = {packing: peak_bytes(lambda p=packing: one_step(p)) / 2**20 for packing in runs}
     t, s = runs["tree"], runs["sequence"]
     stats, untrusted = judge({"tree": t["wall"], "baseline": s["wall"]}, load)
-    parts = [part for mb in make_microbatches([tree], "tree", args.capacity) for part in mb]
+    parts = [part for mb in objective.microbatches([tree], "tree", args.capacity) for part in mb]
     flops_tree = tree_work(parts).flops(cost)
     flops_seq = baseline_work([tree]).flops(cost)
     efficiency = min(s["wall"]) / min(t["wall"]) / (flops_seq / flops_tree)

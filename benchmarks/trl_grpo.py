@@ -66,7 +66,6 @@ import datetime
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -74,6 +73,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
+    QWEN3_SHAPES,
     add_allocator_flag,
     block_rule_line,
     estimate_line,
@@ -83,6 +83,7 @@ from common import (  # noqa: E402
     machine_before,
     noise_section,
     result_path,
+    timed,
     use_allocator,
 )
 
@@ -93,13 +94,10 @@ from treetrain.trees.flops import CostModel, Work, baseline_pairs, path_targets,
 MODELS = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=1, head_dim=32, vocab_size=1000),  # the tests' smoke runs
-    "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=64, vocab_size=32000),
+    **QWEN3_SHAPES,  # small, qwen3-0.6b
     # SmolLM2-135M's shape (30 layers, 9/3 heads of 64, vocab 49,152) on the Qwen3 architecture
     "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                          num_key_value_heads=3, head_dim=64, vocab_size=49152),
-    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, vocab_size=151936),
 }  # fmt: skip
 # (P, G, C, prompts) per preset, with the model and repeats; run times in benchmarks/QUIET_RUNS.md
 PRESETS = {
@@ -133,33 +131,44 @@ def trl_compact_head(on: bool = True):
         trl_utils._use_triton = saved
 
 
-def make_trainer(model_name: str, device: str, dtype: torch.dtype, group: int, workdir: str):
-    from datasets import Dataset
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from trl import GRPOConfig
-
-    from treetrain.integrations.trl import TreeGRPOTrainer
-
+def qwen3(model_name: str, device: str, dtype: torch.dtype, seq_cls: bool = False, **config):
+    """A random-init Qwen3 of ``MODELS[model_name]`` (SDPA), causal LM or one-label sequence classifier."""
     cfg = transformers.Qwen3Config(
-        **MODELS[model_name], max_position_embeddings=16384, tie_word_embeddings=False
+        **MODELS[model_name], max_position_embeddings=32768, tie_word_embeddings=False, **config
     )
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa").to(
-        device
-    )
+    auto = transformers.AutoModelForSequenceClassification if seq_cls else transformers.AutoModelForCausalLM
+    if seq_cls:
+        cfg.num_labels = 1
+    return auto.from_config(cfg, dtype=dtype, attn_implementation="sdpa").to(device), cfg
+
+
+def online_trainer(kind: str, model, group: int, device: str, dtype: torch.dtype, workdir: str, **config):
+    """``TreeGRPOTrainer`` or ``TreeRLOOTrainer`` (``kind``: GRPO | RLOO) over ``model``: a word-level
+    tokenizer, ``group`` samples of one prompt, ``config``: more ``GRPOConfig``/``RLOOConfig`` options
+    (generation is not run)."""
+    import trl
+    from datasets import Dataset
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from treetrain.integrations import trl as tree_trl
+
     tk = Tokenizer(models.WordLevel({"<pad>": 0, "<eos>": 1, "<unk>": 2}, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
     tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>")
-    args = GRPOConfig(
+    args = getattr(trl, f"{kind}Config")(
         output_dir=workdir, per_device_train_batch_size=group, num_generations=group, report_to="none",
-        use_cpu=device == "cpu", bf16=dtype == torch.bfloat16, max_completion_length=8,
+        use_cpu=device == "cpu", bf16=dtype == torch.bfloat16, max_completion_length=8, **config,
     )  # fmt: skip
-    data = Dataset.from_dict({"prompt": ["a"] * group})
-    trainer = TreeGRPOTrainer(
+    return getattr(tree_trl, f"Tree{kind}Trainer")(
         model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
-        train_dataset=data, processing_class=tok,
+        train_dataset=Dataset.from_dict({"prompt": ["a"] * group}), processing_class=tok,
     )  # fmt: skip
-    return trainer, cfg
+
+
+def make_trainer(model_name: str, device: str, dtype: torch.dtype, group: int, workdir: str):
+    model, cfg = qwen3(model_name, device, dtype)
+    return online_trainer("GRPO", model, group, device, dtype, workdir), cfg
 
 
 def make_batch(prompts: int, P: int, G: int, C: int, vocab: int, seed: int):
@@ -230,16 +239,6 @@ def per_path_trees(ids, mask, C: int):
     return trees
 
 
-def timed(fn, device: str) -> float:
-    if device == "cuda":
-        torch.cuda.synchronize()
-    t = time.perf_counter()
-    fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - t
-
-
 def generation_time(model, ids, P: int, C: int, device: str) -> float:
     """Seconds to sample ``C`` new tokens for every row from its prompt (HF generate; the same for
     both modes, reported beside the scoring, never added to it)."""
@@ -259,9 +258,10 @@ class Case:
     def __init__(self, trainer, P, G, C, prompts, device, seed=0):
         from trl import GRPOTrainer
 
-        from treetrain.objectives.policy import compute_loss, loss_normalizer
-        from treetrain.objectives.policy_config import Objective
-        from treetrain.train.strategies import get_strategy
+        from treetrain.objectives.baseline import sequence_microbatches
+        from treetrain.objectives.policy.aggregation import loss_normalizer
+        from treetrain.objectives.policy.config import Objective
+        from treetrain.objectives.policy.loss import compute_loss
         from treetrain.trees.packing import pack
 
         self.P, self.G, self.C, self.prompts, self.device = P, G, C, prompts, device
@@ -277,7 +277,7 @@ class Case:
         # CPU the cost per token grows with the forward's size, so a budget far above the tree's would
         # charge the baseline for a choice a careful user would not make)
         capacity = max(tree_tokens, max(t.num_tokens for t in trees))
-        parts = get_strategy("sequence").microbatches(trees, capacity)
+        parts = sequence_microbatches(trees, capacity)
         micro = [pack(mb) for mb in parts]
         self.bounds = bounds(ids.cpu(), mask.cpu(), C, model.config, device,
                              [sum(path_targets(t) for t in mb) for mb in parts])  # fmt: skip

@@ -66,9 +66,18 @@ from common import (  # noqa: E402
     machine_before,
     noise_section,
     result_path,
+    timed,
     use_allocator,
 )
-from trl_grpo import LOGITS_KEEP_BYTES, MODELS, RATES, make_batch, timed, trl_compact_head  # noqa: E402
+from trl_grpo import (  # noqa: E402
+    LOGITS_KEEP_BYTES,
+    MODELS,
+    RATES,
+    make_batch,
+    online_trainer,
+    qwen3,
+    trl_compact_head,
+)
 
 from treetrain.bench import noise  # noqa: E402
 from treetrain.integrations.flat import FlatBatch  # noqa: E402
@@ -84,35 +93,8 @@ PRESETS = {
 }
 
 
-def qwen3(model_name: str, device: str, dtype, seq_cls: bool = False):
-    cfg = transformers.Qwen3Config(
-        **MODELS[model_name], max_position_embeddings=16384, tie_word_embeddings=False, pad_token_id=0
-    )
-    torch.manual_seed(0)
-    auto = transformers.AutoModelForSequenceClassification if seq_cls else transformers.AutoModelForCausalLM
-    if seq_cls:
-        cfg.num_labels = 1
-    return auto.from_config(cfg, dtype=dtype, attn_implementation="sdpa").to(device), cfg
-
-
 def rloo_trainer(model, G: int, device: str, dtype, workdir: str):
-    from datasets import Dataset
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from trl import RLOOConfig
-
-    from treetrain.integrations.trl import TreeRLOOTrainer
-
-    tk = Tokenizer(models.WordLevel({"<pad>": 0, "<eos>": 1, "<unk>": 2}, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>")
-    args = RLOOConfig(
-        output_dir=workdir, per_device_train_batch_size=G, num_generations=G, report_to="none",
-        use_cpu=device == "cpu", bf16=dtype == torch.bfloat16, max_completion_length=8, beta=0.0,
-    )  # fmt: skip
-    return TreeRLOOTrainer(
-        model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
-        train_dataset=Dataset.from_dict({"prompt": ["a"] * G}), processing_class=tok,
-    )  # fmt: skip
+    return online_trainer("RLOO", model, G, device, dtype, workdir, beta=0.0)
 
 
 def work(ids, mask, scored_cols: torch.Tensor, cfg, device: str, name: str) -> dict:
@@ -255,7 +237,7 @@ class Case:
     def __init__(self, name, args, P, C, prompts, dtype, workdir, seed=0):
         dev = args.device
         self.name, self.P, self.C, self.prompts, self.device = name, P, C, prompts, dev
-        model, cfg = qwen3(args.model, dev, dtype, seq_cls=name == "reward")
+        model, cfg = qwen3(args.model, dev, dtype, seq_cls=name == "reward", pad_token_id=0)
         if name == "rloo":
             trainer = rloo_trainer(model, args.group, dev, dtype, workdir)
             ids, mask, comp = make_batch(prompts, P, args.group, C, cfg.vocab_size, seed)
@@ -268,7 +250,7 @@ class Case:
             scored = mask.clone()
             scored[:, :P] = 0
             if name == "dpo":
-                ref, _ = qwen3(args.model, dev, dtype)
+                ref, _ = qwen3(args.model, dev, dtype, pad_token_id=0)
                 model, modes = dpo_modes(model, ref, ids, mask, P)
             else:
                 model, modes = reward_modes(model, ids, mask)

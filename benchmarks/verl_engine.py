@@ -75,6 +75,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
+    QWEN3_SHAPES,
     add_allocator_flag,
     block_rule_line,
     estimate_line,
@@ -83,6 +84,7 @@ from common import (  # noqa: E402
     machine_before,
     noise_section,
     result_path,
+    timed,
     use_allocator,
 )
 
@@ -91,13 +93,10 @@ from treetrain.bench import noise  # noqa: E402
 MODELS = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=1, head_dim=32, vocab_size=1000),  # the test's smoke run
-    "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=64, vocab_size=32000),
+    **QWEN3_SHAPES,  # small, qwen3-0.6b
     # SmolLM2-135M's shape (30 layers, 9/3 heads of 64, vocab 49,152) on the Qwen3 architecture
     "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                          num_key_value_heads=3, head_dim=64, vocab_size=49152),
-    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, vocab_size=151936),
 }  # fmt: skip
 
 # (P, n, C, prompts) per preset, with the model and repeats; run times in benchmarks/QUIET_RUNS.md
@@ -331,16 +330,6 @@ class Case:
                 return timed(lambda: engine.train_batch(td, loss_fn), self.device, clock)
 
         return run
-
-
-def timed(fn, device: str, clock=time.perf_counter) -> float:
-    if device == "cuda":
-        torch.cuda.synchronize()
-    t = clock()
-    fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return clock() - t
 
 
 def run_case(case: Case, repeats: int, clock=time.perf_counter, default=True, memory=True) -> dict:

@@ -3,7 +3,8 @@
 - the recorded benchmark results (``benchmarks/results/*.md``, ``*.png``) join the site under
   ``results/`` as they are, so the site shows the files the benchmarks wrote, never a stale copy;
 - ``<!-- api-modules: treetrain.PKG -->`` in a page becomes one mkdocstrings block per module of
-  that subpackage, found on disk (a new module shows up in the reference without editing the page);
+  that subpackage and of its own subpackages, found on disk (a new module shows up in the reference
+  without editing the page);
 - ``<!-- public-api -->`` becomes the table of ``treetrain.__init__._API`` (public name -> module);
 """
 
@@ -28,8 +29,12 @@ def on_files(files, config):
 
 
 def _modules(package: str) -> list[str]:
+    """The modules of ``package`` on disk, a subpackage (``objectives.policy``) with its own after them."""
     folder = PKG.joinpath(*package.split(".")[1:])
-    return [f"{package}.{p.stem}" for p in sorted(folder.glob("*.py")) if not p.stem.startswith("_")]
+    out = [f"{package}.{p.stem}" for p in sorted(folder.glob("*.py")) if not p.stem.startswith("_")]
+    for sub in sorted(d for d in folder.iterdir() if (d / "__init__.py").is_file()):
+        out += [f"{package}.{sub.name}", *_modules(f"{package}.{sub.name}")]
+    return out
 
 
 def _api_table() -> str:

@@ -4,7 +4,7 @@ Usage::
 
     python scripts/make_sample.py [--src /work/shared/data/tau-bench-few-shot] [--out src/treetrain/samples]
 
-Deterministic: the same dialogues, the same tokenizer (:func:`treetrain.data.chat.qwen_tokenizer_dir`),
+Deterministic: the same dialogues, the same tokenizer (:func:`treetrain.data.qwen.qwen_tokenizer_dir`),
 the same bytes. See the README written next to the samples for what each line holds.
 """
 

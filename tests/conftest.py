@@ -7,6 +7,7 @@ module (or treetrain itself) imports triton.
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -17,3 +18,14 @@ if not torch.cuda.is_available():
 from treetrain.train.logs import quiet_library_loggers  # noqa: E402
 
 quiet_library_loggers()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny tensors (more threads only add overhead, and thrash
+    on a busy machine); the count is restored after the module. Use with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

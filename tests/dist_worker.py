@@ -6,7 +6,7 @@
 Each step's trees are assigned to ranks by FLOP cost (``assign_to_ranks``); the SFT loss is divided
 by the number of targets of the WHOLE step batch on every rank, so per-rank losses sum to the global
 loss. Every rank runs as many forward/backward passes as the busiest rank, padding with zero-weight
-dummy passes (one step has a single tree, so a rank is idle there). Rank 0 saves the per-step
+idle passes (one step has a single tree, so a rank is idle there). Rank 0 saves the per-step
 losses, grad norms and the full final weights to OUT.pt.
 
 With ``--ckpt DIR``, a checkpoint is saved after step ``CKPT_STEP``; after the run, a fresh model
@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tests.reference
 
 from tests.reference import tiny_model  # noqa: E402
 from treetrain import TrajectoryTree, path_logprobs  # noqa: E402
+from treetrain.objectives.interface import TrainObjective  # noqa: E402
 from treetrain.parallel import fsdp as D  # noqa: E402
 from treetrain.train.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 
@@ -78,7 +79,7 @@ def train_step(model, opt, sched, trees: list[TrajectoryTree], info: D.DistInfo)
             loss = tree_loss(model, trees[mine[i]], normalizer)
             local += loss.detach()
         else:
-            loss = D.dummy_loss(model)
+            loss = TrainObjective().idle_loss(model)
         loss.backward()
     grad_norm = D.clip_grad_norm_(model.parameters(), max_norm=1.0)
     opt.step()

@@ -8,11 +8,12 @@ rotary embedding, so each code path a full-size checkpoint takes is exercised.
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import torch
 import transformers
 
-from .reference import float64_casts
+from .reference import float64_casts, grads, random_coeffs, reference_logprobs
 
 HYBRID_ARCHS = ("qwen3_5", "qwen3_next")
 MOE_ARCHS = ("qwen3_moe", "qwen3_next", "qwen3_5_moe")
@@ -130,3 +131,33 @@ def float64_everywhere():
             yield
     finally:
         torch.nn.functional.softmax, torch.zeros, torch.zeros_like = orig_softmax, orig_zeros, orig_zeros_like
+
+
+def float32_runs(build, paths, tree=None, *, truth_inside: bool = True, seed: int = 0):
+    """The three runs of a float32 check over ``paths`` (one random weighting of their log-probs,
+    ``random_coeffs(paths, seed)``, backpropagated): the float64 truth each path alone, then a
+    float32 model each path alone (a copy) and as a tree (``tree(model, paths)``, default
+    ``path_logprobs``). ``build(dtype=...)`` makes the model (float64 by default); the truth's is built
+    inside ``float64_everywhere`` (``truth_inside``) or before it (where float32-created buffers would
+    draw other weights inside). Returns ``(log-probs [N], grads)`` of the truth, the reference, the tree."""
+    from treetrain.logprobs import path_logprobs
+
+    coeffs = random_coeffs(paths, seed)
+
+    def run(model, fn):
+        lps = fn(model, paths)
+        sum((c.to(lp.dtype) * lp).sum() for c, lp in zip(coeffs, lps)).backward()
+        return torch.cat(lps), grads(model)
+
+    truth = None if truth_inside else build()
+    with float64_everywhere():
+        truth_run = run(build() if truth_inside else truth, reference_logprobs)
+    model32 = build(dtype=torch.float32)
+    ref_run = run(copy.deepcopy(model32), reference_logprobs)
+    return truth_run, ref_run, run(model32, tree or path_logprobs)
+
+
+def grad_l2_err(got: dict, want: dict) -> float:
+    """Relative 2-norm error of all gradients together."""
+    diff = torch.cat([(got[n].double() - want[n]).flatten() for n in want])
+    return (diff.norm() / torch.cat([want[n].flatten() for n in want]).norm()).item()

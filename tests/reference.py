@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 
 import torch
 import transformers
@@ -122,6 +123,19 @@ def grad_err(tree: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> flo
         den = max(b.abs().max().item(), 1e-3 * scale)
         worst = max(worst, (tree[n].double() - b.double()).abs().max().item() / den)
     return worst
+
+
+def saved_weights(path, auto) -> dict[str, torch.Tensor]:
+    """Every parameter of the model saved under ``path`` (loaded with ``auto``), in float64."""
+    return {k: v.double() for k, v in auto.from_pretrained(path).state_dict().items()}
+
+
+def update_err(tree: dict, seq: dict, init: dict) -> float:
+    """``|w_tree - w_seq| / |w_seq - w_0|`` over all parameters (2-norm): two runs' weights apart,
+    relative to the update one of them made."""
+    num = sum(((tree[k] - seq[k]) ** 2).sum().item() for k in seq)
+    den = sum(((seq[k] - init[k]) ** 2).sum().item() for k in seq)
+    return math.sqrt(num / den)
 
 
 def random_coeffs(paths, seed: int, dtype=torch.float64):

@@ -13,8 +13,9 @@ from treetrain import TrajectoryTree, path_logprobs
 from treetrain.cli import main
 from treetrain.data.records import parse_record
 from treetrain.objectives.advantages import assign_advantages
-from treetrain.objectives.policy import PathMeta, objective
-from treetrain.objectives.policy_config import Objective
+from treetrain.objectives.policy.aggregation import PathMeta
+from treetrain.objectives.policy.config import Objective
+from treetrain.objectives.policy.loss import objective
 
 from .reference import tiny_config, tiny_model
 
@@ -35,6 +36,16 @@ def test_scales_by_hand():
     std = np.std([1, 0, 0, 1, 2, 4], ddof=1)
     assert np.allclose(np.concatenate(b), np.concatenate(n) / (std + 1e-4))
     assert "advantages" not in t1.fields  # the input trees are left as they were
+
+
+def test_equal_rewards_give_exactly_zero():
+    """A group of equal rewards teaches nothing: 0, not the rounding of ``r - mean`` (np.mean of three
+    0.1s is 0.1 + 1.4e-17), in every scale; a one-path group keeps its reward."""
+    trees = [TrajectoryTree.from_paths([[1, 2], [1, 3], [1, 4]], rewards=[0.1] * 3),
+             TrajectoryTree.from_paths([[5, 6]], rewards=[0.1])]  # fmt: skip
+    for scale in ("group", "batch", "none"):
+        equal, one = (t.fields["advantages"] for t in assign_advantages(trees, scale))
+        assert equal.tolist() == [0.0, 0.0, 0.0] and one[0] != 0, scale
 
 
 def test_errors_name_the_fix():

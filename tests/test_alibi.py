@@ -9,6 +9,7 @@ ordinary calls, activation checkpointing, and the backends that must refuse ALiB
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -20,19 +21,14 @@ from treetrain.trees.packing import pack
 from treetrain.trees.tree import TrajectoryTree
 
 from . import zoo
-from .hybrid_models import float64_everywhere
+from .hybrid_models import float32_runs, float64_everywhere
 from .reference import grad_err, grads, random_coeffs, reference_logprobs, rel_err
 from .zoo import zoo_model, zoo_paths
 
 LOGP_TOL, GRAD_TOL = 1e-12, 1e-10  # float64 end to end, as the model zoo
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors (conftest)
 
 
 def _model(model_type, dtype=torch.float64, attn="eager", **over):
@@ -82,18 +78,9 @@ PATHS = [[5, 6, 7, 8, 9, 10], [5, 6, 7, 11], [5, 6, 12, 13, 14, 15, 16, 17], [5,
 def test_float32_within_reference_rounding(model_type):
     """float32: the tree's error against the float64 truth is within 2x of HF's own per-path error
     (log-probs and every gradient; plus 1e-6 / 1e-5 relative: both round at ~6e-8 per op)."""
-    coeffs = random_coeffs(PATHS, seed=0)
-
-    def run(model, fn):
-        lps = fn(model, PATHS)
-        sum((c.to(lp.dtype) * lp).sum() for c, lp in zip(coeffs, lps)).backward()
-        return torch.cat(lps), grads(model)
-
-    with float64_everywhere():
-        truth_lp, truth_g = run(_model(model_type), reference_logprobs)
-    model32 = _model(model_type, dtype=torch.float32)
-    ref_lp, ref_g = run(copy.deepcopy(model32), reference_logprobs)
-    tree_lp, tree_g = run(model32, path_logprobs)
+    (truth_lp, truth_g), (ref_lp, ref_g), (tree_lp, tree_g) = float32_runs(
+        functools.partial(_model, model_type), PATHS
+    )
     ref_e, tree_e = rel_err(ref_lp, truth_lp), rel_err(tree_lp, truth_lp)
     assert tree_e <= 2 * ref_e + 1e-6, (tree_e, ref_e)
     for n in truth_g:

@@ -19,18 +19,14 @@ from treetrain.attention.alibi import alibi_scores
 from treetrain.attention.mask import TreeMask, dense_tree_mask
 
 from .reference import rel_err
+from .strategies import tree_from_parents
 
 # paths [A B C D], [A B E F], [A G H]
 END = torch.tensor([8, 6, 4, 4, 6, 6, 8, 8])
 POS = torch.tensor([0, 1, 2, 3, 2, 3, 1, 2])
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors (conftest)
 
 
 def test_bias_by_hand():
@@ -62,14 +58,6 @@ def test_dense_equals_the_models_key_only_bias():
     assert rel_err(plain, want) > 1e-2  # the bias matters
 
 
-def subtree_end_from_parents(parent: list[int]) -> torch.Tensor:
-    end = list(range(1, len(parent) + 1))
-    for t in reversed(range(len(parent))):
-        if parent[t] >= 0:
-            end[parent[t]] = max(end[parent[t]], end[t])
-    return torch.tensor(end, dtype=torch.int64)
-
-
 @st.composite
 def forests(draw, max_tokens: int = 48):
     """A random forest in DFS order (one-token nodes, new roots) with its path positions."""
@@ -79,10 +67,7 @@ def forests(draw, max_tokens: int = 48):
         path = path[: draw(st.integers(0, len(path)))]
         parent.append(path[-1] if path else -1)
         path.append(t)
-    depth = []
-    for p in parent:
-        depth.append(0 if p < 0 else depth[p] + 1)
-    return subtree_end_from_parents(parent), torch.tensor(depth)
+    return tree_from_parents(parent)
 
 
 def _run(backend, q, k, v, alibi, end, pos, do, **kw):

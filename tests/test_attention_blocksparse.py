@@ -21,14 +21,7 @@ from treetrain.attention.blocksparse import blocksparse_attention, build_plan
 from treetrain.attention.dense import dense_attention
 from treetrain.attention.mask import TreeMask, check_subtree_end, dense_tree_mask
 
-
-def subtree_end_from_parents(parent: list[int]) -> torch.Tensor:
-    """DFS-ordered ``parent`` (``-1`` for a root) -> ``subtree_end``."""
-    end = list(range(1, len(parent) + 1))
-    for t in reversed(range(len(parent))):
-        if parent[t] >= 0:
-            end[parent[t]] = max(end[parent[t]], end[t])
-    return torch.tensor(end, dtype=torch.int64)
+from .strategies import subtree_end_from_parents
 
 
 def chains(*lengths: int, prefix: int = 0) -> torch.Tensor:
@@ -53,13 +46,7 @@ def dfs_trees(draw, max_tokens: int = 96):
     return subtree_end_from_parents(parent)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # many tiny kernel calls: on a busy 2-core runner, OpenMP barriers would dominate
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors (conftest)
 
 
 HAND_WRITTEN = {

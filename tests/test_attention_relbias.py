@@ -30,12 +30,7 @@ POS = torch.tensor([0, 1, 2, 3, 2, 3, 1, 2])
 PATHS = [[0, 1, 2, 3], [0, 1, 4, 5], [0, 6, 7]]  # DFS indices
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors (conftest)
 
 
 def test_bias_by_hand():

@@ -24,6 +24,8 @@ import treetrain.attention.triton_kernel as tk  # noqa: E402
 from treetrain.attention.dense import dense_attention  # noqa: E402
 from treetrain.attention.mask import TreeMask, check_subtree_end, dense_tree_mask  # noqa: E402
 
+from .strategies import random_parents, subtree_end_from_parents, tree_from_parents  # noqa: E402
+
 INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"
 
@@ -46,27 +48,6 @@ pytestmark = [
 # ------------------------------------------------------------------------------------------------
 # Trees: subtree_end from parent links in DFS order.
 # ------------------------------------------------------------------------------------------------
-
-
-def subtree_end_from_parents(parent: list[int]) -> torch.Tensor:
-    """``[T]`` int64 ``subtree_end`` of a forest given in DFS order (``parent[t] < t``, -1 for roots)."""
-    end = list(range(1, len(parent) + 1))
-    for t in reversed(range(len(parent))):
-        if parent[t] >= 0:
-            end[parent[t]] = max(end[parent[t]], end[t])
-    return torch.tensor(end, dtype=torch.int64)
-
-
-def random_parents(n: int, rng: random.Random, p_continue: float = 0.7) -> list[int]:
-    """A random forest in DFS order: each token is a child of the previous one (probability
-    ``p_continue``), else a child of one of the previous token's ancestors, or a new root."""
-    parent, path = [], []  # path: the previous token and its ancestors, root first
-    for t in range(n):
-        if path and rng.random() > p_continue:
-            del path[rng.randint(0, len(path) - 1) :]
-        parent.append(path[-1] if path else -1)
-        path.append(t)
-    return parent
 
 
 def chain(n: int) -> list[int]:
@@ -226,13 +207,6 @@ def test_low_precision(dtype, seed):
 # ------------------------------------------------------------------------------------------------
 
 
-def path_positions(parent: list[int]) -> torch.Tensor:
-    depth: list[int] = []
-    for p in parent:
-        depth.append(0 if p < 0 else depth[p] + 1)
-    return torch.tensor(depth)
-
-
 @pytest.mark.parametrize(
     "parent, heads, window",
     [
@@ -243,7 +217,7 @@ def path_positions(parent: list[int]) -> torch.Tensor:
     ids=["forest-gqa", "star-window", "bushy"],
 )
 def test_alibi_against_dense(parent, heads, window):
-    end, pos = subtree_end_from_parents(parent), path_positions(parent)
+    end, pos = tree_from_parents(parent)
     hq = heads[0]
     slopes = torch.tensor([2 ** (-8 * (h + 1) / hq) for h in range(hq)])
     # slope * position, plus a random term so a bias read at the wrong token or head shows

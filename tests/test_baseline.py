@@ -20,8 +20,10 @@ from treetrain.objectives.baseline import (
     sequence_microbatches,
     sequence_parts,
 )
-from treetrain.objectives.policy import loss_normalizer
-from treetrain.train.strategies import SequencePacking, TreePacking, get_strategy
+from treetrain.objectives.policy.aggregation import loss_normalizer
+from treetrain.objectives.policy.training import PolicyObjective
+from treetrain.train.batches import rank_microbatches
+from treetrain.train.config import TrainConfig, validate
 
 from .reference import float64_casts, grad_err, reference_copy, rel_err, tiny_model
 from .reference import reference_logprobs as hf_logprobs
@@ -98,18 +100,19 @@ def test_sequence_loss_refuses_a_shared_prefix():
 
 
 def test_strategies_differ_only_in_units():
+    """The policy objective's micro-batches for ``--packing tree`` and ``sequence``: what training runs."""
     trees = [TrajectoryTree.from_paths([[1, 2, 3, 4], [1, 2, 5]]), TrajectoryTree.from_paths([[7, 8]])]
-    assert isinstance(get_strategy("tree"), TreePacking)
-    assert isinstance(get_strategy("sequence"), SequencePacking)
-    tree_mb = get_strategy("tree").microbatches(trees, 16)
-    seq_mb = get_strategy("sequence").microbatches(trees, 16)
+    objective = PolicyObjective(CONFIGS["sft-token-mean"])
+    tree_mb = objective.microbatches(trees, "tree", 16)
+    seq_mb = objective.microbatches(trees, "sequence", 16)
     assert sum(t.num_tokens for mb in tree_mb for t in mb) == 7  # shared [1, 2] once
     assert sum(t.num_tokens for mb in seq_mb for t in mb) == 9  # every path alone
     assert sorted(t.num_tokens for mb in seq_mb for t in mb) == [2, 3, 4]
-    mine, passes, computed, _ = get_strategy("sequence").rank_plan(trees, 4, 0, 2, tiny_model("qwen3").config)
+    config = tiny_model("qwen3").config
+    mine, passes, computed, _ = rank_microbatches(objective, trees, "sequence", 4, 0, 2, config)
     assert passes >= 1 and computed == 9 and all(is_sequences(pack(mb)) for mb in mine)
     with pytest.raises(ValueError, match="packing"):
-        get_strategy("trees")
+        validate(TrainConfig(packing="trees"))
 
 
 def test_one_sequence_runs_sdpa_causal_and_a_forest_the_tree_backend_alike():

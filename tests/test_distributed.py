@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from treetrain import TrajectoryTree
+from treetrain.objectives.interface import TrainObjective
 from treetrain.parallel import fsdp as D
 
 from .reference import tiny_config, tiny_model
@@ -96,9 +97,9 @@ def test_single_process_is_a_noop(monkeypatch):
     D.barrier()
 
 
-def test_dummy_loss_adds_zero_gradient():
+def test_idle_loss_adds_zero_gradient():
     model = tiny_model("qwen3", dtype=torch.float32)
-    D.dummy_loss(model).backward()
+    TrainObjective().idle_loss(model).backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert grads and all(torch.count_nonzero(g) == 0 for g in grads)
 

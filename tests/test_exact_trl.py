@@ -25,22 +25,12 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from treetrain.integrations.trl import TreeGRPOTrainer  # noqa: E402
 
 from .reference import float64_casts  # noqa: E402
-from .trl_tiny import char_tokenizer, dataset, reward_len_and_a  # noqa: E402
+from .trl_tiny import dataset, reward_len_and_a, save_with_char_tokenizer  # noqa: E402
 from .zoo import zoo_model  # noqa: E402
 
 
 def _policy(model_type: str, path) -> str:
-    tok = char_tokenizer()
-    model = zoo_model(model_type, dtype=torch.float32)
-    with torch.no_grad():  # zoo's 3x-wide init halved: float32 stays well-conditioned
-        for p in model.parameters():
-            if p.ndim >= 2:
-                p.mul_(0.5)
-    model.config.eos_token_id, model.config.pad_token_id = 1, 0
-    model.generation_config.eos_token_id, model.generation_config.pad_token_id = 1, 0
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
+    return save_with_char_tokenizer(zoo_model(model_type, dtype=torch.float32), path)
 
 
 def _config(out) -> GRPOConfig:

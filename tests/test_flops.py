@@ -17,6 +17,7 @@ from treetrain.trees.flops import (
     mixer_cost,
     tree_work,
 )
+from treetrain.trees.partition import partition
 
 from .reference import tiny_model
 
@@ -79,7 +80,7 @@ def test_head_counts_only_trained_targets():
 def test_partitioned_tree_counts_its_parts():
     tree = TrajectoryTree.from_paths(PATHS)
     # capacity 6: parts {P0, P1} = A B C D E F (6 tokens) and {P2} = A G H (3 tokens)
-    parts = tree.partition(6)
+    parts = partition(tree, 6)
     assert sorted(p.num_tokens for p in parts) == [3, 6]
     # pairs 1+2+3+4+3+4 = 17 and 1+2+3 = 6; targets 5 and 2
     assert tree_work(parts) == Work(tokens=9, pairs=23, targets=7)

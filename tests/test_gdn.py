@@ -42,13 +42,7 @@ DEEP_WIDE = [
 HAND = {"doc": DOC, "group": GROUP, "one_token": ONE_TOKEN, "chain": CHAIN, "deep_wide": DEEP_WIDE}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are tiny: intra-op threads only add overhead (and thrash on a busy machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors (conftest)
 
 
 # ---- the routing math ---------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from treetrain.integrations.trl import TreeGRPOTrainer  # noqa: E402
 
 from .reference import float64_casts  # noqa: E402
 from .trl_tiny import (  # noqa: E402
+    TRAINER_ARGS,
     dataset,
     fixed_rollout,
     reward_len_and_a,
@@ -49,25 +50,15 @@ def policy(tmp_path_factory):
 
 def config(out, dtype=torch.float32, **over) -> GRPOConfig:
     cfg = dict(
+        TRAINER_ARGS,
         output_dir=str(out),
         per_device_train_batch_size=4,
         num_generations=4,
         gradient_accumulation_steps=2,  # a generation batch of 8 rows = 2 prompts x 4 completions
-        max_steps=2,
-        learning_rate=0.05,
-        optim="sgd",
-        lr_scheduler_type="constant",
         num_iterations=2,
         beta=0.1,
         max_completion_length=MAX_LEN,
         temperature=0.9,
-        use_cpu=True,
-        bf16=False,  # GRPOConfig defaults to bf16 autocast
-        seed=0,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        disable_tqdm=True,
         model_init_kwargs={"dtype": dtype},
     )
     cfg.update(over)

@@ -40,6 +40,7 @@ from .trl_agents import (
     save_policy,
     script_generation,
 )  # noqa: E402
+from .trl_tiny import TRAINER_ARGS  # noqa: E402
 
 MODES = {"tools": lambda: dict(tools=[add, multiply]), "env": lambda: dict(environment_factory=Counter)}
 TOOL = {"tools": "add", "env": "step"}
@@ -59,21 +60,10 @@ def config(out, **over) -> GRPOConfig:
         per_device_train_batch_size=4,
         num_generations=4,
         gradient_accumulation_steps=2,  # a generation batch of 8 rows = 2 prompts x 4 completions
-        max_steps=2,
-        learning_rate=0.05,
-        optim="sgd",
-        lr_scheduler_type="constant",
         num_iterations=2,
         beta=0.1,
         max_completion_length=120,  # some rows run past it: truncated multi-turn completions too
-        use_cpu=True,
-        bf16=False,
-        seed=0,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        disable_tqdm=True,
-        model_init_kwargs={"dtype": torch.float32},
+        **TRAINER_ARGS,
     )
     cfg.update(over)
     return GRPOConfig(**cfg)

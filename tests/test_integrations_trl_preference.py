@@ -26,7 +26,7 @@ from treetrain.integrations.trl import TreeDPOTrainer, TreeRewardTrainer  # noqa
 from treetrain.models.hf import tree_forward as real_tree_forward  # noqa: E402
 
 from .reference import tiny_config  # noqa: E402
-from .trl_tiny import char_tokenizer, save_tiny_policy  # noqa: E402
+from .trl_tiny import TRAINER_ARGS, char_tokenizer, save_tiny_policy  # noqa: E402
 
 NOT_COMPARED = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second"}
 PROMPTS = ["what is 1+2?", "spell cat.", "what is 1+2?", "count to 3"]
@@ -65,21 +65,7 @@ def reward_model(tmp_path_factory):
     return str(path)
 
 
-COMMON = dict(
-    per_device_train_batch_size=4,
-    max_steps=2,
-    learning_rate=0.05,
-    optim="sgd",
-    lr_scheduler_type="constant",
-    use_cpu=True,
-    bf16=False,
-    seed=0,
-    logging_steps=1,
-    report_to="none",
-    save_strategy="no",
-    disable_tqdm=True,
-    model_init_kwargs={"dtype": torch.float32},
-)
+COMMON = dict(per_device_train_batch_size=4, **TRAINER_ARGS)
 
 
 def run(cls, cfg_cls, model, out, data, **over):
@@ -203,6 +189,34 @@ def test_fused_request_refuses_what_the_tree_cannot_give():
     bad[0, 2] = 9
     with pytest.raises(ValueError, match="scored label must be the input token"):
         model(input_ids=ids, attention_mask=mask, labels=bad, fused_lm_head=True, **req)
+
+
+@pytest.mark.parametrize("model_type", ["granite", "minicpm3", "gemma2"])
+def test_fused_request_applies_the_models_head(model_type):
+    """The tree's fused head takes its scale and cap from ``models.head.lm_head`` (Granite: logits /
+    3, MiniCPM3: hidden / 3, Gemma 2: final softcap 3; ``tests/zoo.py``): TRL's fused head's per-token
+    outputs. float64 models, but TRL's kernel returns float32: bound 4 float32 ulps of the largest value
+    (measured 0, and 1 ulp on Gemma 2's mean logit); without the scale or cap: off by 3e-3 to 4."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    from treetrain.integrations.trl.preference import FusedTreeRequest
+    from treetrain.integrations.wrapped import REQUEST_KWARG, install_tree_scoring
+
+    from .zoo import zoo_model
+
+    model = zoo_model(model_type)
+    outputs = ("log_probs", "entropy", "mean_logits")
+    add_fused_lm_head(model, outputs=outputs)
+    install_tree_scoring(model)
+    ids = torch.tensor([[5, 6, 7, 8, 9], [5, 6, 11, 12, 0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]])
+    labels = ids.masked_fill(mask == 0, -100)
+    call = dict(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+    want = model(**call)
+    got = model(**call, **{REQUEST_KWARG: FusedTreeRequest("TreeDPOTrainer", outputs)})
+    for name in outputs:
+        w, g = getattr(want, name), getattr(got, name)
+        assert (g - w).abs().max() <= 4 * torch.finfo(w.dtype).eps * w.abs().max(), name
 
 
 def test_all_four_drop_ins_import_from_one_place():

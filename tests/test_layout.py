@@ -25,7 +25,7 @@ ORDER = [
     "parallel", "train", "integrations", "bench", "cli",
 ]
 MAX_TOP_LEVEL = 12
-MAX_LINES = 600
+MAX_LINES = 500
 # import places besides the public API: a subpackage whose __init__ imports names from its own modules
 # so users import them from one place. treetrain.integrations.trl: the four TRL drop-ins (issue 36)
 IMPORT_PLACES = {"treetrain.integrations.trl"}

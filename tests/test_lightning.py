@@ -5,19 +5,18 @@ model in float32 against HF's own float32 error (the model zoo checks it in floa
 
 from __future__ import annotations
 
-import copy
+import functools
 
 import pytest
 import torch
 
-from treetrain.logprobs import path_logprobs
 from treetrain.models.lightning import lightning_rule, lightning_scan
 from treetrain.models.scan import build_levels, tree_scan
 from treetrain.trees.packing import pack
 from treetrain.trees.tree import TrajectoryTree
 
-from .hybrid_models import float64_everywhere
-from .reference import grads, random_coeffs, reference_logprobs, rel_err
+from .hybrid_models import float32_runs
+from .reference import rel_err
 from .zoo import zoo_model
 
 H, D = 2, 3
@@ -30,13 +29,7 @@ TREES = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add overhead (and thrash on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors (conftest)
 
 
 def _recurrence(q, k, v, slope, init=None):
@@ -107,18 +100,9 @@ def test_unmasked_padding_fails():
 def test_float32_within_reference_rounding():
     """float32: the tree's error against the float64 truth is within 2x of HF's own per-path error."""
     paths = [p for tree in TREES.values() for p in tree if len(p) > 1]
-    coeffs = random_coeffs(paths, seed=0)
-
-    def run(model, fn):
-        lps = fn(model, paths)
-        sum((c.to(lp.dtype) * lp).sum() for c, lp in zip(coeffs, lps)).backward()
-        return torch.cat(lps), grads(model)
-
-    with float64_everywhere():
-        truth_lp, truth_g = run(zoo_model("minimax"), reference_logprobs)
-    model32 = zoo_model("minimax", dtype=torch.float32)
-    ref_lp, ref_g = run(copy.deepcopy(model32), reference_logprobs)
-    tree_lp, tree_g = run(model32, path_logprobs)
+    (truth_lp, truth_g), (ref_lp, ref_g), (tree_lp, tree_g) = float32_runs(
+        functools.partial(zoo_model, "minimax"), paths
+    )
     ref_e, tree_e = rel_err(ref_lp, truth_lp), rel_err(tree_lp, truth_lp)
     assert tree_e <= 2 * ref_e + 1e-6, (tree_e, ref_e)  # both round at ~6e-8 per op
     for n in truth_g:

@@ -24,8 +24,8 @@ from treetrain.models.scan import build_levels
 from treetrain.trees.packing import pack
 from treetrain.trees.tree import TrajectoryTree
 
-from .hybrid_models import float64_everywhere
-from .reference import grads, random_coeffs, reference_logprobs, rel_err
+from .hybrid_models import float32_runs, float64_everywhere
+from .reference import rel_err
 from .strategies import tree_paths
 from .zoo import zoo_model, zoo_paths
 
@@ -46,12 +46,7 @@ LAYERS = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors (conftest)
 
 
 @functools.cache
@@ -163,19 +158,13 @@ def test_float32_within_reference_rounding(model_type):
     """float32, the whole model: the tree's error against the float64 truth is within 2x of the
     per-path reference's own (log-probs, and each parameter's gradient)."""
     paths = [*zoo_paths(), *GRANDPARENT, *ONE_TOKEN_ROOT]
-    coeffs = random_coeffs(paths, 0)
-
-    def run(model, fn):
-        lps = fn(model, paths)
-        sum(((c.to(lp.dtype) * lp).sum() for c, lp in zip(coeffs, lps))).backward()
-        return torch.cat(lps), grads(model)
-
-    truth_model = zoo_model(model_type)  # built outside: float64_everywhere changes some init draws
-    with float64_everywhere():
-        truth_lp, truth_g = run(truth_model, reference_logprobs)
-    model32 = zoo_model(model_type, dtype=torch.float32)
-    ref_lp, ref_g = run(copy.deepcopy(model32), reference_logprobs)
-    tree_lp, tree_g = run(model32, lambda m, p: path_logprobs(m, p, backend="dense"))
+    # the truth is built before float64_everywhere: inside it, some init draws differ
+    (truth_lp, truth_g), (ref_lp, ref_g), (tree_lp, tree_g) = float32_runs(
+        functools.partial(zoo_model, model_type),
+        paths,
+        lambda m, p: path_logprobs(m, p, backend="dense"),
+        truth_inside=False,
+    )
     assert rel_err(tree_lp, truth_lp) <= 2 * rel_err(ref_lp, truth_lp)
     # both round at ~6e-8 per op, in different orders (a level's batched rule vs a path's, the conv's
     # gather vs F.conv1d): a parameter whose gradient the reference happens to get almost exactly

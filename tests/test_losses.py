@@ -28,17 +28,16 @@ from hypothesis import strategies as st
 
 from treetrain import TrajectoryTree, pack
 from treetrain.objectives.advantages import group_advantages
-from treetrain.objectives.policy import (
-    PathMeta,
+from treetrain.objectives.policy.aggregation import PathMeta, loss_normalizer
+from treetrain.objectives.policy.config import Objective, objective_needs
+from treetrain.objectives.policy.loss import (
     compute_loss,
     kl_penalty,
-    loss_normalizer,
     objective,
     reference_logprobs,
     summarize_metrics,
     token_weights,
 )
-from treetrain.objectives.policy_config import Objective, objective_needs
 
 from .reference import float64_casts, grad_err, reference_copy, tiny_model
 from .reference import reference_logprobs as baseline_logprobs

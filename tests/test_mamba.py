@@ -14,6 +14,7 @@ one Mamba2 type.
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ from treetrain.models.recurrent import FORWARDS, ROUTES, patch_recurrent_layers,
 from treetrain.trees.packing import pack
 from treetrain.trees.tree import TrajectoryTree
 
-from .hybrid_models import float64_everywhere
+from .hybrid_models import float32_runs, float64_everywhere, grad_l2_err
 from .reference import grad_err, grads, random_coeffs, reference_logprobs, rel_err
 from .strategies import tree_paths
 from .zoo import zoo_model, zoo_paths
@@ -44,13 +45,7 @@ ONE_TOKEN_ROOT = [[1, 2, 3], [1, 4, 5, 6], [1, 7]]
 HAND = {"grandparent": GRANDPARENT, "skewed": SKEWED, "one_token_root": ONE_TOKEN_ROOT}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are tiny: intra-op threads only add overhead (and thrash on a busy machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors (conftest)
 
 
 # ---- one mixer alone ----------------------------------------------------------------------------
@@ -209,11 +204,6 @@ def test_float64_as_shipped(model_type):
     assert lp < 1e-6 and grad < 1e-5, (lp, grad)
 
 
-def _l2_err(got: dict, want: dict) -> float:
-    """Relative 2-norm error of all gradients together."""
-    diff = torch.cat([(got[n].double() - want[n]).flatten() for n in want])
-    return (diff.norm() / torch.cat([want[n].flatten() for n in want]).norm()).item()
-
 
 @pytest.mark.parametrize("model_type", ["mamba", "mamba2"])
 def test_float32_within_reference_rounding(model_type):
@@ -223,21 +213,15 @@ def test_float32_within_reference_rounding(model_type):
     node boundaries, sums over shared tokens): over 6 seeds the ratios measured 0.8-1.6
     (log-probs), 0.7-1.8 (2-norm), 0.7-2.3 (worst parameter; Llama's attention alone: up to 1.9)."""
     paths = zoo_paths()
-    coeffs = random_coeffs(paths, 0)
-
-    def run(model, fn):
-        lps = fn(model, paths)
-        sum(((c.to(lp.dtype) * lp).sum() for c, lp in zip(coeffs, lps))).backward()
-        return torch.cat(lps), grads(model)
-
-    truth = zoo_model(model_type)  # built outside: inside, float32 buffers would draw other weights
-    with float64_everywhere():
-        truth_lp, truth_g = run(truth, reference_logprobs)
-    model32 = zoo_model(model_type, dtype=torch.float32)
-    ref_lp, ref_g = run(copy.deepcopy(model32), reference_logprobs)
-    tree_lp, tree_g = run(model32, lambda m, p: path_logprobs(m, p, backend="dense"))
+    # the truth is built before float64_everywhere: inside it, some init draws differ
+    (truth_lp, truth_g), (ref_lp, ref_g), (tree_lp, tree_g) = float32_runs(
+        functools.partial(zoo_model, model_type),
+        paths,
+        lambda m, p: path_logprobs(m, p, backend="dense"),
+        truth_inside=False,
+    )
     assert rel_err(tree_lp, truth_lp) <= 2 * rel_err(ref_lp, truth_lp)
-    assert _l2_err(tree_g, truth_g) <= 2 * _l2_err(ref_g, truth_g)
+    assert grad_l2_err(tree_g, truth_g) <= 2 * grad_l2_err(ref_g, truth_g)
     assert grad_err(tree_g, truth_g) <= 4 * grad_err(ref_g, truth_g)
 
 

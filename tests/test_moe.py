@@ -23,13 +23,7 @@ from .reference import grads, random_coeffs, reference_copy, rel_err
 from .strategies import tree_paths
 from .test_gdn import CHAIN, GROUP, ONE_TOKEN, grad_err
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors (conftest)
 
 
 def baseline_loss(model, paths, coeffs):

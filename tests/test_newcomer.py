@@ -201,8 +201,9 @@ def test_dpo_summary_says_what_computed_tokens_count(tiny, tmp_path):
 
 def test_eval_data_is_the_objectives_loss_on_held_out_trees(tiny, tmp_path):
     from treetrain.data.reader import iter_trees
-    from treetrain.objectives.policy import compute_loss, loss_normalizer
-    from treetrain.objectives.policy_config import Objective
+    from treetrain.objectives.policy.aggregation import loss_normalizer
+    from treetrain.objectives.policy.config import Objective
+    from treetrain.objectives.policy.loss import compute_loss
     from treetrain.trees.packing import pack
 
     data = write_jsonl(tmp_path / "p.jsonl", PATHS)

@@ -24,14 +24,12 @@ from treetrain import TrajectoryTree, pack
 from treetrain.data.fields import DataError
 from treetrain.data.reader import iter_trees
 from treetrain.data.records import parse_record
-from treetrain.objectives.preference import (
+from treetrain.objectives.preference.loss import (
     PreferenceObjective,
     compute_preference_loss,
-    pair_layout,
-    pair_microbatches,
-    preference_normalizer,
     summarize_preference,
 )
+from treetrain.objectives.preference.pairs import pair_layout, pair_microbatches, preference_normalizer
 
 from .reference import float64_casts, grad_err, reference_copy, tiny_config, tiny_model
 from .reference import reference_logprobs as baseline_logprobs
@@ -168,7 +166,8 @@ def test_dpo_first_loss_is_ln2_and_metrics():
 
 def test_dpo_metrics_by_hand():
     """rewards/* from per-path sums spelled out: two pairs, beta 0.5."""
-    from treetrain.objectives.preference import PairLayout, dpo_loss
+    from treetrain.objectives.preference.loss import dpo_loss
+    from treetrain.objectives.preference.pairs import PairLayout
 
     logps = torch.tensor([-1.0, -3.0, -2.0, -1.5], dtype=torch.float64)
     ref = torch.tensor([-2.0, -2.0, -2.0, -2.0], dtype=torch.float64)
@@ -267,7 +266,7 @@ def test_reward_model_reloads_with_auto_class(tmp_path):
     """What training saves loads with AutoModelForSequenceClassification and scores like the tree."""
     from treetrain.models.hf import prepare_model
     from treetrain.objectives.path_outputs import path_last_hidden
-    from treetrain.objectives.preference import reward_head
+    from treetrain.objectives.preference.loss import reward_head
     from treetrain.train.checkpoint import export_pretrained
 
     model = prepare_model(tiny_reward_model().float())

@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from treetrain import TrajectoryTree, pack
-from treetrain.objectives.policy import PathMeta
-from treetrain.objectives.policy_config import Objective
+from treetrain.objectives.policy.aggregation import PathMeta
+from treetrain.objectives.policy.config import Objective
 from treetrain.objectives.value import compute_ppo_critic_loss, gae_per_path, path_values
 
 from .reference import float64_casts, grad_err, reference_copy, tiny_config, tiny_model

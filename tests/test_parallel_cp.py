@@ -119,8 +119,9 @@ def _worker(rank: int, world: int, port: int, out: str, archs: tuple[str, ...]) 
 
 
 def _run_rank(rank: int, world: int, arch: str) -> dict:
-    from treetrain.objectives.policy import compute_loss, loss_normalizer
-    from treetrain.objectives.policy_config import Objective
+    from treetrain.objectives.policy.aggregation import loss_normalizer
+    from treetrain.objectives.policy.config import Objective
+    from treetrain.objectives.policy.loss import compute_loss
 
     model = _model(arch)
     trees = _trees(arch)
@@ -149,8 +150,9 @@ def _run_rank(rank: int, world: int, arch: str) -> dict:
 
 
 def _one_process(arch: str):
-    from treetrain.objectives.policy import compute_loss, loss_normalizer
-    from treetrain.objectives.policy_config import Objective
+    from treetrain.objectives.policy.aggregation import loss_normalizer
+    from treetrain.objectives.policy.config import Objective
+    from treetrain.objectives.policy.loss import compute_loss
 
     model = _model(arch)
     trees = _trees(arch)

@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 from benchmarks.partition import SHAPES, err, plan_tokens, small_tree
 from treetrain import TrajectoryTree, path_logprobs
 from treetrain.trees.partition import (
-    MAX_OPTIMAL_LEAVES,
     METHODS,
     lower_bound,
     pack_microbatches,
@@ -21,6 +20,7 @@ from treetrain.trees.partition import (
     partition_stats,
     plan,
 )
+from treetrain.trees.partition_methods import MAX_OPTIMAL_LEAVES
 
 from .reference import float64_casts, grads, random_coeffs, rel_err, tiny_model
 from .strategies import tree_paths
@@ -305,6 +305,6 @@ def test_old_method_names_warn_and_give_the_new_methods(old, new):
         got = plan(tree, 6, old)
     assert [g.tolist() for g in got] == [g.tolist() for g in plan(tree, 6, new)]
     with pytest.warns(DeprecationWarning):
-        tree.partition(6, old)
+        partition(tree, 6, old)
     with pytest.raises(ValueError, match="beam_dp"):
         plan(tree, 6, "beam")

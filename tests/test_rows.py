@@ -155,6 +155,28 @@ def test_errors_name_the_row_and_field(tmp_path):
         )
 
 
+def test_a_merged_tree_that_cannot_be_built_names_its_first_row(tmp_path, monkeypatch):
+    """``_build`` raises without a line (the parser lets nothing through that makes ``from_paths``
+    fail today, so it is forced here): the error names the tree's first row, in both error modes,
+    and the rows after it still read."""
+    from treetrain.data.fields import _Invalid
+    from treetrain.data.records import _build
+
+    def refuse_three_paths(paths, fields):
+        if len(paths) == 3:
+            raise _Invalid("cannot build the tree: refused")
+        return _build(paths, fields)
+
+    monkeypatch.setattr("treetrain.data.reader._build", refuse_three_paths)
+    path = _write(tmp_path, ROWS, "jsonl")  # rows 1-3 share a prompt: one tree of three paths
+    with pytest.raises(DataError, match=r"rows.jsonl:1: cannot build the tree: refused"):
+        list(iter_trees(path))
+    stream = iter_trees(path, on_error="collect")
+    assert [info.line for _, info in stream] == [4, 5]
+    (err,) = stream.errors
+    assert (err.line, err.reason) == (1, "cannot build the tree: refused")
+
+
 def test_capacity_error_names_the_row_of_the_long_path(tmp_path):
     path = _write(tmp_path, ROWS[:3], "jsonl")
     with pytest.raises(DataError, match=r"rows.jsonl:2: field \"paths\"\[0\]: a path of 4 tokens"):

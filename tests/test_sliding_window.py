@@ -38,29 +38,9 @@ from treetrain.attention.mask import (  # noqa: E402
 )
 
 from .reference import float64_casts, grad_err, grads, random_coeffs, reference_logprobs, rel_err  # noqa: E402
+from .strategies import random_parents, tree_from_parents  # noqa: E402
 
-
-def tree_from_parents(parent: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """DFS-ordered ``parent`` (-1: a root) -> ``subtree_end [T]``, ``position_ids [T]``."""
-    end, pos = list(range(1, len(parent) + 1)), []
-    for p in parent:
-        pos.append(pos[p] + 1 if p >= 0 else 0)
-    for t in reversed(range(len(parent))):
-        if parent[t] >= 0:
-            end[parent[t]] = max(end[parent[t]], end[t])
-    return torch.tensor(end), torch.tensor(pos)
-
-
-def random_parents(n: int, rng: random.Random, p_continue: float = 0.75) -> list[int]:
-    parent, path = [], []
-    for t in range(n):
-        if path and rng.random() > p_continue:
-            del path[rng.randint(0, len(path) - 1) :]
-        parent.append(path[-1] if path else -1)
-        path.append(t)
-    return parent
-
-
+CONTINUE = 0.75  # random_parents: this file's forests run a little deeper than its default
 DESIGN = [-1, 0, 1, 2, 1, 4, 0, 6]  # A B C D E F G H: paths A B C D, A B E F, A G H
 
 
@@ -77,7 +57,7 @@ def test_design_example_by_hand():
 
 
 def test_block_classes_with_window_match_dense():
-    end, pos = tree_from_parents(random_parents(61, random.Random(3)))
+    end, pos = tree_from_parents(random_parents(61, random.Random(3), CONTINUE))
     for window, block in [(1, 4), (3, 4), (5, 8), (20, 8)]:
         any_allowed, full = block_classes(end, block, pos, window)
         dense = dense_tree_mask(end, pos, window)
@@ -108,7 +88,7 @@ def _inputs(T, hq, hkv, d, dtype, seed):
     block=st.sampled_from([2, 3, 8]),
 )
 def test_blocksparse_window_matches_dense(T, rng, window, heads, block):
-    end, pos = tree_from_parents(random_parents(T, rng))
+    end, pos = tree_from_parents(random_parents(T, rng, CONTINUE))
     inputs = _inputs(T, *heads, 8, torch.float64, rng.randint(0, 2**16))
     ref = _run(dense_attention, *inputs, end, pos, window)
     got = _run(blocksparse_attention, *inputs, end, pos, window, block=block)
@@ -119,7 +99,8 @@ def test_blocksparse_window_matches_dense(T, rng, window, heads, block):
 
 
 def test_flex_window_forward_matches_dense_on_cpu():
-    end, pos = tree_from_parents([t - 1 for t in range(100)] + random_parents(100, random.Random(0)))
+    chain = [t - 1 for t in range(100)]
+    end, pos = tree_from_parents(chain + random_parents(100, random.Random(0), CONTINUE))
     q, k, v, _ = _inputs(200, 4, 2, 16, torch.float32, 0)
     for window in (7, 90):
         mask = TreeMask(end, position_ids=pos)
@@ -135,7 +116,7 @@ def test_triton_window_matches_dense():
     if not tk.triton_available():
         pytest.skip("needs triton and CUDA or TRITON_INTERPRET=1")
     device = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
-    end, pos = tree_from_parents([t - 1 for t in range(20)] + random_parents(45, random.Random(1)))
+    end, pos = tree_from_parents([t - 1 for t in range(20)] + random_parents(45, random.Random(1), CONTINUE))
     inputs = _inputs(65, 4, 2, 16, torch.float32, 1)
     for window in (1, 5):
         ref = _run(dense_attention, *(x.double() for x in inputs), end, pos, window)

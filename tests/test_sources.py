@@ -13,7 +13,8 @@ import pytest
 
 from treetrain.data.fields import DataError
 from treetrain.data.reader import iter_trees, validate_file
-from treetrain.data.sources import iter_rows, parse_columns, to_record
+from treetrain.data.rows import trl_record
+from treetrain.data.sources import iter_rows, parse_columns
 
 ROWS = [
     {"paths": [[1, 2, 3], [1, 2, 4, 5]], "loss_masks": [[0, 1, 1], [0, 1, 1, 1]], "advantages": [1.0, -0.5]},
@@ -78,6 +79,11 @@ def test_column_mapping(tmp_path, jsonl):
         parse_columns("paths=a,paths=b")
     with pytest.raises(DataError, match=r"r.parquet: row 1: --columns: no column 'nope'"):
         _trees(tmp_path / "r.parquet", columns="paths=nope")
+
+
+def to_record(row: dict) -> dict:
+    """A row in TRL's names -> the record the parser reads (what the reader does to every row)."""
+    return trl_record(row)[0]
 
 
 def test_trl_tokenized_rows():

@@ -13,7 +13,6 @@ is the wiring: data, critic, optimizers, schedule, checkpoints, export.
 from __future__ import annotations
 
 import json
-import math
 import shutil
 
 import numpy as np
@@ -28,7 +27,7 @@ from treetrain.train.kit import RunKit
 from treetrain.train.loop import train
 from treetrain.train.step import NonFiniteError
 
-from .reference import tiny_config
+from .reference import saved_weights, tiny_config, update_err
 
 VOCAB = 97
 
@@ -76,16 +75,6 @@ def run(setup_dir, out, **over):
     return train(cfg, quiet=True)
 
 
-def state(path, auto) -> dict[str, torch.Tensor]:
-    return {k: v.double() for k, v in auto.from_pretrained(path).state_dict().items()}
-
-
-def update_err(tree: dict, seq: dict, init: dict) -> float:
-    num = sum(((tree[k] - seq[k]) ** 2).sum().item() for k in seq)
-    den = sum(((seq[k] - init[k]) ** 2).sum().item() for k in seq)
-    return math.sqrt(num / den)
-
-
 def test_tree_equals_sequence_and_critic_export(setup_dir, tmp_path):
     runs = {p: run(setup_dir, tmp_path / p, packing=p) for p in ("tree", "sequence")}
     tree, seq = runs["tree"].records, runs["sequence"].records
@@ -98,10 +87,10 @@ def test_tree_equals_sequence_and_critic_export(setup_dir, tmp_path):
 
     policy_init = build_model(str(setup_dir / "tiny"), 0, torch.float32, torch.device("cpu"))
     init = {k: v.double() for k, v in policy_init.state_dict().items()}
-    w = {p: state(r.final, transformers.AutoModelForCausalLM) for p, r in runs.items()}
+    w = {p: saved_weights(r.final, transformers.AutoModelForCausalLM) for p, r in runs.items()}
     err_policy = update_err(w["tree"], w["sequence"], init)
     auto = transformers.AutoModelForTokenClassification
-    c = {p: state(r.output / "final_critic", auto) for p, r in runs.items()}
+    c = {p: saved_weights(r.output / "final_critic", auto) for p, r in runs.items()}
     # the critic starts from the policy's backbone; its head from the seed (compared to itself)
     c_init = {k: init[k] for k in c["tree"] if k in init}
     backbone = [k for k in c["tree"] if k in init]
@@ -155,7 +144,7 @@ def test_critic_from_a_saved_model(setup_dir, tmp_path):
     rm.save_pretrained(tmp_path / "rm")
     loss = {"critic_model": str(tmp_path / "rm"), "critic_lr": 0.0}
     result = run(setup_dir, tmp_path / "out", loss=loss, steps=1)
-    got = state(result.output / "final_critic", transformers.AutoModelForTokenClassification)
+    got = saved_weights(result.output / "final_critic", transformers.AutoModelForTokenClassification)
     want = {k: v.double() for k, v in rm.state_dict().items()}
     assert set(want) <= set(got) and all(torch.equal(got[k], want[k]) for k in want)
     assert torch.equal(got["score.bias"], torch.zeros(1, dtype=torch.float64))  # the classifier has none

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -17,9 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from treetrain.train.checkpoint import FAULT_ENV, latest_checkpoint, list_checkpoints, verify_checkpoint
+from treetrain.train.checkpoint import latest_checkpoint, list_checkpoints, verify_checkpoint
+from treetrain.train.checkpoint_files import FAULT_ENV
 
 from .reference import tiny_config
+from .test_faults import write_trees
 
 pytestmark = pytest.mark.slow
 
@@ -33,16 +34,7 @@ def workdir(tmp_path_factory) -> Path:
     """A config-only tiny Qwen3 (random init from --seed) and 30 trees of shared-prefix paths."""
     d = tmp_path_factory.mktemp("dist_train")
     tiny_config("qwen3").save_pretrained(d / "model")
-    rng = random.Random(0)
-    with open(d / "data.jsonl", "w") as f:
-        for _ in range(30):
-            prefix = [rng.randrange(97) for _ in range(rng.randint(4, 30))]
-            paths = [
-                prefix + [rng.randrange(97) for _ in range(rng.randint(1, 10))]
-                for _ in range(rng.randint(1, 4))
-            ]
-            masks = [[0] * len(prefix) + [1] * (len(p) - len(prefix)) for p in paths]
-            f.write(json.dumps({"paths": paths, "loss_masks": masks}) + "\n")
+    write_trees(d / "data.jsonl")
     return d
 
 

@@ -22,7 +22,7 @@ from treetrain.train.build import build_model
 from treetrain.train.config import TrainConfig
 from treetrain.train.loop import train
 
-from .reference import tiny_config
+from .reference import saved_weights, tiny_config, update_err
 
 VOCAB = 97
 
@@ -68,17 +68,6 @@ def run(setup_dir, out, **over):
     return train(cfg, quiet=True)
 
 
-def state(path, auto) -> dict[str, torch.Tensor]:
-    return {k: v.double() for k, v in auto.from_pretrained(path).state_dict().items()}
-
-
-def update_err(tree: dict, seq: dict, init: dict) -> float:
-    """``|w_tree - w_seq| / |w_seq - w_0|`` over all parameters (2-norm)."""
-    num = sum(((tree[k] - seq[k]) ** 2).sum().item() for k in seq)
-    den = sum(((seq[k] - init[k]) ** 2).sum().item() for k in seq)
-    return math.sqrt(num / den)
-
-
 @pytest.mark.parametrize(
     "objective, loss, auto",
     [
@@ -102,7 +91,7 @@ def test_tree_equals_sequence(setup_dir, tmp_path, objective, loss, auto):
     for a, b in zip(tree, seq):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-3)
         assert a["computed_tokens"] < b["computed_tokens"] == b["tokens"]
-    w = {p: state(r.final, auto) for p, r in runs.items()}
+    w = {p: saved_weights(r.final, auto) for p, r in runs.items()}
     auto_class = None if objective == "dpo" else "AutoModelForSequenceClassification"
     init = build_model(str(setup_dir / "tiny"), 0, torch.float32, torch.device("cpu"), auto_class)
     init = {k: v.double() for k, v in init.state_dict().items()}  # the runs' initial weights (seed 0)

@@ -6,20 +6,17 @@ drawn at random here: HF initializes them to zero (the gates then ignore the inp
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 import treetrain.models.xlstm as xlstm
-from treetrain.logprobs import path_logprobs
 from treetrain.models.recurrent import patch_recurrent_layers
 from treetrain.models.xlstm import tree_xlstm_layer_forward
 from treetrain.trees.packing import pack
 from treetrain.trees.tree import TrajectoryTree
 
-from .hybrid_models import float64_everywhere
-from .reference import grads, random_coeffs, reference_logprobs, rel_err
+from .hybrid_models import float32_runs, float64_everywhere
+from .reference import rel_err
 from .zoo import zoo_model
 
 TREES = {
@@ -29,12 +26,7 @@ TREES = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors (conftest)
 
 
 def _model(dtype=torch.float64):
@@ -87,18 +79,7 @@ def test_unmasked_padding_fails():
 def test_float32_within_reference_rounding():
     """float32: the tree's error against the float64 truth is within 2x of HF's own per-path error."""
     paths = [p for tree in TREES.values() for p in tree if len(p) > 1]
-    coeffs = random_coeffs(paths, seed=0)
-
-    def run(model, fn):
-        lps = fn(model, paths)
-        sum((c.to(lp.dtype) * lp).sum() for c, lp in zip(coeffs, lps)).backward()
-        return torch.cat(lps), grads(model)
-
-    with float64_everywhere():
-        truth_lp, truth_g = run(_model(), reference_logprobs)
-    model32 = _model(torch.float32)
-    ref_lp, ref_g = run(copy.deepcopy(model32), reference_logprobs)
-    tree_lp, tree_g = run(model32, path_logprobs)
+    (truth_lp, truth_g), (ref_lp, ref_g), (tree_lp, tree_g) = float32_runs(_model, paths)
     ref_e, tree_e = rel_err(ref_lp, truth_lp), rel_err(tree_lp, truth_lp)
     assert tree_e <= 2 * ref_e + 1e-6, (tree_e, ref_e)  # both round at ~6e-8 per op
     for n in truth_g:

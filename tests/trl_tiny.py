@@ -28,18 +28,40 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
+# what every TRL trainer of these tests runs with: a few SGD steps on the CPU, float32, no output
+TRAINER_ARGS = dict(
+    max_steps=2,
+    learning_rate=0.05,
+    optim="sgd",
+    lr_scheduler_type="constant",
+    use_cpu=True,
+    bf16=False,  # TRL's configs default to bf16 autocast
+    seed=0,
+    logging_steps=1,
+    report_to="none",
+    save_strategy="no",
+    disable_tqdm=True,
+    model_init_kwargs={"dtype": torch.float32},
+)
+
+
 def save_tiny_policy(path: Path, dtype=torch.float32, seed: int = 0) -> str:
     """A 2-layer Qwen3 over the char vocabulary, with its tokenizer, saved under ``path``."""
-    tok = char_tokenizer()
-    model = tiny_model("qwen3", dtype=dtype, seed=seed, vocab=len(tok))
-    with torch.no_grad():  # tiny_model's 3x-wide init: halve it, so float32 stays well-conditioned
+    model = tiny_model("qwen3", dtype=dtype, seed=seed, vocab=len(char_tokenizer()))
+    return save_with_char_tokenizer(model, path)
+
+
+def save_with_char_tokenizer(model, path: Path) -> str:
+    """``model`` (a tiny random init over the char vocabulary) saved under ``path`` with the char
+    tokenizer: its 3x-wide init halved, so float32 stays well-conditioned; ``<eos>`` 1, ``<pad>`` 0."""
+    with torch.no_grad():
         for p in model.parameters():
             if p.ndim >= 2:
                 p.mul_(0.5)
     model.config.eos_token_id, model.config.pad_token_id = 1, 0
     model.generation_config.eos_token_id, model.generation_config.pad_token_id = 1, 0
     model.save_pretrained(path)
-    tok.save_pretrained(path)
+    char_tokenizer().save_pretrained(path)
     return str(path)
 
 

@@ -39,10 +39,10 @@ _API = {
     "tree_logprobs": "treetrain.logprobs",
     "expand_to_paths": "treetrain.logprobs",
     # objectives
-    "Objective": "treetrain.objectives.policy_config",
-    "compute_loss": "treetrain.objectives.policy",
-    "loss_normalizer": "treetrain.objectives.policy",
-    "reference_logprobs": "treetrain.objectives.policy",
+    "Objective": "treetrain.objectives.policy.config",
+    "compute_loss": "treetrain.objectives.policy.loss",
+    "loss_normalizer": "treetrain.objectives.policy.aggregation",
+    "reference_logprobs": "treetrain.objectives.policy.loss",
     "group_advantages": "treetrain.objectives.advantages",
     # integrations and training
     "flat_logprobs": "treetrain.integrations.flat",
@@ -82,8 +82,9 @@ if TYPE_CHECKING:
     from treetrain.integrations.flat import flat_logprobs
     from treetrain.logprobs import expand_to_paths, path_logprobs, tree_logprobs
     from treetrain.objectives.advantages import group_advantages
-    from treetrain.objectives.policy import compute_loss, loss_normalizer, reference_logprobs
-    from treetrain.objectives.policy_config import Objective
+    from treetrain.objectives.policy.aggregation import loss_normalizer
+    from treetrain.objectives.policy.config import Objective
+    from treetrain.objectives.policy.loss import compute_loss, reference_logprobs
     from treetrain.train.build import tiny_model
     from treetrain.train.config import TrainConfig
     from treetrain.trees.packing import PackedTree, pack

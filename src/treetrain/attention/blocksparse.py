@@ -43,11 +43,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from treetrain.attention.alibi import check_alibi, tile_bias
+from treetrain.attention.alibi import tile_bias
 from treetrain.attention.blockrule import FANOUT, block_and_fanout, level_sizes
 from treetrain.attention.mask import TreeMask, check_inputs
-from treetrain.attention.relbias import check_rel_bias, rel_bias_tile, rel_bias_tile_grad
-from treetrain.attention.sinks import add_sinks, check_sinks, sink_grad
+from treetrain.attention.relbias import rel_bias_tile, rel_bias_tile_grad
+from treetrain.attention.sinks import add_sinks, sink_grad
 
 try:  # the CPU flash kernel behind SDPA, called directly for its log-sum-exp and backward
     _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -412,10 +412,8 @@ class _BlockSparseAttention(torch.autograd.Function):
         bias = _Bias(alibi, rel, rel_pos)
         out, lse = _forward(q, k, v, plan, scale, pos, window, bias)
         if sinks is not None:  # rescale by the sink's share; the backward then runs with out', lse'
-            hkv = k.shape[0]
-            sunk, new_lse = add_sinks(out, _per_head(lse), sinks)
-            out.copy_(sunk)
-            lse = _grouped(new_lse, hkv)
+            _, new_lse = add_sinks(out, _per_head(lse), sinks, inplace=True)
+            lse = _grouped(new_lse, k.shape[0])
         ctx.save_for_backward(q, k, v, out, lse, sinks, rel)
         ctx.plan, ctx.scale, ctx.pos, ctx.window = plan, scale, pos, window
         ctx.alibi, ctx.rel_pos = alibi, rel_pos
@@ -429,7 +427,8 @@ class _BlockSparseAttention(torch.autograd.Function):
         dq, dk, dv = _backward(do, q, k, v, out, lse, ctx.plan, ctx.scale, ctx.pos, ctx.window, bias)
         ds = drel = None
         if sinks is not None and ctx.needs_input_grad[7]:
-            ds = sink_grad(do, out, _per_head(lse), sinks)
+            delta = (do.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # [Hq, T]: the flash backward's D
+            ds = sink_grad(delta, _per_head(lse), sinks)
         if rel is not None and ctx.needs_input_grad[9]:
             drel = _rel_bias_grad(do, q, k, v, out, lse, ctx.plan, ctx.scale, ctx.pos, ctx.window, bias)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, ds, None, drel, None
@@ -473,14 +472,9 @@ def blocksparse_attention(
             f"attention logit softcapping ({softcap}) is not supported by the blocksparse backend; "
             "use attention backend 'dense' (CPU) or 'flex'"
         )
-    check_inputs("blocksparse_attention", q, k, v, mask)
-    if sinks is not None:
-        check_sinks("blocksparse_attention", sinks, q.shape[0], q.shape[1])
-    if alibi is not None:
-        check_alibi("blocksparse_attention", alibi, q.shape[0], q.shape[1])
+    check_inputs("blocksparse_attention", q, k, v, mask, sinks, alibi, rel_bias)
     rel_pos = None
     if rel_bias is not None:
-        check_rel_bias("blocksparse_attention", rel_bias, q.shape[0], q.shape[1], mask.position_ids)
         rel_pos = mask.position_ids.detach().to("cpu", torch.int64)
     if q.device.type != "cpu":
         raise ValueError(f"blocksparse_attention runs on CPU, got {q.device}; use flex or triton")

@@ -5,10 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from treetrain.attention.alibi import alibi_scores, check_alibi
+from treetrain.attention.alibi import alibi_scores
 from treetrain.attention.mask import TreeMask, check_inputs, dense_tree_mask
-from treetrain.attention.relbias import check_rel_bias, rel_bias_scores
-from treetrain.attention.sinks import check_sinks
+from treetrain.attention.relbias import rel_bias_scores
 
 
 def dense_attention(
@@ -37,13 +36,7 @@ def dense_attention(
     ``rel_bias [Hq, T, E]``: a learned bias per query and path distance (Inkling); the scores get
     ``rel_bias[h, q, pos[q] - pos[k]]`` below distance ``E`` (see ``relbias.py``).
     """
-    check_inputs("dense_attention", q, k, v, mask)
-    if sinks is not None:
-        check_sinks("dense_attention", sinks, q.shape[0], q.shape[1])
-    if alibi is not None:
-        check_alibi("dense_attention", alibi, q.shape[0], q.shape[1])
-    if rel_bias is not None:
-        check_rel_bias("dense_attention", rel_bias, q.shape[0], q.shape[1], mask.position_ids)
+    check_inputs("dense_attention", q, k, v, mask, sinks, alibi, rel_bias)
     pos = mask.window_positions(window)
     dense = mask.cached(("dense", window), lambda: dense_tree_mask(mask.subtree_end, pos, window))
     rep = q.shape[0] // k.shape[0]

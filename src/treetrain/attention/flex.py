@@ -12,10 +12,8 @@ import warnings
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
-from treetrain.attention.alibi import check_alibi
 from treetrain.attention.mask import TreeMask, block_classes, check_inputs
-from treetrain.attention.relbias import check_rel_bias
-from treetrain.attention.sinks import add_sinks, check_sinks
+from treetrain.attention.sinks import add_sinks
 
 FLEX_BLOCK = 128
 
@@ -127,23 +125,20 @@ def flex_tree_attention(
     ``rel_bias [Hq, T, E]``: Inkling's bias per query and path distance (:mod:`.relbias`), a
     ``score_mod`` reading the table (its gradient: flex's captured-buffer gradient).
     """
-    check_inputs("flex_tree_attention", q, k, v, mask)
+    check_inputs("flex_tree_attention", q, k, v, mask, sinks, alibi, rel_bias)
     pos = mask.window_positions(window)
     bm = mask.cached(("flex", window), lambda: tree_block_mask(mask.subtree_end, FLEX_BLOCK, pos, window))
     gqa = q.shape[0] != k.shape[0]
     score_mod = None if softcap is None else _softcap_mod(softcap)
     if alibi is not None:
-        check_alibi("flex_tree_attention", alibi, q.shape[0], q.shape[1])
         score_mod = _alibi_mod(alibi.to(torch.promote_types(q.dtype, torch.float32)), score_mod)
     if rel_bias is not None:
-        check_rel_bias("flex_tree_attention", rel_bias, q.shape[0], q.shape[1], mask.position_ids)
         score_mod = _rel_bias_mod(rel_bias.contiguous(), mask.position_ids, score_mod)
     if sinks is None:
         out = _flex(q.device)(
             q[None], k[None], v[None], score_mod=score_mod, block_mask=bm, scale=scale, enable_gqa=gqa
         )
         return out[0]
-    check_sinks("flex_tree_attention", sinks, q.shape[0], q.shape[1])
     out, aux = _flex(q.device)(
         q[None], k[None], v[None], score_mod=score_mod, block_mask=bm, scale=scale, enable_gqa=gqa,
         return_aux=AuxRequest(lse=True),

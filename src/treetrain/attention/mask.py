@@ -22,6 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from treetrain.attention.alibi import check_alibi
+from treetrain.attention.relbias import check_rel_bias
+
 
 @dataclass(eq=False)
 class TreeMask:
@@ -73,9 +76,20 @@ def dense_tree_mask(
     return mask
 
 
-def check_inputs(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: TreeMask) -> None:
+def check_inputs(
+    name: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: TreeMask,
+    sinks: torch.Tensor | None = None,
+    alibi: torch.Tensor | None = None,
+    rel_bias: torch.Tensor | None = None,
+) -> None:
     """The checks every backend entry point runs, as ``ValueError``: ``q [Hq, T, D]``,
-    ``k, v [Hkv, T, D]`` with ``Hq % Hkv == 0``, one dtype and device, ``subtree_end [T]``."""
+    ``k, v [Hkv, T, D]`` with ``Hq % Hkv == 0``, one dtype and device, ``subtree_end [T]``, and
+    when given: ``sinks [Hq]`` or ``[Hq, T]`` (per head and query), ``alibi [Hq, T]``
+    (:func:`.alibi.check_alibi`), ``rel_bias [Hq, T, E]`` (:func:`.relbias.check_rel_bias`)."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(
             f"{name}: q, k, v must be [H, T, D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
@@ -97,6 +111,16 @@ def check_inputs(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
         raise ValueError(
             f"{name}: subtree_end must be [T] = [{q.shape[1]}], got {tuple(mask.subtree_end.shape)}"
         )
+    heads, tokens = q.shape[0], q.shape[1]
+    if sinks is not None and sinks.shape not in ((heads,), (heads, tokens)):
+        raise ValueError(
+            f"{name}: sinks must be [Hq] = [{heads}] or [Hq, T] = [{heads}, {tokens}], "
+            f"got {tuple(sinks.shape)}"
+        )
+    if alibi is not None:
+        check_alibi(name, alibi, heads, tokens)
+    if rel_bias is not None:
+        check_rel_bias(name, rel_bias, heads, tokens, mask.position_ids)
 
 
 def check_subtree_end(subtree_end: torch.Tensor) -> None:

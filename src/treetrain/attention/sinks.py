@@ -21,14 +21,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["add_sinks", "sink_grad", "check_sinks"]
-
-
-def check_sinks(name: str, sinks: torch.Tensor, heads: int, tokens: int | None = None) -> None:
-    """``sinks`` must be ``[Hq]`` (per head) or ``[Hq, T]`` (per head and query)."""
-    if sinks.shape != (heads,) and (tokens is None or sinks.shape != (heads, tokens)):
-        per_query = "" if tokens is None else f" or [Hq, T] = [{heads}, {tokens}]"
-        raise ValueError(f"{name}: sinks must be [Hq] = [{heads}]{per_query}, got {tuple(sinks.shape)}")
+__all__ = ["add_sinks", "sink_grad"]
 
 
 def _rows(sinks: torch.Tensor) -> torch.Tensor:
@@ -36,21 +29,22 @@ def _rows(sinks: torch.Tensor) -> torch.Tensor:
     return sinks[:, None] if sinks.dim() == 1 else sinks
 
 
-def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def add_sinks(
+    out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, *, inplace: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``out [H, T, D]``, ``lse [H, T]`` (natural log), ``sinks [H]`` or ``[H, T]`` -> ``(out_sink, lse')``.
 
-    ``out_sink`` has ``out``'s dtype; ``lse'`` has ``lse``'s.
+    ``out_sink`` has ``out``'s dtype; ``lse'`` has ``lse``'s. ``inplace``: rescale ``out`` itself (a
+    kernel's own output buffer; not a tensor autograd saved) instead of a new ``[H, T, D]`` tensor.
     """
     new_lse = torch.logaddexp(lse, _rows(sinks).to(lse.dtype))
-    return (out * torch.exp(lse - new_lse)[..., None].to(out.dtype)).to(out.dtype), new_lse
+    factor = torch.exp(lse - new_lse)[..., None].to(out.dtype)
+    return (out.mul_(factor) if inplace else out * factor), new_lse
 
 
-def sink_grad(
-    do: torch.Tensor, out_sink: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor
-) -> torch.Tensor:
-    """Gradient of the sinks (``[H]`` or ``[H, T]``, as given): ``do, out_sink [H, T, D]``,
-    ``lse [H, T]`` (with the sink)."""
+def sink_grad(delta: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Gradient of the sinks (``[H]`` or ``[H, T]``, as given): ``delta = rowsum(d out * out_sink)``
+    ``[H, T]`` (the flash backward's ``D``), ``lse [H, T]`` (with the sink)."""
     acc = lse.dtype
-    delta = (do.to(acc) * out_sink.to(acc)).sum(-1)  # [H, T]
-    per_row = -(torch.exp(_rows(sinks).to(acc) - lse) * delta)
+    per_row = -(torch.exp(_rows(sinks).to(acc) - lse) * delta.to(acc))
     return (per_row.sum(-1) if sinks.dim() == 1 else per_row).to(sinks.dtype)

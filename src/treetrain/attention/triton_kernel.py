@@ -19,9 +19,8 @@ import os
 
 import torch
 
-from treetrain.attention.alibi import check_alibi
 from treetrain.attention.mask import TreeMask, block_bounds, check_inputs
-from treetrain.attention.sinks import add_sinks, check_sinks, sink_grad
+from treetrain.attention.sinks import add_sinks, sink_grad
 
 try:
     import triton
@@ -79,13 +78,15 @@ def _store_rows(ptr, idx, x, T, D: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @_jit
-def _fwd_tile(
-    acc, m_i, l_i, q, K, V, SEND, POS, q_pos, WINDOW, AB, q_ab, offs_m, k0, T, qk_scale,
+def _key_tile(
+    q, K, V, SEND, POS, q_pos, WINDOW, AB, q_ab, offs_m, k0, T, qk_scale,
     D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
     MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):  # fmt: skip
-    """One online-softmax step over keys ``[k0, k0+BLOCK_N)``. acc: [BLOCK_M, BLOCK_D] fp32.
-    ``AB``: this head's ALiBi bias ``[T]`` (log2 units), ``q_ab`` the rows' own."""
+    """Keys ``[k0, k0+BLOCK_N)``: ``k, v [BLOCK_N, BLOCK_D]`` and the scores of the query rows ``q``
+    against them ``[BLOCK_M, BLOCK_N]`` (log2 units), plus the key's ALiBi bias minus the row's
+    (``HAS_ALIBI``; ``AB``: this head's bias ``[T]``, ``q_ab`` the rows' own), -inf where the tree
+    (``MASKED``) or the window hides a key; keys past ``T`` are hidden from all."""
     offs_n = k0 + tl.arange(0, BLOCK_N)
     k = _load_rows(K, offs_n, T, D, BLOCK_D)
     v = _load_rows(V, offs_n, T, D, BLOCK_D)
@@ -93,12 +94,26 @@ def _fwd_tile(
     if HAS_ALIBI:
         s += tl.load(AB + offs_n, mask=offs_n < T, other=0.0)[None, :] - q_ab[:, None]
     if MASKED:
-        k_end = tl.load(SEND + offs_n, mask=offs_n < T, other=0)  # keys past T: hidden from all
+        k_end = tl.load(SEND + offs_n, mask=offs_n < T, other=0)
         vis = _visible(offs_m[:, None], offs_n[None, :], k_end[None, :])
         if HAS_WINDOW:
             k_pos = tl.load(POS + offs_n, mask=offs_n < T, other=0)
             vis = vis & _near(q_pos[:, None], k_pos[None, :], WINDOW)
         s = tl.where(vis, s, float("-inf"))
+    return k, v, s
+
+
+@_jit
+def _fwd_tile(
+    acc, m_i, l_i, q, K, V, SEND, POS, q_pos, WINDOW, AB, q_ab, offs_m, k0, T, qk_scale,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_ALIBI: tl.constexpr,
+):  # fmt: skip
+    """One online-softmax step over keys ``[k0, k0+BLOCK_N)``. acc: [BLOCK_M, BLOCK_D] fp32."""
+    _, v, s = _key_tile(
+        q, K, V, SEND, POS, q_pos, WINDOW, AB, q_ab, offs_m, k0, T, qk_scale, D, BLOCK_N, BLOCK_D, PRECISION,
+        MASKED, HAS_WINDOW, HAS_ALIBI,
+    )  # fmt: skip
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet: avoid nan
     p = tl.exp2(s - m_use[:, None])
@@ -250,19 +265,10 @@ def _bwd_dq_tile(
     MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):  # fmt: skip
     """Accumulate keys ``[k0, k0+BLOCK_N)`` into dq [BLOCK_M, BLOCK_D]."""
-    offs_n = k0 + tl.arange(0, BLOCK_N)
-    k = _load_rows(K, offs_n, T, D, BLOCK_D)
-    v = _load_rows(V, offs_n, T, D, BLOCK_D)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-    if HAS_ALIBI:
-        s += tl.load(AB + offs_n, mask=offs_n < T, other=0.0)[None, :] - q_ab[:, None]
-    if MASKED:
-        k_end = tl.load(SEND + offs_n, mask=offs_n < T, other=0)
-        vis = _visible(offs_m[:, None], offs_n[None, :], k_end[None, :])
-        if HAS_WINDOW:
-            k_pos = tl.load(POS + offs_n, mask=offs_n < T, other=0)
-            vis = vis & _near(q_pos[:, None], k_pos[None, :], WINDOW)
-        s = tl.where(vis, s, float("-inf"))
+    k, v, s = _key_tile(
+        q, K, V, SEND, POS, q_pos, WINDOW, AB, q_ab, offs_m, k0, T, qk_scale, D, BLOCK_N, BLOCK_D, PRECISION,
+        MASKED, HAS_WINDOW, HAS_ALIBI,
+    )  # fmt: skip
     p = tl.exp2(s - lse[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     ds = p * (dp - delta[:, None])
@@ -380,8 +386,7 @@ class _TreeAttention(torch.autograd.Function):
         grid = (triton.cdiv(T, block_m), Hq)
         _fwd_kernel[grid](q, k, v, end, pos, w, ab, k_min, k_max, o, lse, T, scale * _LOG2E, **args)
         if sinks is not None:  # rescale by the sink's share; the backward kernels then see the sink's
-            sunk, new_lse = add_sinks(o, lse / _LOG2E, sinks)  # probabilities through o' and lse'
-            o.copy_(sunk)
+            _, new_lse = add_sinks(o, lse / _LOG2E, sinks, inplace=True)  # probabilities through o', lse'
             lse = new_lse * _LOG2E
         ctx.save_for_backward(q, k, v, o, lse, end, pos, ab, k_min, k_max, sinks)
         ctx.scale, ctx.block_m, ctx.block_n, ctx.window = scale, block_m, block_n, window
@@ -412,7 +417,7 @@ class _TreeAttention(torch.autograd.Function):
         )
         ds = None
         if sinks is not None and ctx.needs_input_grad[8]:
-            ds = sink_grad(do, o, lse / _LOG2E, sinks)
+            ds = sink_grad(delta, lse / _LOG2E, sinks)
         return dq, dk, dv, None, None, None, None, None, ds, None
 
 
@@ -447,11 +452,7 @@ def triton_tree_attention(
             f"attention logit softcapping ({softcap}) is not supported by the triton backend; "
             "use attention backend 'flex' (CUDA) or 'dense'"
         )
-    check_inputs("triton_tree_attention", q, k, v, mask)
-    if sinks is not None:
-        check_sinks("triton_tree_attention", sinks, q.shape[0], q.shape[1])
-    if alibi is not None:
-        check_alibi("triton_tree_attention", alibi, q.shape[0], q.shape[1])
+    check_inputs("triton_tree_attention", q, k, v, mask, sinks, alibi)
     if triton is None:
         raise RuntimeError("the triton attention backend needs the triton package")
     default_m, default_n, _ = _config(q)

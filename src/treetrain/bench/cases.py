@@ -47,33 +47,31 @@ def one_path_tree(length: int, vocab: int, seed: int = 0) -> TrajectoryTree:
 
 
 def _objective():
-    from treetrain.objectives.policy_config import Objective
+    """What ``treetrain train --objective sft`` runs: its micro-batches and its loss."""
+    from treetrain.objectives.policy.config import Objective
+    from treetrain.objectives.policy.training import PolicyObjective
 
-    return Objective("sft", report_entropy=False)  # as a plain HF step: no entropy metric
+    return PolicyObjective(Objective("sft", report_entropy=False))  # as a plain HF step: no entropy metric
 
 
 def prepare(mode: str, trees: list[TrajectoryTree], capacity: int) -> list:
     """The packed micro-batches ``mode`` runs (built before timing, as a data loader would)."""
-    from treetrain.train.strategies import get_strategy
-
-    return [pack(mb) for mb in get_strategy(mode).microbatches(trees, capacity)]
+    return [pack(mb) for mb in _objective().microbatches(trees, mode, capacity)]
 
 
 def train_step(mode: str, model, trees, micro, backend: str | None) -> float:
     """One forward+backward of ``mode`` (``tree`` | ``sequence`` | ``hf``) over its prepared
-    micro-batches; returns the loss (SFT, token-mean over the trees' trained targets)."""
-    from treetrain.objectives.policy import loss_normalizer
-
+    micro-batches, with the loss training runs (``TrainObjective.micro_loss``); returns the loss
+    (SFT, token-mean over the trees' trained targets)."""
     objective = _objective()
-    normalizer = loss_normalizer(trees, objective)
     if mode == "hf":
-        return hf_step(model, trees, normalizer)
-    from treetrain.train.strategies import get_strategy
+        from treetrain.objectives.policy.aggregation import loss_normalizer
 
-    strategy = get_strategy(mode)
+        return hf_step(model, trees, loss_normalizer(trees, objective.config))
+    loss_fn = objective.micro_loss(trees, mode)
     total = 0.0
     for packed in micro:
-        loss, _ = strategy.loss(model, packed, objective, normalizer, backend=backend)
+        loss, _ = loss_fn(model, packed, backend=backend)
         loss.backward()
         total += float(loss.detach())
     return total

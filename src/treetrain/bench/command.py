@@ -1,7 +1,8 @@
 """``treetrain bench``: tree training vs the per-path baseline on the same model, data and loss.
 
 Both modes run one training step (forward + backward, SFT token-mean on the trees' loss masks)
-through the same library code, :mod:`treetrain.train.strategies`:
+through the code ``treetrain train --objective sft`` runs (its micro-batches and loss,
+:mod:`treetrain.objectives.policy.training`):
 
 - **baseline** (:mod:`treetrain.objectives.baseline`): every path its own sequence, packed padding-free into
   micro-batches of at most ``--capacity`` tokens (varlen causal attention through the same backend

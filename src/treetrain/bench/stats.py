@@ -109,8 +109,7 @@ def _rows_line(counts) -> list[tuple[str, str]]:
     """``rows merged by prompt`` when TRL rows were merged."""
     if not counts.grouped_rows:
         return []
-    rows = counts.samples + counts.grouped_rows
-    return [("rows (merged by equal prompt)", f"{rows} -> {counts.samples} trees")]
+    return [("rows (merged by equal prompt)", f"{counts.rows} -> {counts.samples} trees")]
 
 
 def _read(path, tokenizer, args, vocab_size: int, vocab_name: str) -> tuple[list, object]:
@@ -210,20 +209,19 @@ def main(args: argparse.Namespace) -> int:
     trees, counts = _read(path, tokenizer, args, args.vocab_size or vocab_size, vocab_name)
     if not trees:
         raise ValueError(f"{path}: no samples")
-    tokens = sum(t.num_tokens for t in trees)
-    base = sum(t.num_path_tokens for t in trees)
+    tokens, base = counts.tree_tokens, counts.path_tokens
     rows = [
         ("file", str(path)),
         ("trees", f"{len(trees)}"),
         *_rows_line(counts),
-        ("paths", f"{sum(t.num_paths for t in trees)}"),
+        ("paths", f"{counts.paths}"),
         ("baseline tokens (sum of paths)", f"{base:,}"),
         ("tree tokens (distinct)", f"{tokens:,}"),
-        ("POR", f"{1 - tokens / base:.1%}"),
+        ("POR", f"{counts.por:.1%}"),
         ("token bound (baseline / tree)", f"{token_bound(trees):.2f}x"),
         (f"FLOP bound ({cost_name})", f"{flop_bound(trees, cost):.2f}x"),
         ("largest tree (distinct tokens)", f"{max(t.num_tokens for t in trees):,}"),
-        ("longest path", f"{max(int(t.path_lengths.max()) for t in trees):,}"),
+        ("longest path", f"{counts.max_path_len:,}"),
     ]
     if args.capacity:
         from treetrain.trees.partition import partition, partition_stats

@@ -2,8 +2,9 @@
 
 Holds the field validators (:mod:`.fields`), the record formats (:mod:`.records`: paths, explicit
 trees, chat messages, preference pairs), the lazy readers (:mod:`.reader`), chat rendering
-(:mod:`.chat`), preference records (:mod:`.preference`), table sources (:mod:`.sources`) and
-TRL's one-completion-per-row layouts merged by prompt (:mod:`.rows`).
+(:mod:`.chat`), the offline Qwen tokenizer (:mod:`.qwen`), preference records
+(:mod:`.preference`), table sources (:mod:`.sources`) and TRL's one-completion-per-row layouts
+merged by prompt (:mod:`.rows`).
 
 May import: :mod:`treetrain.trees`.
 """

@@ -50,7 +50,10 @@ class DataError(ValueError):
 
 
 class _Invalid(Exception):
-    """Raised by the validators with a field path relative to the record; located by the reader."""
+    """Raised by the validators with a field path relative to the record; located by the reader
+    (``line``: the 1-based line or row, once known)."""
+
+    line: int | None = None
 
     def __init__(self, reason: str, *where):
         super().__init__(reason)

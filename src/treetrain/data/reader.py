@@ -77,6 +77,12 @@ class DataCounts:
         """Potential overlap ratio over the valid samples, ``1 - tree_tokens / path_tokens``."""
         return 1.0 - self.tree_tokens / self.path_tokens if self.path_tokens else 0.0
 
+    @property
+    def rows(self) -> int:
+        """Rows (lines) that made the valid and the skipped trees: more than the trees where rows
+        with an equal prompt merged."""
+        return self.samples + self.skipped_oversized + self.grouped_rows
+
     def add(self, tree: TrajectoryTree, fmt: str) -> None:
         self.samples += 1
         self.paths += tree.num_paths
@@ -91,8 +97,7 @@ class DataCounts:
         skipped = f", {self.skipped_oversized} skipped (oversized)" if self.skipped_oversized else ""
         errors = f", {self.errors} invalid" if self.errors else ""
         if self.grouped_rows:
-            merged = self.grouped_rows + self.samples + self.skipped_oversized
-            errors += f" (from {merged} rows merged by prompt)"
+            errors += f" (from {self.rows} rows merged by prompt)"
         return (
             f"{self.file}: {self.samples} trees{skipped}{errors}, {self.paths} paths, "
             f"{self.tree_tokens} tree tokens / {self.path_tokens} path tokens (POR {self.por:.1%}), "
@@ -220,6 +225,20 @@ class TreeStream(Iterator[tuple[TrajectoryTree, SampleInfo]]):
     def close(self) -> None:
         self._gen.close()
 
+    def raise_errors(self, max_errors: int = 20) -> None:
+        """Raise one :class:`DataError` listing the first ``max_errors`` invalid records (and how
+        many there are), if the pass collected any (``on_error="collect"``)."""
+        c = self.counts
+        if not c.errors:
+            return
+        shown = self.errors[:max_errors]
+        more = f"\n  ... and {c.errors - len(shown)} more" if c.errors > len(shown) else ""
+        listing = "\n  ".join(map(str, shown))
+        reason = f"{c.errors} of {c.lines - c.blank_lines} records are invalid:\n  {listing}{more}"
+        err = DataError(reason, file=c.file)
+        err.errors = list(self.errors)
+        raise err
+
     def _rows(self) -> Iterator[rows.Row | _Invalid]:
         """Each non-blank line or row, parsed (an ``_Invalid`` with its ``line`` for a bad one)."""
         c = self.counts
@@ -229,17 +248,18 @@ class TreeStream(Iterator[tuple[TrajectoryTree, SampleInfo]]):
             if not self.table and not raw.strip():
                 c.blank_lines += 1
                 continue
+            key = None
             try:
                 record = _row_record(raw, self.columns) if self.table else _decode(raw, lineno)
                 ident = record.get("id") if isinstance(record, dict) else None
-                key = None
                 if isinstance(record, dict):  # TRL's names (JSONL and tables), see treetrain.data.rows
                     try:
-                        record, key = rows.trl_record(record, self.tokenizer, self.vocab_size)
+                        record, key = rows.trl_record(record, self.tokenizer)
                     except ValueError as e:
                         raise _Invalid(str(e)) from None
                 paths, fields, where, fmt = _parts(record, self.format, self.vocab_size, self.tokenizer)
             except _Invalid as e:
+                e = rows.row_error(e, key)
                 e.line = lineno
                 yield e
                 continue
@@ -268,10 +288,9 @@ class TreeStream(Iterator[tuple[TrajectoryTree, SampleInfo]]):
                     )
                     err.line = line
                     raise err
-            except _Invalid as e:
-                err = DataError(
-                    e.reason, file=file, line=e.line, field=e.where, unit="row" if self.table else "line"
-                )
+            except _Invalid as e:  # from _build: the tree's first row
+                line, unit = e.line if e.line is not None else group[0].line, "row" if self.table else "line"
+                err = DataError(e.reason, file=file, line=line, field=e.where, unit=unit)
                 if self.on_error == "raise":
                     raise err from None
                 c.errors += 1
@@ -287,30 +306,20 @@ class TreeStream(Iterator[tuple[TrajectoryTree, SampleInfo]]):
             )
 
 
-def iter_trees(
-    path: str | os.PathLike,
-    *,
-    format: str | None = None,
-    vocab_size: int | None = None,
-    capacity: int | None = None,
-    skip_oversized: bool = False,
-    tokenizer=None,
-    on_error: str = "raise",
-    max_line_bytes: int = MAX_LINE_BYTES,
-    columns: dict[str, str] | str | None = None,
-    group_rows: str = "consecutive",
-) -> TreeStream:
-    """Read a JSONL file (``.gz`` too) lazily, one line at a time, and yield ``(tree, SampleInfo)``.
+def iter_trees(path: str | os.PathLike, **options: Any) -> TreeStream:
+    """Read a JSONL file (``.gz`` too) or a table lazily, one record at a time, and yield
+    ``(tree, SampleInfo)`` (a :class:`TreeStream`).
 
-    ``format``: force one format instead of detecting it per line. ``vocab_size``: token ids must be
-    below it. ``capacity``: a sample whose longest path exceeds it is an error, or with
+    ``options``: ``format``: force one format instead of detecting it per line. ``vocab_size``: token
+    ids must be below it. ``capacity``: a sample whose longest path exceeds it is an error, or with
     ``skip_oversized=True`` skipped and counted. ``tokenizer``: for ``messages`` lines, a Hugging
     Face tokenizer, a local directory, or ``"qwen"``. ``on_error="collect"`` skips invalid records
     into ``stream.errors`` instead of raising at the first one. A line longer than
     ``max_line_bytes`` is an invalid record (checked while reading, in bounded memory).
-    ``group_rows``: rows in TRL's one-completion-per-row layouts whose prompts are equal become one
-    tree: ``"consecutive"`` runs of rows (bounded memory), ``"file"`` (every row held until the end)
-    or ``"none"`` (see :mod:`treetrain.data.rows`).
+    ``columns``: table sources' ``field=column`` mapping. ``group_rows``: rows in TRL's
+    one-completion-per-row layouts whose prompts are equal become one tree: ``"consecutive"`` runs
+    of rows (bounded memory), ``"file"`` (every row held until the end) or ``"none"`` (see
+    :mod:`treetrain.data.rows`).
 
     Example::
 
@@ -319,34 +328,12 @@ def iter_trees(
         ...     ...
         >>> stream.counts.por
     """
-    return TreeStream(
-        path,
-        format=format,
-        vocab_size=vocab_size,
-        capacity=capacity,
-        skip_oversized=skip_oversized,
-        tokenizer=tokenizer,
-        on_error=on_error,
-        max_line_bytes=max_line_bytes,
-        columns=columns,
-        group_rows=group_rows,
-    )
+    return TreeStream(path, **options)
 
 
-def validate_file(
-    path: str | os.PathLike,
-    *,
-    format: str | None = None,
-    vocab_size: int | None = None,
-    capacity: int | None = None,
-    skip_oversized: bool = False,
-    tokenizer=None,
-    max_errors: int = 20,
-    max_line_bytes: int = MAX_LINE_BYTES,
-    columns: dict[str, str] | str | None = None,
-    group_rows: str = "consecutive",
-) -> DataCounts:
-    """One full streaming pass (every tree built, then dropped) before any compute.
+def validate_file(path: str | os.PathLike, *, max_errors: int = 20, **options: Any) -> DataCounts:
+    """One full streaming pass (every tree built, then dropped) before any compute; ``options``:
+    those of :func:`iter_trees` but ``on_error``.
 
     Returns the :class:`DataCounts`; raises one :class:`DataError` listing the first
     ``max_errors`` problems (and how many there are) if any record is invalid.
@@ -357,30 +344,11 @@ def validate_file(
         >>> counts.samples, f"{counts.por:.0%}"
         (120, '71%')
     """
-    stream = iter_trees(
-        path,
-        format=format,
-        vocab_size=vocab_size,
-        capacity=capacity,
-        skip_oversized=skip_oversized,
-        tokenizer=tokenizer,
-        on_error="collect",
-        max_line_bytes=max_line_bytes,
-        columns=columns,
-        group_rows=group_rows,
-    )
+    stream = iter_trees(path, on_error="collect", **options)
     for _ in stream:
         pass
-    c = stream.counts
-    if c.errors:
-        shown = stream.errors[:max_errors]
-        more = f"\n  ... and {c.errors - len(shown)} more" if c.errors > len(shown) else ""
-        listing = "\n  ".join(map(str, shown))
-        reason = f"{c.errors} of {c.lines - c.blank_lines} records are invalid:\n  {listing}{more}"
-        err = DataError(reason, file=str(path))
-        err.errors = list(stream.errors)
-        raise err
-    return c
+    stream.raise_errors(max_errors)
+    return stream.counts
 
 
 _END = object()

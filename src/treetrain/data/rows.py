@@ -37,22 +37,20 @@ from typing import Any
 
 import numpy as np
 
-from treetrain.data.fields import _Invalid, _token_ids
+from treetrain.data.fields import _Invalid
 from treetrain.data.grouping import GROUPINGS
 
-__all__ = ["Row", "group_rows", "trl_record"]
+__all__ = ["Row", "group_rows", "row_error", "trl_record"]
 
 _PER_ROW = ("advantages", "rewards", "weights")  # one number per row in TRL's layouts
 
 
-def trl_record(
-    rec: dict[str, Any], tokenizer=None, vocab_size: int | None = None
-) -> tuple[dict[str, Any], Hashable | None]:
+def trl_record(rec: dict[str, Any], tokenizer=None) -> tuple[dict[str, Any], Hashable | None]:
     """A record in TRL's names -> ``(treetrain record, prompt key)``; the key is None for a row
     with no prompt (``input_ids``, treetrain's own formats, preference pairs), which is never merged.
 
-    Raises ``ValueError`` (the message names the field) for a row that cannot be mapped, and the
-    validators' ``_Invalid`` (with the field) for bad token ids.
+    Raises ``ValueError`` (the message names the field) for a row that cannot be mapped; the parser
+    checks the token ids (:func:`row_error` names the row's own field in its error).
     """
     if any(k in rec for k in ("paths", "nodes", "chosen_ids", "rejected_ids", "chosen", "rejected")):
         return rec, None  # treetrain's own formats, or preference data (not handled here)
@@ -74,10 +72,7 @@ def trl_record(
         return rec, ("chat", key)
     if "prompt_ids" in rec and "completion_ids" in rec:
         prompt, completion = rec.pop("prompt_ids"), rec.pop("completion_ids")
-        if isinstance(prompt, list) and isinstance(completion, list):
-            # checked here so that an error names the row's own field, not the path built from it
-            _token_ids(prompt, ("prompt_ids",), vocab_size, allow_empty=True)
-            _token_ids(completion, ("completion_ids",), vocab_size, allow_empty=True)
+        if isinstance(prompt, list) and isinstance(completion, list):  # ids checked by the parser: row_error
             mask = [0] * len(prompt) + [1] * len(completion)
             return _one_path(rec, prompt + completion, mask), ("ids", tuple(prompt))
         rec["prompt_ids"], rec["completion_ids"] = prompt, completion  # let the parser say what's wrong
@@ -95,6 +90,17 @@ def trl_record(
             )
         _wrap_per_row(rec)
     return rec, None
+
+
+def row_error(err: _Invalid, key: Hashable | None) -> _Invalid:
+    """The parser's error at token ``j`` of the path built from ``prompt_ids + completion_ids`` (row
+    ``key``), renamed to the row's own field: ``prompt_ids[j]`` or ``completion_ids[j - len(prompt)]``."""
+    at = err.where
+    if not (isinstance(key, tuple) and key[0] == "ids" and len(at) > 2 and at[:2] == ("paths", 0)):
+        return err
+    n = len(key[1])
+    err.where = ("prompt_ids", at[2], *at[3:]) if at[2] < n else ("completion_ids", at[2] - n, *at[3:])
+    return err
 
 
 def _one_path(rec: dict, ids: list, mask: list) -> dict:

@@ -30,7 +30,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TABLE_SUFFIXES", "is_table_source", "iter_rows", "parse_columns", "rename_columns", "to_record"]
+__all__ = ["TABLE_SUFFIXES", "is_table_source", "iter_rows", "parse_columns", "rename_columns"]
 
 TABLE_SUFFIXES = (".parquet", ".arrow", ".feather", ".ipc")
 BATCH_ROWS = 64  # rows per record batch read
@@ -136,17 +136,3 @@ def rename_columns(row: dict[str, Any], columns: Mapping[str, str] | None = None
     rec = {f: row[c] for f, c in columns.items()}
     rec |= {k: v for k, v in row.items() if k not in renamed and k not in rec}
     return {k: v for k, v in rec.items() if v is not None}
-
-
-def to_record(
-    row: dict[str, Any], columns: Mapping[str, str] | None = None, tokenizer=None
-) -> dict[str, Any]:
-    """A table row -> a :mod:`treetrain.data.records` record: :func:`rename_columns`, then TRL's
-    names mapped (:func:`treetrain.data.rows.trl_record`; see the module docstring)."""
-    from treetrain.data.fields import DataError, _Invalid  # numpy: not for the CLI's --help
-    from treetrain.data.rows import trl_record
-
-    try:
-        return trl_record(rename_columns(row, columns), tokenizer)[0]
-    except _Invalid as e:
-        raise DataError(e.reason, field=e.where) from None

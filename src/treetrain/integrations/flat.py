@@ -34,6 +34,7 @@ from treetrain.logprobs import auto_chunk, target_logprobs
 from treetrain.models.head import lm_head
 from treetrain.models.hf import tree_forward
 from treetrain.trees.packing import PackedTree, pack
+from treetrain.trees.partition import partition
 from treetrain.trees.tree import TrajectoryTree
 
 __all__ = ["FlatBatch", "FlatPart", "flat_logprobs", "score_packed"]
@@ -110,7 +111,7 @@ class FlatBatch:
         if max_tokens is None or self.tree.num_tokens <= max_tokens:
             trees = [self.tree]
         else:
-            trees = self.tree.partition(max(int(max_tokens), int(self.tree.path_lengths.max())))
+            trees = partition(self.tree, max(int(max_tokens), int(self.tree.path_lengths.max())))
         part_of = np.empty(self.tree.num_paths, dtype=np.int64)
         slot = np.empty(self.tree.num_paths, dtype=np.int64)  # a path's rank inside its part
         for k, t in enumerate(trees):

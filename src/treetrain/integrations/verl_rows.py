@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from treetrain.trees.packing import PackedTree, pack
+from treetrain.trees.partition import partition
 from treetrain.trees.tree import TrajectoryTree
 
 __all__ = ["RowTree", "balanced_parts", "split_rows"]
@@ -111,7 +112,7 @@ def split_rows(rows: list[np.ndarray], budget: int) -> list[np.ndarray]:
         )
     if tree.num_tokens <= budget:
         return [np.arange(len(rows))]
-    return [np.sort(part.path_ids) for part in tree.partition(int(budget))]
+    return [np.sort(part.path_ids) for part in partition(tree, int(budget))]
 
 
 def balanced_parts(parts: list[np.ndarray], count: int) -> list[np.ndarray]:

@@ -10,7 +10,8 @@ Mamba2 SSD mixers, :mod:`.mamba` Mamba selective-scan mixers, :mod:`.lightning` 
 RecurrentGemma, :mod:`.rwkv`, :mod:`.xlstm`); :mod:`.alibi` runs the ALiBi decoders (BLOOM, MPT,
 Falcon), whose attention is their own, with the bias at each token's path position; :mod:`.moe`
 records router logits for the aux loss; :mod:`.lora` wraps a model with PEFT adapters; :mod:`.head`
-derives the exact LM head (logit scales, final softcap) every scoring path uses; :mod:`.support`
+derives the exact LM head (logit scales, final softcap) every scoring path uses; :mod:`.classes`
+looks a module up in a table keyed by class name, through FSDP2's subclasses; :mod:`.support`
 accepts only verified architectures and
 refuses the rest (and every unrouted recurrent layer) by name.
 

@@ -41,6 +41,7 @@ from torch import nn
 
 from treetrain.attention import check_features, get_backend
 from treetrain.attention.mask import TreeMask
+from treetrain.models.classes import class_entry
 from treetrain.models.inkling import ATTENTIONS as INKLING_ATTENTIONS
 
 __all__ = ["ATTENTIONS", "DECODERS", "TreeCall", "patch_own_attention", "tree_bias"]
@@ -229,16 +230,10 @@ DECODERS: dict[str, _Decoder] = {
 }
 
 
-def _lookup(module: nn.Module, table: dict):
-    """``table``'s entry for the module's class or a base class (FSDP2 wraps a module's class in a
-    ``FSDP<Name>`` subclass), else None."""
-    return next((table[c.__name__] for c in type(module).__mro__ if c.__name__ in table), None)
-
-
 def tree_bias(decoder: nn.Module, position_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     """The ALiBi bias ``[H, T]`` of an ALiBi decoder at path positions ``position_ids [T]`` (None for
     a decoder without one)."""
-    spec = _lookup(decoder, DECODERS)
+    spec = class_entry(decoder, DECODERS)
     assert spec is not None, type(decoder).__name__
     bias = spec.bias(decoder, position_ids, dtype)
     return None if bias is None else bias.detach()
@@ -251,7 +246,7 @@ def _tree_decoder_forward(decoder: nn.Module, tree_mask: TreeMask, **kw):
     """The decoder over a packed forest: ``last_hidden_state [1, T, hidden]``."""
     from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
 
-    spec = _lookup(decoder, DECODERS)
+    spec = class_entry(decoder, DECODERS)
     ids, embeds = kw.pop("input_ids", None), kw.pop("inputs_embeds", None)
     position_ids = kw.pop("position_ids", None)
     if kw.get("use_cache") or kw.get("cache") is not None or kw.get("past_key_values") is not None:
@@ -287,7 +282,7 @@ def _attention_forward(self: nn.Module, *args, **kwargs):
     """Instance ``forward`` of a patched attention: the tree attention when its ``attention_mask`` is
     a :class:`TreeCall` (the tree decoder's) or ``tree_mask`` is given, else the class's own."""
     if isinstance(kwargs.get("attention_mask"), TreeCall) or kwargs.get("tree_mask") is not None:
-        return _lookup(self, ATTENTIONS)(self, *args, **kwargs)
+        return class_entry(self, ATTENTIONS)(self, *args, **kwargs)
     return type(self).forward(self, *args, **kwargs)
 
 
@@ -296,9 +291,9 @@ def patch_own_attention(model: nn.Module) -> int:
     many modules were patched (0 for any other model). Idempotent."""
     n = 0
     for module in model.modules():
-        if _lookup(module, DECODERS) is not None:
+        if class_entry(module, DECODERS) is not None:
             forward = _decoder_forward
-        elif _lookup(module, ATTENTIONS) is not None:
+        elif class_entry(module, ATTENTIONS) is not None:
             forward = _attention_forward
         else:
             continue

@@ -12,13 +12,13 @@ e.g. TRL's ``1 / temperature``.) What each architecture sets, read from the inst
 ``ForCausalLM.forward``:
 
 ========================================  ============================================================
-Cohere, Cohere2, Cohere2-MoE, Compass     ``logit_scale = model.logit_scale`` (``logits * logit_scale``)
+Cohere, Cohere2                           ``logit_scale = model.logit_scale`` (``logits * logit_scale``)
 Granite, Granite-SWA, GraniteMoE (+SWA,   ``logit_scale = 1 / config.logits_scaling``
 shared, hybrid)
 HyperCLOVA X                              ``logit_scale = config.logits_scaling``
 Falcon-H1                                 ``logit_scale = model.model.lm_head_multiplier``
 MiniCPM3                                  ``hidden_scale = 1 / config.logits_scaling``
-Gemma 2/3/3n, VaultGemma, NanoChat        ``softcap = config.final_logit_softcapping``
+Gemma 2/3, VaultGemma, NanoChat           ``softcap = config.final_logit_softcapping``
 RecurrentGemma                            ``softcap = config.logits_soft_cap``
 xLSTM                                     ``softcap = config.output_logit_soft_cap``
 Inkling                                   ``hidden_scale = 1 / config.logits_mup_width_multiplier``;
@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from treetrain.models.classes import class_entry
 
 __all__ = ["LMHead", "lm_head", "unwrap"]
 
@@ -116,8 +118,6 @@ def _final_softcap(model: nn.Module) -> dict:
 _TRANSFORMS: dict[str, Callable[[nn.Module], dict]] = {
     "CohereForCausalLM": _logit_scale_attr,
     "Cohere2ForCausalLM": _logit_scale_attr,
-    "Cohere2MoeForCausalLM": _logit_scale_attr,
-    "CohereCompassForCausalLM": _logit_scale_attr,
     "GraniteForCausalLM": _divide_by_logits_scaling,
     "GraniteSWAForCausalLM": _divide_by_logits_scaling,
     "GraniteMoeForCausalLM": _divide_by_logits_scaling,
@@ -129,7 +129,6 @@ _TRANSFORMS: dict[str, Callable[[nn.Module], dict]] = {
     "MiniCPM3ForCausalLM": _hidden_divided_by_logits_scaling,
     "Gemma2ForCausalLM": _final_softcap,
     "Gemma3ForCausalLM": _final_softcap,
-    "Gemma3nForCausalLM": _final_softcap,
     "VaultGemmaForCausalLM": _final_softcap,
     "NanoChatForCausalLM": _final_softcap,
     "RecurrentGemmaForCausalLM": lambda model: {"softcap": float(_cfg(model).logits_soft_cap)},
@@ -143,10 +142,8 @@ _TRANSFORMS: dict[str, Callable[[nn.Module], dict]] = {
 def _transforms(model: nn.Module) -> dict:
     """The transforms of ``model``'s class; looks through subclasses (FSDP2 wraps a model's class
     in an ``FSDP<Name>`` subclass)."""
-    for c in type(model).__mro__:
-        if c.__name__ in _TRANSFORMS:
-            return _TRANSFORMS[c.__name__](model)
-    return {}
+    transform = class_entry(model, _TRANSFORMS)
+    return {} if transform is None else transform(model)
 
 
 def lm_head(model: nn.Module) -> LMHead:

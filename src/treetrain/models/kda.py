@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
+from treetrain.models.classes import own_class
 from treetrain.models.pathconv import path_window, tree_causal_conv1d
 from treetrain.models.scan import TreeLevels, balanced_chunk, tree_levels, tree_scan
 from treetrain.trees.packing import PackedTree
@@ -47,9 +48,9 @@ KDA_LAYOUTS: dict[str, OutputGate] = {
 
 def _layout(module: nn.Module) -> tuple[type, OutputGate]:
     """The KDA class (through FSDP2's ``FSDP<Name>`` subclass) and its output gate."""
-    for c in type(module).__mro__:
-        if c.__name__ in KDA_LAYOUTS:
-            return c, KDA_LAYOUTS[c.__name__]
+    c = own_class(module, KDA_LAYOUTS)
+    if c is not None:
+        return c, KDA_LAYOUTS[c.__name__]
     raise ValueError(f"{type(module).__name__} is not a KDA layout: {sorted(KDA_LAYOUTS)}")
 
 

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
+from treetrain.models.classes import class_entry
 from treetrain.models.pathconv import path_window, tree_causal_conv1d
 from treetrain.models.scan import TreeLevels, tree_levels, tree_scan
 from treetrain.trees.packing import PackedTree
@@ -136,9 +137,9 @@ MAMBA_LAYOUTS: dict[str, tuple[Callable, Params]] = {
 
 def _layout(module: nn.Module) -> tuple[Callable, Params]:
     """The layout of a Mamba layer; looks through subclasses (FSDP2's ``FSDP<Name>``)."""
-    for c in type(module).__mro__:
-        if c.__name__ in MAMBA_LAYOUTS:
-            return MAMBA_LAYOUTS[c.__name__]
+    layout = class_entry(module, MAMBA_LAYOUTS)
+    if layout is not None:
+        return layout
     raise ValueError(f"{type(module).__name__} is not a Mamba mixer: {', '.join(MAMBA_LAYOUTS)}")
 
 

@@ -34,6 +34,7 @@ from torch import nn
 from treetrain.trees.packing import PackedTree
 
 __all__ = [
+    "balancing_loss",
     "load_balancing_stats",
     "path_count_weights",
     "record_router_logits",
@@ -101,22 +102,32 @@ def load_balancing_stats(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Weighted sums the loss is built from, over layers and tokens.
 
-    router_logits: per layer ``[T, E]``; weights ``[T]``. Returns ``(counts [E], probs [E], rows [])``:
+    router_logits: per layer ``[T, E]``; weights ``[T]``, or ``[G, T]`` for ``G`` groups of the
+    same tokens at once (each layer's softmax and top-k computed once). Returns ``(counts [E],
+    probs [E], rows [])`` (``[G, E]``, ``[G, E]``, ``[G]`` for ``[G, T]`` weights):
     ``counts[e] = sum w_t [e in top_k]``, ``probs[e] = sum w_t softmax(logits_t)[e]``,
     ``rows = L * sum w_t``. Sums over several forwards (parts of one batch) add.
     """
     acc = torch.promote_types(router_logits[0].dtype, torch.float32)  # float32, or float64 models
     E = router_logits[0].shape[-1]
     w = weights.to(device=router_logits[0].device, dtype=acc)
-    counts = torch.zeros(E, dtype=acc, device=w.device)
-    probs = torch.zeros(E, dtype=acc, device=w.device)
+    groups = w.reshape(-1, w.shape[-1])  # [G, T]
+    counts = [torch.zeros(E, dtype=acc, device=w.device) for _ in groups]
+    probs = [torch.zeros(E, dtype=acc, device=w.device) for _ in groups]
     for layer in router_logits:
         p = torch.softmax(layer.to(acc), dim=-1)
-        top = torch.topk(p, top_k, dim=-1).indices  # no gradient: the count is a step function
-        counts = counts.index_add(0, top.reshape(-1), w.repeat_interleave(top_k))
-        probs = probs + (p * w[:, None]).sum(0)
-    rows = w.sum() * len(router_logits)
-    return counts, probs, rows
+        top = torch.topk(p, top_k, dim=-1).indices.reshape(-1)  # no gradient: the count is a step function
+        for g, wg in enumerate(groups):
+            counts[g] = counts[g].index_add(0, top, wg.repeat_interleave(top_k))
+            probs[g] = probs[g] + (p * wg[:, None]).sum(0)
+    stats = torch.stack(counts), torch.stack(probs), groups.sum(-1) * len(router_logits)
+    return stats if w.ndim > 1 else tuple(x[0] for x in stats)
+
+
+def balancing_loss(counts: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """transformers' ``load_balancing_loss_func`` from :func:`load_balancing_stats`' sums:
+    ``E * sum_e (counts_e / rows) (probs_e / rows)`` (``[G]`` for grouped sums)."""
+    return probs.shape[-1] * ((counts / rows[..., None]) * (probs / rows[..., None])).sum(-1)
 
 
 def weighted_load_balancing_loss(
@@ -129,9 +140,7 @@ def weighted_load_balancing_loss(
     """
     if len(router_logits) == 0:
         raise ValueError("no router logits: was the forward run inside record_router_logits(model)?")
-    counts, probs, rows = load_balancing_stats(router_logits, weights, top_k)
-    E = router_logits[0].shape[-1]
-    return E * ((counts / rows) * (probs / rows)).sum()
+    return balancing_loss(*load_balancing_stats(router_logits, weights, top_k))
 
 
 def tree_router_aux_loss(

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from treetrain.models.classes import class_entry
 from treetrain.models.gdn import GDN_LAYOUTS, tree_gdn_forward
 from treetrain.models.inkling import CONVS, KV_PROJECTIONS, hand_down_as_conv_mask, tree_inkling2_kv_forward
 from treetrain.models.kda import KDA_LAYOUTS, tree_kda_forward
@@ -109,7 +110,7 @@ FORWARDS: dict[str, Callable[..., Any]] = {
 def route(module: nn.Module) -> TreeForward | None:
     """The tree forward of a routed layer, else None; looks through subclasses (FSDP2 wraps a
     module's class in a ``FSDP<Name>`` subclass)."""
-    return next((ROUTES[c.__name__] for c in type(module).__mro__ if c.__name__ in ROUTES), None)
+    return class_entry(module, ROUTES)
 
 
 def tree_layer_forward(
@@ -151,7 +152,7 @@ def _tree_aware_forward(self: nn.Module, hidden_states: torch.Tensor, *args, **k
         out = mask.cache["cp"].recurrent_forward(self, hidden_states, packed, mask)
     else:
         out = tree_layer_forward(self, hidden_states, packed, mask)
-    wrap = next((OUTPUTS[c.__name__] for c in type(self).__mro__ if c.__name__ in OUTPUTS), None)
+    wrap = class_entry(self, OUTPUTS)
     return out if wrap is None else wrap(out, args, kwargs)
 
 
@@ -159,7 +160,7 @@ def patch_recurrent_layers(model: nn.Module) -> int:
     """Make every routed layer tree-aware. Returns how many layers were patched. Idempotent."""
     n = 0
     for module in model.modules():
-        own = next((FORWARDS[c.__name__] for c in type(module).__mro__ if c.__name__ in FORWARDS), None)
+        own = class_entry(module, FORWARDS)
         if own is not None:
             _patch(module, own)
         if route(module) is not None:

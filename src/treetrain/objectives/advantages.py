@@ -59,7 +59,8 @@ def group_advantages(
 
     ``groups[i]`` is the group (e.g. the prompt id) of path ``i``. ``std`` is the unbiased sample
     standard deviation; ``norm_by_std=False`` gives Dr. GRPO's ``r - mean_g``. A group of one keeps
-    its raw reward (verl's convention: mean 0, std 1).
+    its raw reward (verl's convention: mean 0, std 1). A group whose rewards are all equal gets
+    exactly 0 (``r - mean`` can round to +-1e-17, e.g. rewards ``[0.1, 0.1, 0.1]``).
     """
     r = np.asarray(rewards, dtype=np.float64)
     if r.ndim != 1 or len(groups) != r.size:
@@ -73,5 +74,6 @@ def group_advantages(
     for ids in index.values():
         x = r[ids]
         mean, std = (x.mean(), x.std(ddof=1)) if x.size > 1 else (0.0, 1.0)
-        out[ids] = (x - mean) / (std + eps) if norm_by_std else x - mean
+        centered = x - mean if x.size == 1 or np.ptp(x) else np.zeros_like(x)
+        out[ids] = centered / (std + eps) if norm_by_std else centered
     return out

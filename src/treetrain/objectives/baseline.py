@@ -12,7 +12,7 @@ trainer can have and the tree mode has:
 - the same chunked LM head (:func:`treetrain.logprobs.target_logprobs`), never ``[L, vocab]``
   logits in one piece;
 - the head only on targets that train (a prompt token nobody trains on is not scored);
-- the same objective entry, :func:`treetrain.objectives.policy.compute_loss`, so every objective computes
+- the same objective entry, :func:`treetrain.objectives.policy.loss.compute_loss`, so every objective computes
   its loss from per-path log-probs in one place for both modes.
 
 The only difference to the tree mode is the unit: paths instead of shared prefixes. Example, paths
@@ -81,12 +81,13 @@ def sequence_loss(
     chunk: int | None = DEFAULT_CHUNK,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The baseline's loss for one micro-batch of sequences (one-path trees, e.g. from
-    :func:`sequence_microbatches`): one varlen forward, then :func:`treetrain.objectives.policy.compute_loss`.
+    :func:`sequence_microbatches`): one varlen forward, then
+    :func:`treetrain.objectives.policy.loss.compute_loss`.
 
     Raises ``ValueError`` if a tree of ``packed`` shares a prefix between paths: that would be
     the tree mode, not the baseline.
     """
-    from treetrain.objectives.policy import compute_loss
+    from treetrain.objectives.policy.loss import compute_loss
 
     if not is_sequences(packed):
         raise ValueError(

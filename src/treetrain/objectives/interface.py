@@ -63,9 +63,6 @@ class Kit(Protocol):
     def optimizer(self, model: nn.Module, lr: float) -> torch.optim.Optimizer:
         """The run's AdamW over ``model`` at ``lr`` (no empty parameter group)."""
 
-    def clip(self, model: nn.Module, max_norm: float | None) -> float:
-        """Clip ``model``'s gradient (sharded or not) to ``max_norm``; its norm before clipping."""
-
 
 @dataclass
 class Trained:

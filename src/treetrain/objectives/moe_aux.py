@@ -26,9 +26,9 @@ from torch import nn
 
 from treetrain.models.moe import (
     _router_targets,
-    load_balancing_stats,
     path_count_weights,
     record_router_logits,
+    weighted_load_balancing_loss,
 )
 from treetrain.trees.packing import PackedTree
 
@@ -68,5 +68,4 @@ def micro_batch_aux_loss(
     else:
         weights = torch.ones(int(packed.path_lengths.sum()))
     assert router_logits[0].shape[0] == weights.shape[0], (router_logits[0].shape, weights.shape)
-    counts, probs, rows = load_balancing_stats(router_logits, weights, cfg.num_experts_per_tok)
-    return probs.shape[0] * ((counts / rows) * (probs / rows)).sum()
+    return weighted_load_balancing_loss(router_logits, weights, cfg.num_experts_per_tok)

@@ -25,7 +25,7 @@ from treetrain.models.hf import tree_forward
 from treetrain.objectives.baseline import is_sequences, sequences
 from treetrain.trees.packing import PackedTree, pack
 
-__all__ = ["PACKINGS", "path_hidden", "path_last_hidden", "path_target_logprobs"]
+__all__ = ["PACKINGS", "path_hidden", "path_last_hidden", "path_target_logprobs", "score_head"]
 
 PACKINGS = ("tree", "sequence")
 
@@ -38,6 +38,15 @@ def _tree_view(packed: PackedTree, packing: str) -> PackedTree:
     if packing == "tree" or is_sequences(packed):
         return packed
     return pack(sequences(packed.trees))
+
+
+def score_head(model: nn.Module, need: str) -> nn.Linear:
+    """The scalar ``score`` head ``nn.Linear(hidden, 1)`` of a classification model (a reward model, a
+    critic); ``need`` says in the error who needs it and which models have one."""
+    head = getattr(model, "score", None)
+    if not isinstance(head, nn.Linear) or head.out_features != 1:
+        raise ValueError(f"{need} (a `score` head nn.Linear(hidden, 1)); {type(model).__name__} has {head!r}")
+    return head
 
 
 def _check(packing: str) -> None:

@@ -29,7 +29,6 @@ other ``loss.*`` goes to the policy's ``ppo`` objective (``clip_low``, ``clip_hi
 from __future__ import annotations
 
 import copy
-import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +37,7 @@ import torch
 from torch import nn
 
 from treetrain.objectives.interface import Kit, Trained
-from treetrain.objectives.policy_objective import PolicyObjective
+from treetrain.objectives.policy.training import PolicyObjective
 
 __all__ = ["CRITIC_OBJECTIVE", "Critic", "PPOCritic", "build_critic", "check_record", "policy_objective"]
 
@@ -60,9 +59,9 @@ def _split_options(loss: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
 
 
 def policy_objective(cfg):
-    """The policy's ``treetrain.objectives.policy.Objective`` (``ppo``) from ``cfg.loss`` minus the
+    """The policy's ``treetrain.objectives.policy.config.Objective`` (``ppo``) from ``cfg.loss`` minus the
     critic's options."""
-    from treetrain.objectives.policy_config import Objective
+    from treetrain.objectives.policy.config import Objective
 
     _, rest = _split_options(cfg.loss)
     for name in ("kl_coef", "entropy_coef"):
@@ -76,7 +75,7 @@ def policy_objective(cfg):
     except TypeError as e:
         raise ValueError(
             f"loss: {e}; --objective {CRITIC_OBJECTIVE} takes {', '.join(CRITIC_OPTIONS)} and the ppo "
-            "options of treetrain.objectives.policy.Objective"
+            "options of treetrain.objectives.policy.config.Objective"
         ) from None
 
 
@@ -88,17 +87,6 @@ class Critic(Trained):
     gamma: float = 1.0
     lam: float = 0.95
     value_clip: float = 0.2
-
-    def loss_fn(self, trees, packing: str):
-        """``compute_loss``-shaped loss for one step: policy + ``vf_coef`` x value loss of a micro-batch.
-
-        The value loss's normalizer is the step's trained targets (whole trees), so micro-batch losses
-        add up to the step's loss whatever the partition.
-        """
-        from treetrain.objectives.policy import PathMeta
-
-        value_normalizer = float(PathMeta.from_trees(list(trees)).mask.sum())
-        return functools.partial(_micro_loss, critic=self, value_normalizer=value_normalizer, packing=packing)
 
 
 def check_record(tree, info) -> None:
@@ -116,35 +104,6 @@ def check_record(tree, info) -> None:
         )
 
 
-def _micro_loss(policy, packed, objective, normalizer, *, critic, value_normalizer, packing, **kw):
-    from treetrain.objectives.value import compute_ppo_critic_loss
-
-    if any("advantages" in t.fields for t in packed.trees):
-        raise ValueError(
-            f"--objective {CRITIC_OBJECTIVE}: a record carries `advantages`, but here they come from the "
-            "critic (GAE on the per-path `rewards`); remove `advantages`, or use --objective ppo"
-        )
-    if not all("rewards" in t.fields for t in packed.trees):
-        raise ValueError(
-            f"--objective {CRITIC_OBJECTIVE}: every record needs per-path `rewards` (one number per path, "
-            'e.g. "rewards": [1.0, 0.0]); some records of this batch have none'
-        )
-    return compute_ppo_critic_loss(
-        policy,
-        critic.model,
-        packed,
-        objective,
-        normalizer,
-        value_normalizer,
-        packing=packing,
-        gamma=critic.gamma,
-        lam=critic.lam,
-        vf_coef=critic.vf_coef,
-        value_clip=critic.value_clip,
-        backend=kw.get("backend"),
-    )
-
-
 def _number(name: str, v: Any) -> float | str | None:
     """A finite number >= 0 (``--set loss.critic_lr=1e-3`` reaches here as the string '1e-3')."""
     if name == "critic_model":
@@ -160,16 +119,17 @@ def _number(name: str, v: Any) -> float | str | None:
     return x
 
 
-def build_critic(policy: nn.Module, kit: Kit) -> Critic:
+def build_critic(policy: nn.Module, kit: Kit, opts: dict[str, Any] | None = None) -> Critic:
     """The value model (backbone = the policy's current weights, seeded ``score`` head), sharded
     over the run's ranks (FSDP2, as the policy), and its AdamW.
 
-    ``policy``: a ``...ForCausalLM`` before any adapter is applied and before it is sharded.
+    ``policy``: a ``...ForCausalLM`` before any adapter is applied and before it is sharded;
+    ``opts``: :func:`critic_options` (default: those of ``kit.cfg.loss``).
     """
     import transformers
 
     cfg = kit.cfg
-    opts = critic_options(cfg.loss)
+    opts = critic_options(cfg.loss) if opts is None else opts
     param = next(policy.parameters())
     if opts["critic_model"] is not None:  # e.g. a reward model: its backbone, and its score if 1 label
         model = _load_critic(opts["critic_model"], kit)
@@ -217,7 +177,7 @@ def _load_critic(path: str, kit: Kit) -> nn.Module:
 def summarize(sums: dict[str, torch.Tensor]) -> dict[str, float]:
     """The policy's metrics (``summarize_metrics``) plus the critic's: ``value_loss`` and per-token
     means ``value``, ``advantage``, ``return``, ``value_clipfrac``."""
-    from treetrain.objectives.policy import summarize_metrics
+    from treetrain.objectives.policy.loss import summarize_metrics
 
     out = summarize_metrics(sums)
     out["value_loss"] = float(sums["value_loss"])
@@ -241,7 +201,7 @@ class PPOCritic(PolicyObjective):
         super().__init__(config, cfg.reference)
         self.name = CRITIC_OBJECTIVE
         self.critic: Critic | None = None
-        critic_options(cfg.loss)  # bad options fail before any model is built
+        self.options = critic_options(cfg.loss)  # bad options fail before any model is built
 
     @classmethod
     def from_config(cls, cfg: Any) -> PPOCritic:
@@ -257,17 +217,28 @@ class PPOCritic(PolicyObjective):
         )
 
     def build_models(self, policy, kit: Kit) -> None:
-        self.critic = build_critic(policy, kit)
+        self.critic = build_critic(policy, kit, self.options)
 
     def trained(self) -> list[Trained]:
         return [self.critic] if self.critic is not None else []
 
     def micro_loss(self, trees, packing):
-        fn = self.critic.loss_fn(trees, packing)
-        cfg, normalizer = self.config, self.normalizer(trees)
+        """Policy + ``vf_coef`` x value loss of a micro-batch (:func:`compute_ppo_critic_loss`). The value
+        loss's normalizer is the step's trained targets (whole trees), so micro-batch losses add up
+        to the step's loss whatever the partition."""
+        from treetrain.objectives.policy.aggregation import PathMeta, loss_normalizer
+        from treetrain.objectives.value import compute_ppo_critic_loss
+
+        meta = PathMeta.from_trees(list(trees))  # once per step, for both normalizers
+        cfg, critic, normalizer = self.config, self.critic, loss_normalizer(meta, self.config)
+        value_normalizer = float(meta.mask.sum())
+        opts = {k: getattr(critic, k) for k in ("gamma", "lam", "vf_coef", "value_clip")}
 
         def micro(model, packed, *, backend=None):
-            return fn(model, packed, cfg, normalizer, backend=backend)
+            return compute_ppo_critic_loss(
+                model, critic.model, packed, cfg, normalizer, value_normalizer, packing=packing,
+                backend=backend, **opts,
+            )  # fmt: skip
 
         return micro
 

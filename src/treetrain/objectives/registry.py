@@ -7,21 +7,22 @@ classmethod reading ``cfg.loss`` and the options it needs), and one entry here.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from treetrain.objectives.interface import TrainObjective
+if TYPE_CHECKING:  # importing an objective's module loads torch: only on use
+    from treetrain.objectives.interface import TrainObjective
 
 __all__ = ["REGISTRY", "build_objective"]
 
 # name -> "module:class"; imported on use, so building one objective loads only its module
 REGISTRY: dict[str, str] = {
-    "sft": "treetrain.objectives.policy_objective:PolicyObjective",
-    "reinforce": "treetrain.objectives.policy_objective:PolicyObjective",
-    "grpo": "treetrain.objectives.policy_objective:PolicyObjective",
-    "ppo": "treetrain.objectives.policy_objective:PolicyObjective",
-    "gspo": "treetrain.objectives.policy_objective:PolicyObjective",
-    "dpo": "treetrain.objectives.preference_objective:PreferenceTraining",
-    "reward": "treetrain.objectives.preference_objective:PreferenceTraining",
+    "sft": "treetrain.objectives.policy.training:PolicyObjective",
+    "reinforce": "treetrain.objectives.policy.training:PolicyObjective",
+    "grpo": "treetrain.objectives.policy.training:PolicyObjective",
+    "ppo": "treetrain.objectives.policy.training:PolicyObjective",
+    "gspo": "treetrain.objectives.policy.training:PolicyObjective",
+    "dpo": "treetrain.objectives.preference.training:PreferenceTraining",
+    "reward": "treetrain.objectives.preference.training:PreferenceTraining",
     "ppo_critic": "treetrain.objectives.ppo_critic:PPOCritic",
 }
 

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from treetrain.models.hf import tree_forward
-from treetrain.objectives.path_outputs import _tree_view
+from treetrain.objectives.path_outputs import _tree_view, score_head
 from treetrain.trees.packing import PackedTree
 
 __all__ = ["clipped_value_loss", "compute_ppo_critic_loss", "gae_per_path", "path_values", "value_head"]
@@ -38,13 +38,8 @@ __all__ = ["clipped_value_loss", "compute_ppo_critic_loss", "gae_per_path", "pat
 
 def value_head(model: nn.Module) -> nn.Linear:
     """The critic's scalar head: ``score`` of a token- or sequence-classification model (1 label)."""
-    head = getattr(model, "score", None)
-    if not isinstance(head, nn.Linear) or head.out_features != 1:
-        raise ValueError(
-            f"a critic needs a `score` head nn.Linear(hidden, 1) (AutoModelForTokenClassification or "
-            f"AutoModelForSequenceClassification with num_labels=1); {type(model).__name__} has {head!r}"
-        )
-    return head
+    kinds = "AutoModelForTokenClassification or AutoModelForSequenceClassification with num_labels=1"
+    return score_head(model, f"a critic needs {kinds}")
 
 
 def path_values(
@@ -145,14 +140,16 @@ def compute_ppo_critic_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One micro-batch of PPO with a critic: ``policy_loss + vf_coef * value_loss``.
 
-    ``cfg``: a ``treetrain.objectives.policy.Objective`` (``ppo``; the data carries per-path ``rewards``, no
-    ``advantages``, and optionally ``old_logprobs``: without them the ratio is 1, on-policy).
+    ``cfg``: a ``treetrain.objectives.policy.config.Objective`` (``ppo``; the data carries per-path
+    ``rewards``, no ``advantages``, and optionally ``old_logprobs``: without them the ratio is 1,
+    on-policy).
     ``normalizer``: ``loss_normalizer(step trees, cfg)``; ``value_normalizer``: the step's trained
     targets. The critic's values (one head row per distinct token on a tree), GAE along each path,
     then the policy objective on those advantages.
     """
     from treetrain.objectives.path_outputs import path_target_logprobs
-    from treetrain.objectives.policy import PathMeta, objective
+    from treetrain.objectives.policy.aggregation import PathMeta
+    from treetrain.objectives.policy.loss import objective
 
     if not all("rewards" in t.fields for t in packed.trees):
         raise ValueError("PPO with a critic needs per-path `rewards` in every record (not advantages)")

@@ -12,8 +12,9 @@ The contract that makes a multi-process step equal to a single-process one:
   sum collectives, so the reduced gradient is exactly the sum of the per-rank gradients (only the
   floating-point summation order differs from a single process).
 - A rank with no work in a step must still run a forward and backward, because FSDP's all-gathers
-  and reduce-scatters are collectives: it backpropagates :func:`dummy_loss` (zero times the
-  log-probs of a two-token tree). Every rank must run the same number of forwards per step.
+  and reduce-scatters are collectives: it backpropagates its objective's ``idle_loss`` (zero
+  times the log-probs of a two-token tree, :mod:`treetrain.objectives.interface`). Every rank must
+  run the same number of forwards per step.
 
 Run under ``torchrun``; without it every function here is a single-process no-op.
 """
@@ -41,8 +42,6 @@ __all__ = [
     "barrier",
     "clip_grad_norm_",
     "destroy",
-    "dummy_batch",
-    "dummy_loss",
     "init_distributed",
     "is_sharded",
     "shard_model",
@@ -303,17 +302,3 @@ def assign_to_ranks(costs: Sequence[float], world_size: int) -> list[list[int]]:
         out[r].append(i)
         heapq.heappush(heap, (load + float(costs[i]), r))
     return [sorted(items) for items in out]
-
-
-def dummy_batch() -> TrajectoryTree:
-    """A two-token tree for a rank with no work in a step (see :func:`dummy_loss`)."""
-    return TrajectoryTree.from_paths([[0, 0]], loss_masks=[[0, 1]])
-
-
-def dummy_loss(model: nn.Module, backend: str | None = None) -> torch.Tensor:
-    """``0 x`` the log-prob sum of :func:`dummy_batch`: its forward and backward take part in all
-    of FSDP's collectives (all-gathers, gradient reduce-scatters) and add exactly zero gradient."""
-    from treetrain.logprobs import path_logprobs
-
-    (lp,) = path_logprobs(model, dummy_batch(), backend=backend)
-    return lp.sum() * 0.0

@@ -1,6 +1,6 @@
 """The data side of a run: trees read lazily from ``--data`` (or the bundled sample), epoch after
-epoch, grouped ``batch_trees`` to an optimizer step and packed into micro-batches
-(:mod:`treetrain.train.strategies`); under ``torchrun`` each rank keeps its own micro-batches.
+epoch, grouped ``batch_trees`` to an optimizer step and packed into micro-batches by the objective
+(:class:`treetrain.objectives.interface.TrainObjective`); under ``torchrun`` each rank keeps its own.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from typing import Any
 from treetrain.data.sources import is_table_source
 from treetrain.train.build import refuse_remote_code
 from treetrain.train.config import DEFAULT_STEPS, TrainConfig
-from treetrain.train.strategies import get_strategy
 from treetrain.trees.packing import PackedTree, pack
 from treetrain.trees.tree import TrajectoryTree
 
@@ -152,15 +151,6 @@ def _epochs(cfg: TrainConfig, vocab_size: int, check=None) -> Iterator[Trajector
             raise ValueError(f"--data {data_path(cfg)}: the file holds no trees")
 
 
-def make_microbatches(trees: list[TrajectoryTree], packing: str, capacity: int) -> list[list[TrajectoryTree]]:
-    """Group the step's trees into micro-batches of at most ``capacity`` tokens each.
-
-    ``tree``: whole trees, those larger than ``capacity`` partitioned into parts of whole paths.
-    ``sequence``: every path its own sequence. See :mod:`treetrain.train.strategies`.
-    """
-    return get_strategy(packing).microbatches(trees, capacity)
-
-
 def rank_microbatches(
     objective,
     trees: list[TrajectoryTree],
@@ -174,7 +164,7 @@ def rank_microbatches(
     imbalance. The objective's units (whole trees or parts of whole paths; whole preference pairs)
     go to ranks by their training FLOPs (:func:`treetrain.parallel.balance.balanced_units`), then each
     rank packs its own (``objective.pack``). Every rank computes the same plan from the same trees,
-    with no communication. Idle ranks pad with dummy passes."""
+    with no communication. Idle ranks pad with ``objective.idle_loss`` passes."""
     from treetrain.parallel import fsdp as distributed
     from treetrain.parallel.balance import balanced_units
 

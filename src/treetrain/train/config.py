@@ -2,7 +2,7 @@
 
 One flat dataclass, :class:`TrainConfig`; the objective's own options (clip range, KL and entropy
 coefficients, aggregation) live in its ``loss`` dict and are handed to
-``treetrain.objectives.policy.Objective``.
+``treetrain.objectives.policy.config.Objective``.
 Every bad value raises a ``ValueError`` that names the option and says how to fix it.
 
 YAML example::
@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from treetrain.data.grouping import GROUPINGS
+from treetrain.objectives.registry import REGISTRY
 
 __all__ = [
     "DEFAULT_STEPS",
@@ -65,7 +66,7 @@ class TrainConfig:
     attention: str | None = None  # tree attention backend (dense|blocksparse|flex|triton); None: by device
     # objective
     objective: str = "sft"  # sft | reinforce | grpo | ppo | gspo | dpo | reward | ppo_critic
-    loss: dict[str, Any] = field(default_factory=dict)  # extra treetrain.objectives.policy.Objective fields
+    loss: dict[str, Any] = field(default_factory=dict)  # the objective's options (objectives.policy.config)
     reference: str = "model"  # KL reference: model (frozen initial copy) | data (ref_logprobs field)
     ref_model: str | None = None  # dpo: the frozen reference model's directory; None: the initial weights
     advantages: str | None = None  # group | batch | none: GRPO advantages from per-path rewards
@@ -148,8 +149,8 @@ def _loss_option_names() -> set[str]:
     """The objectives' own options (``loss.*``): a top-level key among them belongs under ``loss``."""
     import dataclasses as dc
 
-    from treetrain.objectives.policy_config import Objective
-    from treetrain.objectives.preference import PreferenceObjective
+    from treetrain.objectives.policy.config import Objective
+    from treetrain.objectives.preference.loss import PreferenceObjective
 
     return {f.name for cls in (Objective, PreferenceObjective) for f in dc.fields(cls)} - {"name"}
 
@@ -268,14 +269,6 @@ def _choice(name: str, value: str, choices: Sequence[str]) -> None:
         raise ValueError(f"--{name.replace('_', '-')}: expected one of {', '.join(choices)}; got {value!r}")
 
 
-def objective_names() -> tuple[str, ...]:
-    """Every ``--objective``: the policy objectives, the preference ones and ``ppo_critic``."""
-    from treetrain.objectives.policy_config import OBJECTIVES
-    from treetrain.objectives.preference import PREFERENCE_OBJECTIVES
-
-    return (*OBJECTIVES, *PREFERENCE_OBJECTIVES, "ppo_critic")
-
-
 def _positive(name: str, value, allow_zero: bool = False) -> None:
     if value < 0 or (value == 0 and not allow_zero):
         need = "a non-negative" if allow_zero else "a positive"
@@ -317,7 +310,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for name in ("lr", "eps", "weight_decay", "min_lr_ratio"):
         setattr(c, name, _coerce(name, getattr(c, name), float))
 
-    _choice("objective", c.objective, objective_names())
+    _choice("objective", c.objective, tuple(REGISTRY))
     _choice("packing", c.packing, PACKINGS)
     _choice("schedule", c.schedule, SCHEDULES)
     _choice("dtype", c.dtype, DTYPES)

@@ -94,17 +94,8 @@ def _count_lines(path: Path) -> int:
 
 
 def _report(path: Path, stream):
-    from treetrain.data.fields import DataError
-
+    stream.raise_errors()
     c = stream.counts
-    if c.errors:
-        shown = stream.errors[:20]
-        more = f"\n  ... and {c.errors - len(shown)} more" if c.errors > len(shown) else ""
-        listing = "\n  ".join(map(str, shown))
-        reason = f"{c.errors} of {c.lines - c.blank_lines} records are invalid:\n  {listing}{more}"
-        err = DataError(reason, file=str(path))
-        err.errors = list(stream.errors)
-        raise err
     if c.samples == 0:
         what = "is empty" if c.lines == c.blank_lines else "holds no trees"
         skipped = f" ({c.skipped_oversized} skipped by --skip-oversized)" if c.skipped_oversized else ""

@@ -62,7 +62,6 @@ from treetrain.train.batches import (
     _tokenizer,
     data_path,
     make_batches,
-    make_microbatches,
     prefetched,
     total_steps,
 )
@@ -101,7 +100,6 @@ __all__ = [
     "default_model_config",
     "lr_factor",
     "make_batches",
-    "make_microbatches",
     "train",
     "train_step",
 ]

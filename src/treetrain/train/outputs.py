@@ -44,8 +44,8 @@ def reward_metrics(trees: list[TrajectoryTree]) -> dict[str, float]:
     """The step's per-path ``rewards``: ``reward_mean``, ``reward_std`` (population std over every
     path of the step), ``reward_min``, ``reward_max``; with GRPO advantages computed from them
     (``--advantages``), ``zero_adv_groups``: the fraction of groups (trees) whose advantages are all
-    zero, so that they teach nothing: every reward of the group equal (a group of one path keeps its
-    raw reward as advantage, see ``group_advantages``: zero only for a zero reward).
+    zero, so that they teach nothing (every reward of the group equal, or a one-path group's reward
+    0: see ``group_advantages``).
     ``{}`` when no tree of the step has rewards.
 
     Example, rewards ``[1, 0]`` and ``[1, 1]``: mean 0.75, std 0.433, min 0, max 1, zero_adv_groups 0.5.
@@ -61,8 +61,7 @@ def reward_metrics(trees: list[TrajectoryTree]) -> dict[str, float]:
         "reward_max": float(r.max()),
     }
     if all("advantages" in t.fields for t in with_rewards):
-        rewards = [np.asarray(t.fields["rewards"]) for t in with_rewards]
-        zero = [np.ptp(x) == 0 if x.size > 1 else x[0] == 0 for x in rewards]
+        zero = [not any(np.any(a) for a in t.fields["advantages"]) for t in with_rewards]  # per path or token
         out["zero_adv_groups"] = float(np.mean(zero))
     return out
 

@@ -248,15 +248,6 @@ class TrajectoryTree:
         """How many paths run through each distinct token ``[T]`` (the baseline's reuse count)."""
         return np.bincount(np.concatenate(self.path_index), minlength=self.num_tokens)
 
-    def partition(self, capacity: int, method: str = "beam_dp") -> list[TrajectoryTree]:
-        """Split into parts of whole paths, each with at most ``capacity`` distinct tokens.
-
-        See :mod:`treetrain.trees.partition`. Each part's ``path_ids`` index into this tree.
-        """
-        from treetrain.trees.partition import partition
-
-        return partition(self, capacity, method=method)
-
     def subset(self, path_ids: Sequence[int]) -> TrajectoryTree:
         """A new tree of the given paths (indices into this tree), with their metadata."""
         ids = [int(i) for i in path_ids]

@@ -29,14 +29,9 @@ from __future__ import annotations
 
 from trl import GRPOTrainer, RLOOTrainer
 
-from treetrain.integrations.trl.shared import (
-    TESTED_TRL,
-    causal_lm,
-    check_trl,
-    refuse_untreeable,
-    router_aux_loss,
-)
+from treetrain.integrations.trl.shared import TESTED_TRL, check_trl, refuse_untreeable, router_aux_loss
 from treetrain.integrations.wrapped import install_tree_scoring, wrapped_score
+from treetrain.models.head import unwrap
 
 __all__ = ["TreeGRPOTrainer", "TreeRLOOTrainer"]
 
@@ -68,9 +63,9 @@ class _TreeScoring:
         super().__init__(*args, **kwargs)
         refuse_untreeable(name, self.model, self.args)
         self.tree_backend, self.tree_chunk = tree_backend, tree_chunk
-        install_tree_scoring(causal_lm(self.model))
+        install_tree_scoring(unwrap(self.model))
         if self.ref_model is not None:
-            install_tree_scoring(causal_lm(self.ref_model))
+            install_tree_scoring(unwrap(self.ref_model))
 
     def _get_per_token_logps_and_entropies(
         self,

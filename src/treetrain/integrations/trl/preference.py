@@ -32,8 +32,9 @@ from trl.kernels import ChunkedLogProbFunction
 from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE, FusedCausalLMOutput
 
 from treetrain.integrations.flat import FlatBatch
-from treetrain.integrations.trl.shared import causal_lm, check_trl, refuse_untreeable, router_aux_loss
+from treetrain.integrations.trl.shared import check_trl, refuse_untreeable, router_aux_loss
 from treetrain.integrations.wrapped import REQUEST_KWARG, WrappedScores, install_tree_scoring
+from treetrain.models.head import lm_head, unwrap
 from treetrain.models.hf import tree_forward
 from treetrain.models.moe import record_router_logits
 
@@ -50,31 +51,16 @@ def _refuse_kwargs(name: str, args: tuple, kwargs: dict, known: set[str]) -> Non
         )
 
 
-def _head_scales(config) -> tuple[float | None, float]:
-    """``(final_logit_softcapping, logit_scale)`` as TRL's ``add_fused_lm_head`` reads them."""
-    text = config.get_text_config()
-    scale = getattr(text, "logit_scale", None)
-    if scale is None:
-        scale = getattr(text, "output_multiplier", None)
-    if scale is None:
-        scale = getattr(text, "lm_head_multiplier", None)
-    if scale is None and getattr(text, "logits_scaling", None) is not None:
-        scale = text.logits_scaling if text.model_type == "hyperclovax" else 1 / text.logits_scaling
-    return getattr(text, "final_logit_softcapping", None), 1.0 if scale is None else scale
-
-
 class FusedTreeRequest:
     """Answer TRL's fused-LM-head call from a prefix tree of the batch's rows (other calls: unchanged).
 
-    ``outputs``: the per-token fields to compute (TRL's names); ``temperature``, ``head_fp32``: as
-    TRL's ``add_fused_lm_head``; ``backend``: the tree attention kernel (default by device).
+    ``outputs``: the per-token fields to compute (TRL's names); ``backend``: the tree attention
+    kernel (default by device). The head is TRL's ``add_fused_lm_head`` as ``DPOTrainer`` installs
+    it: temperature 1, no float32 cast.
     """
 
-    def __init__(
-        self, name: str, outputs: tuple[str, ...], temperature: float = 1.0, head_fp32=False, backend=None
-    ):
-        self.name, self.outputs, self.temperature = name, outputs, temperature
-        self.head_fp32, self.backend = head_fp32, backend
+    def __init__(self, name: str, outputs: tuple[str, ...], backend: str | None = None):
+        self.name, self.outputs, self.backend = name, outputs, backend
 
     def run(self, lm, inner, *args, fused_lm_head=False, labels=None, shift_labels=None, **kwargs):
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
@@ -140,17 +126,13 @@ class FusedTreeRequest:
         """TRL's chunked LM-head kernel at the part's targets: 5 fields ``[T]`` (None if not asked)."""
         packed = part.packed.to(hidden.device)
         targets = torch.nonzero((packed.prev >= 0) & part.needed.to(hidden.device))[:, 0]
-        head = lm.get_output_embeddings()
+        head = lm_head(lm)  # the exact head, as TRL's kernel takes it: one scale before the cap
+        assert head.bias is None or head.hidden_scale == 1.0, "a hidden scale with a bias: not one scale"
         rows = hidden.index_select(0, packed.prev[targets]).to(head.weight.device)
-        softcap, scale = _head_scales(lm.config)
-        ctx = contextlib.nullcontext()
-        if self.head_fp32:
-            rows, ctx = rows.float(), torch.autocast(rows.device.type, enabled=False)
-        with ctx:
-            per_target = ChunkedLogProbFunction.apply(
-                rows, head.weight, head.bias, packed.input_ids[targets], self.temperature,
-                _CHUNKED_LOGPROB_CHUNK_SIZE, softcap, scale, self.outputs,
-            )  # fmt: skip
+        per_target = ChunkedLogProbFunction.apply(
+            rows, head.weight, head.bias, packed.input_ids[targets], 1.0, _CHUNKED_LOGPROB_CHUNK_SIZE,
+            head.softcap, head.hidden_scale * head.logit_scale, self.outputs,
+        )  # fmt: skip
         T = packed.num_tokens
         return [None if x is None else x.new_zeros(T).index_copy(0, targets, x) for x in per_target]
 
@@ -217,9 +199,9 @@ class TreeDPOTrainer(DPOTrainer):
     def _tree_request(self) -> FusedTreeRequest:
         """Installed on first use (TRL may score the reference inside its constructor, before
         ``__init__`` returns: ``precompute_ref_log_probs``)."""
-        install_tree_scoring(causal_lm(self.model))
+        install_tree_scoring(unwrap(self.model))
         if self.ref_model is not None:
-            install_tree_scoring(causal_lm(self.ref_model))
+            install_tree_scoring(unwrap(self.ref_model))
         outputs = ("log_probs", "entropy", "mean_logits", "is_top1")
         outputs += ("log_sum_sq_probs",) if getattr(self, "use_weighting", False) else ()
         return FusedTreeRequest(type(self).__name__, outputs, backend=self.tree_backend)
@@ -239,7 +221,7 @@ class TreeRewardTrainer(RewardTrainer):
         check_trl(type(self).__name__, RewardTrainer, "compute_loss")
         super().__init__(*args, **kwargs)
         refuse_untreeable(type(self).__name__, self.model, self.args)
-        install_tree_scoring(causal_lm(self.model))
+        install_tree_scoring(unwrap(self.model))
         self._tree_request = RewardTreeRequest(type(self).__name__, tree_backend)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

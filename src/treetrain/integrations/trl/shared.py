@@ -1,6 +1,6 @@
-"""What the TRL drop-ins share: the tested TRL version and its check, the policy inside a PEFT
-wrapper, the refusals of what a tree forward cannot run, and the MoE load-balancing loss from the
-tree forwards' router logits (the value TRL's padded forwards give).
+"""What the TRL drop-ins share: the tested TRL version and its check, the refusals of what a tree
+forward cannot run, and the MoE load-balancing loss from the tree forwards' router logits (the value
+TRL's padded forwards give).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import trl
 from torch import nn
 
 from treetrain.integrations.wrapped import WrappedScores
-from treetrain.models.moe import load_balancing_stats
+from treetrain.models.moe import balancing_loss, load_balancing_stats
 
-__all__ = ["TESTED_TRL", "causal_lm", "check_trl", "refuse_untreeable", "router_aux_loss"]
+__all__ = ["TESTED_TRL", "check_trl", "refuse_untreeable", "router_aux_loss"]
 
 TESTED_TRL = "1.16.0"
 
@@ -34,12 +34,6 @@ def check_trl(cls_name: str, base: type, method: str) -> None:
             f"losses match trl.{base.__name__}'s (tests/test_integrations_trl*.py)",
             stacklevel=3,
         )
-
-
-def causal_lm(model: nn.Module) -> nn.Module:
-    """The ``...ForCausalLM`` inside a PEFT model (adapters injected in place), or the model itself."""
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
 
 
 def refuse_untreeable(cls_name: str, model: nn.Module, args) -> None:
@@ -75,20 +69,18 @@ def router_aux_loss(scores: WrappedScores, chunk_rows: int, top_k: int) -> torch
     for part, logits in zip(scores.parts, scores.router_logits):
         packed = part.packed
         paths = packed.trees[0].path_ids  # batch path ids of the part's paths
-        pos_chunk = np.repeat(chunk_of_path[paths], packed.path_lengths.cpu().numpy())
-        index = packed.path_index.cpu()
-        for c in np.unique(pos_chunk):
-            sel = torch.from_numpy(np.flatnonzero(pos_chunk == c))
-            weights = torch.bincount(index[sel], minlength=packed.num_tokens)
-            stats = load_balancing_stats(logits, weights, top_k)
+        pos_chunk = torch.from_numpy(np.repeat(chunk_of_path[paths], packed.path_lengths.cpu().numpy()))
+        chunks = torch.unique(pos_chunk)
+        # [chunks, T]: each distinct token weighted by the chunk's paths through it
+        weights = torch.zeros(len(chunks), packed.num_tokens, dtype=torch.long)
+        at = (torch.searchsorted(chunks, pos_chunk), packed.path_index.cpu())
+        weights.index_put_(at, torch.ones_like(pos_chunk), accumulate=True)
+        for c, stats in zip(chunks.tolist(), zip(*load_balancing_stats(logits, weights, top_k))):
             acc[c] = stats if acc[c] is None else tuple(a + s for a, s in zip(acc[c], stats))
-    losses = []
     for c, stats in enumerate(acc):
         if stats is None:
             raise ValueError(
                 f"MoE aux loss: rows {c * chunk_rows}..{min(B, (c + 1) * chunk_rows) - 1} have no real "
                 "tokens (the padded forward's loss would be NaN)"
             )
-        counts, probs, rows = stats
-        losses.append(probs.shape[0] * ((counts / rows) * (probs / rows)).sum())
-    return torch.stack(losses).mean()
+    return torch.stack([balancing_loss(*stats) for stats in acc]).mean()

@@ -1,9 +1,9 @@
 """Preference objectives on trees: the DPO family and Bradley-Terry reward models.
 
-A pair is two paths that share their prompt: ``chosen`` then ``rejected`` (see
-:mod:`treetrain.data.preference`; path ids ``2k`` and ``2k + 1`` of a tree form pair ``k``). Every
-loss here is a function of per-path quantities (masked log-prob sums, or a scalar score per path)
-and a global normalizer ``N`` = the number of pairs in the optimizer step, so the tree forward and
+A pair is two paths that share their prompt: ``chosen`` then ``rejected``
+(:mod:`treetrain.objectives.preference.pairs`). Every loss here is a function of per-path
+quantities (masked log-prob sums, or a scalar score per path) and a global normalizer ``N`` = the
+number of pairs in the optimizer step, so the tree forward and
 the per-path baseline (:mod:`treetrain.objectives.path_outputs`) give the same numbers, and a step's
 micro-batches (each holding whole pairs) add up to the full-batch loss and gradient.
 
@@ -30,35 +30,26 @@ so ``d = 0`` and the loss is ``ln 2``.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treetrain.objectives.path_outputs import path_last_hidden, path_target_logprobs
+from treetrain.objectives.path_outputs import path_last_hidden, path_target_logprobs, score_head
+from treetrain.objectives.preference.pairs import PairLayout, pair_layout
 from treetrain.trees.packing import PackedTree
-from treetrain.trees.tree import TrajectoryTree
 
 __all__ = [
     "LOSS_TYPES",
     "PREFERENCE_OBJECTIVES",
-    "PairLayout",
     "PreferenceObjective",
-    "check_pair_record",
     "compute_preference_loss",
     "dpo_loss",
     "masked_path_sums",
-    "merge_pairs",
-    "pack_pair_units",
-    "pair_layout",
-    "pair_microbatches",
-    "pair_units",
-    "preference_normalizer",
-    "reward_loss",
     "reward_head",
+    "reward_loss",
     "summarize_preference",
 ]
 
@@ -110,148 +101,9 @@ class PreferenceObjective:
         """DPO sigmoid and ipo score the pair under a frozen reference model; simpo and reward do not."""
         return self.name == "dpo" and self.loss_type != "simpo"
 
-    kl_coef = 0.0  # the policy objectives' KL option: not used here
-
 
 def _finite(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-# ---- pairs ----------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PairLayout:
-    """Which paths of a micro-batch form pairs: ``chosen [K]``, ``rejected [K]`` (path indices in
-    batch order) and each pair's ``margin [K]`` (float64)."""
-
-    chosen: torch.Tensor
-    rejected: torch.Tensor
-    margin: torch.Tensor
-
-    @property
-    def num_pairs(self) -> int:
-        return self.chosen.numel()
-
-
-def _trees(batch) -> tuple[TrajectoryTree, ...]:
-    if isinstance(batch, PackedTree):
-        return batch.trees
-    if isinstance(batch, TrajectoryTree):
-        return (batch,)
-    return tuple(batch)
-
-
-def pair_layout(batch: PackedTree | TrajectoryTree | Sequence[TrajectoryTree]) -> PairLayout:
-    """The pairs of a micro-batch. Its paths must come as whole pairs, chosen right before rejected
-    (path ids ``2k``, ``2k + 1`` of their record), as :func:`pair_microbatches` makes them.
-
-    Example: a pair tree ``[prompt+chosen, prompt+rejected]`` gives ``chosen=[0]``, ``rejected=[1]``;
-    two one-path trees cut from it (the baseline) give the same.
-    """
-    trees = _check_pairs(_trees(batch))
-    ids = np.concatenate([t.path_ids for t in trees])
-    margins = np.concatenate([t.fields["margins"] for t in trees])
-    chosen = np.flatnonzero(ids % 2 == 0)
-    rejected = chosen + 1
-    assert rejected.size == 0 or rejected[-1] < ids.size, "a micro-batch ends inside a pair"
-    assert (ids[rejected] == ids[chosen] + 1).all() and 2 * chosen.size == ids.size, "paths are not in pairs"
-    return PairLayout(
-        torch.as_tensor(chosen),
-        torch.as_tensor(rejected),
-        torch.as_tensor(margins[chosen], dtype=torch.float64),
-    )
-
-
-def check_pair_record(tree: TrajectoryTree, info, objective: str) -> None:
-    """A record for ``--objective dpo|reward``: a preference pair; the error names file and line
-    (``info``: the reader's ``SampleInfo``)."""
-    if "margins" not in tree.fields:
-        raise ValueError(
-            f"{info.file}:{info.line}: --objective {objective} trains on preference pairs "
-            f"(prompt_ids/chosen_ids/rejected_ids, or prompt/chosen/rejected messages), but this record "
-            f"is {info.format} data; pass a preference file, or another --objective for this one"
-        )
-
-
-def _check_pairs(trees: Sequence[TrajectoryTree]) -> Sequence[TrajectoryTree]:
-    for t in trees:
-        if "margins" not in t.fields:
-            raise ValueError(
-                "dpo/reward objectives train on preference pairs: records with prompt_ids/chosen_ids/"
-                "rejected_ids (or prompt/chosen/rejected messages); this batch holds a tree of other data"
-            )
-    return trees
-
-
-def preference_normalizer(trees: Sequence[TrajectoryTree]) -> float:
-    """The step's ``N``: how many pairs its trees hold (the losses are means over pairs)."""
-    return float(sum(t.num_paths // 2 for t in trees))
-
-
-def pair_microbatches(
-    trees: Sequence[TrajectoryTree], packing: str, capacity: int
-) -> list[list[TrajectoryTree]]:
-    """Micro-batches of whole pairs, at most ``capacity`` tokens each where a pair fits.
-
-    ``tree``: the pair trees of a micro-batch merged into ONE tree (:func:`merge_pairs`), so pairs
-    that share a prompt (several pairs per prompt, pairs from one multi-turn history) share its
-    tokens too; a pair over ``capacity`` runs as its two paths, one-path trees. ``sequence``: every
-    path its own one-path tree. Pairs are never split across micro-batches, so each micro-batch's
-    loss is a sum over its pairs. (:func:`pair_units`, then :func:`pack_pair_units`.)
-    """
-    return pack_pair_units(pair_units(trees, packing, capacity), packing, capacity)
-
-
-def pair_units(trees: Sequence[TrajectoryTree], packing: str, capacity: int) -> list[list[TrajectoryTree]]:
-    """The step's units of whole pairs, one per record: ``[tree]`` (``tree`` packing, when it fits
-    ``capacity``) or the record's paths as one-path trees, in order. A unit is never split across
-    micro-batches or ranks."""
-    units = []
-    for t in trees:
-        if t.num_paths % 2:
-            raise ValueError(f"a preference tree needs whole pairs of paths, got {t.num_paths} paths")
-        if packing == "tree" and t.num_tokens <= capacity:
-            units.append([t])
-        else:
-            units.append([t.subset([i]) for i in range(t.num_paths)])
-    return units
-
-
-def pack_pair_units(
-    units: Sequence[Sequence[TrajectoryTree]], packing: str, capacity: int
-) -> list[list[TrajectoryTree]]:
-    """Units of :func:`pair_units` into micro-batches, in order, a new one when the next unit would
-    pass ``capacity``; ``tree``: each micro-batch of pair trees merged into one tree."""
-    micro: list[list[TrajectoryTree]] = []
-    size = 0
-    for unit in units:
-        n = sum(u.num_tokens for u in unit)
-        if not micro or size + n > capacity:
-            micro.append([])
-            size = 0
-        micro[-1].extend(unit)
-        size += n
-    if packing == "tree":  # merging only removes tokens: the budget still holds
-        return [[merge_pairs(mb)] if all(t.num_paths % 2 == 0 for t in mb) else mb for mb in micro]
-    return micro
-
-
-def merge_pairs(trees: Sequence[TrajectoryTree]) -> TrajectoryTree:
-    """Pair trees -> one tree of all their paths, in order (pair ``k``: path ids ``2k``, ``2k + 1``),
-    shared prefixes merged across pairs.
-
-    Example: pairs ``([1 2] + [3] | [4])`` and ``([1 2] + [5] | [6])``: 8 path tokens, 6 distinct
-    tokens in the merged tree (the prompt ``[1 2]`` once).
-    """
-    if len(_check_pairs(trees)) == 1:
-        return trees[0]
-    paths = [t.path(i) for t in trees for i in range(t.num_paths)]
-    fields = {
-        "loss_masks": [m for t in trees for m in t.fields["loss_masks"]],
-        "margins": np.concatenate([t.fields["margins"] for t in trees]),
-    }
-    return TrajectoryTree.from_paths(paths, **fields)
 
 
 # ---- the losses (per-path tensors in, loss and metric sums out) -------------------------------------
@@ -356,13 +208,7 @@ def summarize_preference(sums: Mapping[str, torch.Tensor | float]) -> dict[str, 
 
 def reward_head(model: nn.Module) -> nn.Linear:
     """The scalar head of an ``AutoModelForSequenceClassification`` (``num_labels=1``)."""
-    head = getattr(model, "score", None)
-    if not isinstance(head, nn.Linear) or head.out_features != 1:
-        raise ValueError(
-            f"the reward objective needs a sequence-classification model with one label (a `score` head "
-            f"nn.Linear(hidden, 1)); {type(model).__name__} has {head!r}"
-        )
-    return head
+    return score_head(model, "the reward objective needs a sequence-classification model with one label")
 
 
 def compute_preference_loss(
@@ -383,7 +229,7 @@ def compute_preference_loss(
         scores = reward_head(model)(path_last_hidden(model, packed, packing, backend=backend))[:, 0]
         scores = scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores  # autocast
         return reward_loss(scores, pairs, cfg, normalizer)
-    from treetrain.objectives.policy import PathMeta
+    from treetrain.objectives.policy.aggregation import PathMeta
 
     meta = PathMeta.from_trees(packed)
     needed = meta.mask > 0

@@ -1,9 +1,9 @@
 """``--objective sft | reinforce | grpo | ppo | gspo``: the policy objectives as a
 :class:`treetrain.objectives.interface.TrainObjective`.
 
-The loss is :func:`treetrain.objectives.policy.compute_loss` (``--packing tree``) or the per-path
+The loss is :func:`treetrain.objectives.policy.loss.compute_loss` (``--packing tree``) or the per-path
 baseline's :func:`treetrain.objectives.baseline.sequence_loss` (``--packing sequence``); the
-normalizer :func:`treetrain.objectives.policy.loss_normalizer` over the step's whole trees. With
+normalizer :func:`treetrain.objectives.policy.aggregation.loss_normalizer` over the step's whole trees. With
 ``loss.kl_coef > 0`` and ``--reference model`` the KL reference is a frozen copy of the initial
 policy. Trees over the capacity are partitioned into parts of whole paths, and the balancer may
 split a costly tree further (every path's loss stays whole).
@@ -17,14 +17,14 @@ from typing import Any
 import torch
 
 from treetrain.objectives.interface import Kit, TrainObjective, loss_options
-from treetrain.objectives.policy_config import Objective
+from treetrain.objectives.policy.config import Objective
 from treetrain.trees.tree import TrajectoryTree
 
 __all__ = ["PolicyObjective"]
 
 
 class PolicyObjective(TrainObjective):
-    """A policy objective (``config``: its :class:`treetrain.objectives.policy_config.Objective`)."""
+    """A policy objective (``config``: its :class:`treetrain.objectives.policy.config.Objective`)."""
 
     def __init__(self, config: Objective, reference_from: str = "model") -> None:
         self.config = config
@@ -60,13 +60,13 @@ class PolicyObjective(TrainObjective):
         return pack_microbatches([t for unit in units for t in unit], capacity)
 
     def normalizer(self, trees):
-        from treetrain.objectives.policy import loss_normalizer
+        from treetrain.objectives.policy.aggregation import loss_normalizer
 
         return loss_normalizer(trees, self.config)
 
     def micro_loss(self, trees, packing):
         from treetrain.objectives.baseline import sequence_loss
-        from treetrain.objectives.policy import compute_loss
+        from treetrain.objectives.policy.loss import compute_loss
 
         loss = compute_loss if packing == "tree" else sequence_loss
         cfg, ref, normalizer = self.config, self.reference, self.normalizer(trees)
@@ -77,6 +77,6 @@ class PolicyObjective(TrainObjective):
         return micro
 
     def summarize(self, sums: Mapping[str, torch.Tensor]) -> dict[str, float]:
-        from treetrain.objectives.policy import summarize_metrics
+        from treetrain.objectives.policy.loss import summarize_metrics
 
         return summarize_metrics(sums)

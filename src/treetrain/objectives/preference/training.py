@@ -1,8 +1,8 @@
-"""``--objective dpo | reward``: the preference objectives (:mod:`treetrain.objectives.preference`)
+"""``--objective dpo | reward``: the preference objectives (:mod:`treetrain.objectives.preference.loss`)
 as a :class:`treetrain.objectives.interface.TrainObjective`.
 
 Records are preference pairs (path ids ``2k``, ``2k + 1``: chosen, rejected). A pair is never
-split: a record is one unit (:func:`treetrain.objectives.preference.pair_units`), whole on one rank
+split: a record is one unit (:func:`treetrain.objectives.preference.pairs.pair_units`), whole on one rank
 and in one micro-batch, so every micro-batch's loss is a sum over whole pairs divided by the step's
 number of pairs, on any number of ranks. ``dpo`` with loss type ``sigmoid`` or ``ipo`` scores the
 pairs under a frozen reference (``--ref-model DIR``, or a copy of the initial policy); under
@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from treetrain.objectives.interface import Kit, TrainObjective, loss_options
-from treetrain.objectives.preference import PreferenceObjective as PreferenceConfig
-from treetrain.objectives.preference import check_pair_record
+from treetrain.objectives.preference.loss import PreferenceObjective as PreferenceConfig
+from treetrain.objectives.preference.pairs import check_pair_record
 from treetrain.trees.tree import TrajectoryTree
 
 __all__ = ["PreferenceTraining"]
@@ -64,22 +64,23 @@ class PreferenceTraining(TrainObjective):
             self.reference = kit.frozen(kit.load(self.ref_model))
 
     def microbatches(self, trees, packing, capacity):
-        from treetrain.objectives.preference import pair_microbatches
+        from treetrain.objectives.preference.pairs import pair_microbatches
 
         return pair_microbatches(trees, packing, capacity)
 
     def units(self, trees, packing, capacity):
-        from treetrain.objectives.preference import pair_units
+        from treetrain.objectives.preference.pairs import pair_units
 
         return pair_units(trees, packing, capacity)
 
     def pack(self, units, packing, capacity):
-        from treetrain.objectives.preference import pack_pair_units
+        from treetrain.objectives.preference.pairs import pack_pair_units
 
         return pack_pair_units(units, packing, capacity)
 
     def micro_loss(self, trees: list[TrajectoryTree], packing: str):
-        from treetrain.objectives.preference import compute_preference_loss, preference_normalizer
+        from treetrain.objectives.preference.loss import compute_preference_loss
+        from treetrain.objectives.preference.pairs import preference_normalizer
 
         cfg, ref, normalizer = self.config, self.reference, preference_normalizer(trees)
 
@@ -91,7 +92,7 @@ class PreferenceTraining(TrainObjective):
         return micro
 
     def summarize(self, sums):
-        from treetrain.objectives.preference import summarize_preference
+        from treetrain.objectives.preference.loss import summarize_preference
 
         return summarize_preference(sums)
 
@@ -100,7 +101,7 @@ class PreferenceTraining(TrainObjective):
             return super().idle_loss(model, backend)
         from treetrain.objectives.interface import idle_tree
         from treetrain.objectives.path_outputs import path_last_hidden
-        from treetrain.objectives.preference import reward_head
+        from treetrain.objectives.preference.loss import reward_head
         from treetrain.trees.packing import pack
 
         hidden = path_last_hidden(model, pack([idle_tree()]), "tree", backend=backend)

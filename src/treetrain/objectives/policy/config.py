@@ -1,6 +1,6 @@
 """What a policy objective is: :class:`Objective` (name, clip range, KL and entropy terms, aggregation)
 and what it needs from the data (:func:`objective_needs`). The formulas are in
-:mod:`treetrain.objectives.policy`.
+:mod:`treetrain.objectives.policy.loss`.
 """
 
 from __future__ import annotations
