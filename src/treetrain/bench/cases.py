@@ -246,7 +246,6 @@ def case_flops(trees, capacity: int, cost: CostModel, vocab: int | None = None) 
     from dataclasses import replace
 
     from treetrain.logprobs import LOGITS_KEEP_BYTES
-    from treetrain.train.strategies import get_strategy
     from treetrain.trees.partition import partition
 
     parts = [p for t in trees for p in partition(t, capacity)]
@@ -254,7 +253,7 @@ def case_flops(trees, capacity: int, cost: CostModel, vocab: int | None = None) 
     if vocab is not None:
         for mode, work in (("sequence", base), ("tree", tree)):
             per_call = [
-                sum(tree_targets(u) for u in mb) for mb in get_strategy(mode).microbatches(trees, capacity)
+                sum(tree_targets(u) for u in mb) for mb in _objective().microbatches(trees, mode, capacity)
             ]
             work = replace(work, recomputed=recomputed_targets(per_call, vocab, LOGITS_KEEP_BYTES))
             base, tree = (work, tree) if mode == "sequence" else (base, work)
