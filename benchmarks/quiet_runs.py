@@ -108,14 +108,14 @@ def run(step: Step, args, results: Path, log_dir: Path, quick: bool) -> dict:
     cmd = [python] + [a.format(results=results) for a in (step.check if quick else step.command)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     env["TREETRAIN_RESULTS"] = str(results)
-    start = time.time()
+    before = {p: p.stat().st_mtime_ns for p in results.glob("*") if p.is_file()}  # a rerun overwrites
     log = log_dir / f"{step.name}.log"
     print(f"[{step.name}] {' '.join(cmd[1:])} (~{step.minutes} min quiet)", flush=True)
     t0 = time.perf_counter()
     with open(log, "w") as out:
         rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
     wall = time.perf_counter() - t0
-    written = sorted(p for p in results.glob("*") if p.is_file() and p.stat().st_mtime >= start - 1)
+    written = sorted(p for p in results.glob("*") if p.is_file() and before.get(p) != p.stat().st_mtime_ns)
     problems = [] if rc == 0 else [f"exit status {rc} (see {log})"]
     problems += well_formed(written)
     print(f"[{step.name}] {'ok' if not problems else 'FAILED: ' + '; '.join(problems)}, {wall:.0f} s, "
