@@ -17,10 +17,19 @@ Timing is the fastest of ``--repeats`` runs (noise on a shared machine only adds
 ``--clock cpu`` measures process CPU time, which is robust to other load but meaningful with
 ``--threads 1`` only.
 
+``--sweep``: the block and fanout the blocksparse backend should choose by tree shape
+(``treetrain.attention.blockrule.choose_block``, whose thresholds are provisional until this sweep
+runs on a quiet machine). Group trees across prompt length, width and branch length (1k-12k tokens),
+per-turn trees and small forests; per tree the efficiency (the causal kernel's per-pair rate x the
+allowed pairs / time) of every ``(block, fanout)`` in ``--configs``, the best, the rule's pick, and
+the before (64 / 4, the old default) and after (the rule) of that tree.
+
 Usage::
 
     python benchmarks/attention_cpu.py --threads 1 --clock cpu --write
     python benchmarks/attention_cpu.py --blocks 64 128              # wall clock, default threads
+    python benchmarks/attention_cpu.py --sweep --write              # the block rule's figures
+    python benchmarks/attention_cpu.py --sweep --quick              # a seconds-long check of the sweep
 """
 
 from __future__ import annotations
@@ -34,10 +43,13 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from common import machine_before, noise_section
 
-from treetrain.attention.blocksparse import FANOUT, blocksparse_attention, build_plan
+from treetrain.attention.blockrule import FANOUT, choose_block, segment_mean
+from treetrain.attention.blocksparse import blocksparse_attention, build_plan
 from treetrain.attention.dense import dense_attention
 from treetrain.attention.mask import TreeMask, dense_tree_mask
+from treetrain.bench import noise
 
 
 class Tree:
@@ -104,16 +116,21 @@ TREES = {
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
-def fastest(fn: Callable[[], None], repeats: int, clock: str) -> float:
-    """Fastest seconds of ``fn()`` over ``repeats`` runs, after one warm-up."""
+def runs(fn: Callable[[], None], repeats: int, clock: str) -> list[float]:
+    """Seconds of ``fn()`` in each of ``repeats`` runs, after one warm-up."""
     now = CLOCKS[clock]
     fn()
-    best = float("inf")
+    times = []
     for _ in range(repeats):
         t0 = now()
         fn()
-        best = min(best, now() - t0)
-    return best
+        times.append(now() - t0)
+    return times
+
+
+def fastest(fn: Callable[[], None], repeats: int, clock: str) -> float:
+    """Fastest seconds of ``fn()`` over ``repeats`` runs, after one warm-up."""
+    return min(runs(fn, repeats, clock))
 
 
 def cpu_name() -> str:
@@ -201,12 +218,126 @@ def bench_tree(name: str, tree: Tree, args: argparse.Namespace) -> list[str]:
 
         def blocksparse(block=block, plan=plan):
             mask = TreeMask(se)
-            mask.cache[("blocksparse", block)] = plan
-            return blocksparse_attention(q, k, v, mask, scale, block)
+            mask.cache[("blocksparse", block, args.fanout)] = plan
+            return blocksparse_attention(q, k, v, mask, scale, block, fanout=args.fanout)
 
         t = time_it(step(blocksparse))
         row(f"**blocksparse** ({len(plan.tiles)} tiles)", block, f"{plan.computed_pairs / allowed:.3f}", t)
     return rows
+
+
+def forest(trees: list[Tree]) -> Tree:
+    """Several trees side by side (a batch of prompts), in DFS order."""
+    out = Tree()
+    for t in trees:
+        base = len(out.parent)
+        out.parent += [p + base if p >= 0 else -1 for p in t.parent]
+        out.leaves += [leaf + base for leaf in t.leaves]
+    return out
+
+
+def sweep_trees(quick: bool = False) -> dict[str, Callable[[], Tree]]:
+    """The sweep's tree shapes: group trees (prompt P, n branches of b) across 1k-12k tokens, per-turn
+    trees, and forests of small groups (several prompts per batch)."""
+    if quick:
+        return {"group: prompt 256 + 4 x 64": lambda: group_tree(256, 4, 64)}
+    trees = {}
+    for P, n, b in [
+        (512, 16, 224), (1024, 6, 512), (1024, 16, 64), (2048, 8, 64), (2048, 8, 512), (4096, 8, 64),
+        (4096, 16, 384), (4096, 4, 1024), (8192, 4, 256), (512, 4, 128),
+    ]:  # fmt: skip
+        trees[f"group: prompt {P} + {n} x {b}"] = lambda P=P, n=n, b=b: group_tree(P, n, b)
+    trees["per-turn: 8 x (160 user, 160 think, 96 answer)"] = lambda: per_turn_tree(8, 160, 160, 96)
+    trees["per-turn: 16 x (64 user, 96 think, 32 answer)"] = lambda: per_turn_tree(16, 64, 96, 32)
+    trees["per-turn: 8 x (512 user, 512 think, 128 answer)"] = lambda: per_turn_tree(8, 512, 512, 128)
+    trees["forest: 4 x (prompt 256 + 4 x 48)"] = lambda: forest([group_tree(256, 4, 48) for _ in range(4)])
+    trees["forest: 2 x (prompt 1024 + 8 x 128)"] = lambda: forest(
+        [group_tree(1024, 8, 128) for _ in range(2)]
+    )
+    return trees
+
+
+CONFIGS = [(32, 4), (64, 4), (64, 8), (128, 4), (128, 8), (256, 4), (256, 8), (512, 8)]
+
+
+def sweep_tree(name: str, tree: Tree, args: argparse.Namespace, configs) -> dict:
+    """Efficiency of every ``(block, fanout)`` on one tree (see :func:`bench_tree` for the measure)."""
+    heads, kv_heads, dim = args.heads, args.kv_heads or args.heads, args.dim
+    se = tree.subtree_end()
+    T = se.numel()
+    allowed = int((se - torch.arange(T)).sum())
+    q = torch.randn(T, heads, dim).transpose(0, 1).requires_grad_()
+    k, v = (torch.randn(T, kv_heads, dim).transpose(0, 1).requires_grad_() for _ in range(2))
+
+    def step(fn):
+        def run():
+            q.grad = k.grad = v.grad = None
+            out = fn()
+            out.backward(torch.ones_like(out))
+
+        return run
+
+    causal = lambda: F.scaled_dot_product_attention(  # noqa: E731
+        q[None], k[None], v[None], is_causal=True, scale=dim**-0.5, enable_gqa=True
+    )
+    rule = choose_block(se)
+    times = {}
+    with noise.Monitor() as monitor:
+        times["causal"] = runs(step(causal), args.repeats, args.clock)
+        for block, fanout in dict.fromkeys([*configs, rule]):
+            plan = build_plan(se, block, fanout)  # not timed: built once per forward, shared by all layers
+
+            def blocksparse(plan=plan, block=block, fanout=fanout):
+                mask = TreeMask(se)
+                mask.cache[("blocksparse", block, fanout)] = plan
+                return blocksparse_attention(q, k, v, mask, dim**-0.5, block, fanout=fanout)
+
+            times[(block, fanout)] = runs(step(blocksparse), args.repeats, args.clock)
+    bound = min(times["causal"]) * allowed / (T * (T + 1) // 2)
+    eff = {c: bound / min(t) for c, t in times.items() if c != "causal"}
+    stats = {str(c): noise.summary(t) for c, t in times.items()}
+    spread = max(st["spread"] for st in stats.values())
+    untrusted = noise.verdict(stats, monitor.load if args.clock == "wall" else None)
+    return {"name": name, "T": T, "segment_mean": segment_mean(se), "eff": eff, "best": max(eff, key=eff.get),
+            "rule": rule, "spread": spread, "untrusted": untrusted}  # fmt: skip
+
+
+def sweep_table(rows: list[dict], configs) -> str:
+    cols = " | ".join(f"{b}/{f}" for b, f in configs)
+    lines = [
+        f"| tree | T | segment mean | {cols} | best | rule | before (64/4) | after (rule) | rule / best "
+        "| spread (widest) | timings |",
+        "|" + "---|" * (len(configs) + 10),
+    ]
+    for r in rows:
+        effs = " | ".join(f"{r['eff'][c]:.3f}" for c in configs)
+        before, after, best = r["eff"][(64, 4)], r["eff"][r["rule"]], r["eff"][r["best"]]
+        lines.append(
+            f"| {r['name']} | {r['T']} | {r['segment_mean']:.0f} | {effs} | {r['best'][0]}/{r['best'][1]} | "
+            f"{r['rule'][0]}/{r['rule'][1]} | {before:.3f} | **{after:.3f}** | {after / best:.3f} | "
+            f"{r['spread']:.0%} | {'NOT TRUSTWORTHY (below)' if r['untrusted'] else 'ok'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def run_sweep(args: argparse.Namespace) -> list[str]:
+    configs = [(32, 4), (64, 4), (256, 8)] if args.quick else args.configs or CONFIGS
+    configs = list(dict.fromkeys([(64, 4), *configs]))  # the old default: the "before" column
+    before = machine_before()
+    rows = []
+    for name, make in sweep_trees(args.quick).items():
+        rows.append(sweep_tree(name, make(), args, configs))
+        r = rows[-1]
+        print(f"{name}: T {r['T']}, best {r['best']} {r['eff'][r['best']]:.3f}, rule {r['rule']} "
+              f"{r['eff'][r['rule']]:.3f}, 64/4 {r['eff'][(64, 4)]:.3f}", flush=True)  # fmt: skip
+    return [
+        "Efficiency per (block / fanout): the causal kernel's per-pair rate x allowed pairs / time, "
+        "forward + backward; *segment mean*: the token-weighted mean length of the tree's chains "
+        "(`blockrule.segment_mean`), what the rule reads; *rule*: `blockrule.choose_block` "
+        "(BLOCK_RULE, provisional until this sweep).\n",
+        sweep_table(rows, configs),
+        noise_section(before, [(r["name"], r["untrusted"]) for r in rows]),
+    ]
 
 
 def main() -> None:
@@ -227,6 +358,19 @@ def main() -> None:
     p.add_argument(
         "--write", action="store_true", help="append to benchmarks/results/attention_cpu_<cpu>_<date>.md"
     )
+    p.add_argument(
+        "--sweep", action="store_true", help="the block and fanout by tree shape (module docstring)"
+    )
+    p.add_argument("--quick", action="store_true", help="with --sweep: one small tree, three configurations")
+    p.add_argument(
+        "--configs",
+        nargs="+",
+        type=lambda t: tuple(int(x) for x in t.split(":")),
+        metavar="BLOCK:FANOUT",
+        help="with --sweep: the (block, fanout) pairs to time (default: "
+        + " ".join(f"{b}:{f}" for b, f in CONFIGS)
+        + ")",
+    )
     args = p.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
@@ -245,17 +389,28 @@ def main() -> None:
         + "\n|---|---|---|---|---|---|---|---|---|---|---|"
         + ("" if args.layer is None else "---|")
     )
-    print(header, flush=True)
-    lines = [header]
-    for name in chosen:
+    if args.sweep:
+        header = (
+            f"### sweep: fp32, Hq = {args.heads}, Hkv = {args.kv_heads or args.heads}, D = {args.dim}; "
+            f"{args.threads} thread(s), {args.clock} clock, fastest of {args.repeats}, "
+            f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n"
+        )
+        print(header, flush=True)
+        lines = [header] + run_sweep(args)
+        print("\n".join(lines[1:]))
+    else:
+        print(header, flush=True)
+        lines = [header]
+    for name in [] if args.sweep else chosen:
         for line in bench_tree(name, TREES[name](), args):
             print(line, flush=True)
             lines.append(line)
     if args.write:
         hw = cpu_name()
         slug = re.sub(r"[^a-z0-9]+", "-", hw.lower()).strip("-")
+        results = os.environ.get("TREETRAIN_RESULTS") or os.path.join(os.path.dirname(__file__), "results")
         path = os.path.join(
-            os.path.dirname(__file__), "results", f"attention_cpu_{slug}_{datetime.date.today()}.md"
+            results, f"attention_cpu_{'sweep_' if args.sweep else ''}{slug}_{datetime.date.today()}.md"
         )
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fresh = not os.path.exists(path)

@@ -19,7 +19,8 @@ from pathlib import Path
 
 from treetrain.bench import allocator, noise
 
-RESULTS = Path(__file__).parent / "results"
+# where result files go; TREETRAIN_RESULTS redirects them (quiet_runs.py --check writes to a scratch folder)
+RESULTS = Path(os.environ.get("TREETRAIN_RESULTS") or Path(__file__).parent / "results")
 
 # Qwen3-shaped random-init models of the TRL and verl benchmarks
 QWEN3_SHAPES = {
@@ -133,3 +134,54 @@ def result_path(name: str, device: str = "cpu") -> Path:
     date = datetime.date.today().isoformat()
     RESULTS.mkdir(parents=True, exist_ok=True)
     return RESULTS / f"{name}_{device}-{os.cpu_count()}core-{slug}_{date}.md"
+
+
+def estimate_line(script: str, argv, seconds: float, rate: float) -> str:
+    """The line ``--estimate`` prints: the command, its estimated wall time and the rate it assumes."""
+    import sys
+
+    args = " ".join(a for a in (argv if argv is not None else sys.argv[1:]) if a != "--estimate")
+    return (
+        f"estimate: `python benchmarks/{script} {args}`: about {seconds / 60:.0f} min ({seconds:,.0f} s) at "
+        f"{rate / 1e9:.0f} GFLOP/s (the quiet 2-core EPYC's rate on such steps; FLOPs only: fixed costs, "
+        "model building and elementwise work come on top)"
+    )
+
+
+def flop_audit_table(rows: list[dict], unpriced: str) -> str:
+    """Markdown: per case and mode, the FLOPs a step executed (``treetrain.bench.measure.count_flops``)
+    beside the bound's model of them, by kind, and the elementwise passes over logits the model
+    does not price. ``rows``: ``{"case", "mode", "counted": {...}, "model": {"linear", "attention",
+    "head"}}``; ``unpriced``: what else the model leaves out, for the note under the table."""
+    g = 1e9
+    lines = [
+        "| case | mode | counted GFLOP: linear / attention / head | model GFLOP: linear / attention / head "
+        "| counted / model | logit elements (M) |",
+        "|" + "---|" * 6,
+    ]
+    for r in rows:
+        c, m = r["counted"], r["model"]
+        total = sum(m.values())
+        counted = " / ".join(f"{c[k] / g:.2f}" for k in ("linear", "attention", "head"))
+        model = " / ".join(f"{m[k] / g:.2f}" for k in ("linear", "attention", "head"))
+        lines.append(
+            f"| {r['case']} | {r['mode']} | {counted} | {model} "
+            f"| **{c['total'] / total if total else float('nan'):.3f}** | {c['logit_elements'] / 1e6:.1f} |"
+        )
+    note = (
+        "\nCounted: every matmul and attention call the step ran (``FlopCounterMode``; the CPU flash "
+        "kernel at its computed pairs: all L x S with a mask, the lower triangle when causal; backward = "
+        "2x forward). Model: ``treetrain.trees.flops.Work`` of what the benchmark says the mode runs. "
+        "*logit elements*: elements of ``[..., vocab]`` tensors written by elementwise ops (softmax, exp, "
+        f"masks), which FLOPs do not price. Not counted by either: {unpriced}.\n"
+    )
+    return "\n".join(lines) + "\n" + note
+
+
+def block_rule_line() -> str:
+    """The CPU tree attention's block rule in force (``blockrule.BLOCK_RULE``), for result headers:
+    figures taken under a provisional rule say so."""
+    from treetrain.attention.blockrule import BLOCK_RULE
+
+    rule = ", ".join(f"segment mean >= {m}: {b} / {f}" for m, b, f in BLOCK_RULE)
+    return f"CPU tree attention: blocksparse, block / fanout by the tree's shape ({rule})"

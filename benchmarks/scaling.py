@@ -77,7 +77,7 @@ def measure(model, model_args, tree, args, cost, rate) -> dict:
                 times[mode].append(time.perf_counter() - t0)
     load = monitor.stop() if args.repeats else None
     model.zero_grad(set_to_none=True)
-    base_flops, tree_flops, _ = bench.case_flops(trees, capacity, cost)
+    base_flops, tree_flops, _ = bench.case_flops(trees, capacity, cost, model.config.vocab_size)
     stats, untrusted = judge({"tree": times["tree"], "baseline": times["sequence"]}, load)
     row = {"tree_tokens": tree.num_tokens, "baseline_tokens": tree.num_path_tokens, "por": tree.por}
     row["spread"] = {"sequence": stats["baseline"]["spread"], "tree": stats["tree"]["spread"]}
@@ -91,6 +91,7 @@ def measure(model, model_args, tree, args, cost, rate) -> dict:
     row["bound"] = base_flops / tree_flops
     row["flops"] = {"sequence": base_flops, "tree": tree_flops}
     row["speedup"] = row["sequence"]["s"] / row["tree"]["s"]
+    row["untrusted"] += noise.verdict({}, efficiency=row["speedup"] / row["bound"])  # above 1.05: flagged
     return row
 
 

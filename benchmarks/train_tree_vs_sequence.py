@@ -46,9 +46,10 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_allocator_flag, judge, machine_before, noise_section, use_allocator  # noqa: E402
+from common import RESULTS, add_allocator_flag, judge, machine_before, noise_section, use_allocator  # noqa: E402
 
 from treetrain.bench import allocator, noise  # noqa: E402
+from treetrain.bench.measure import peak_bytes
 from treetrain.data.reader import iter_trees, sample_path
 from treetrain.objectives.policy.config import Objective
 from treetrain.objectives.policy.training import PolicyObjective
@@ -134,11 +135,20 @@ def bench_tree(name, tree, vocab, args, objective, cost) -> dict:
                 r["wall"].append(wall)
                 r["cpu"].append(cpu)
     load = monitor.stop() if args.repeats else None
+
+    def one_step(packing: str):
+        r = runs[packing]
+        return timed_step(r["model"], r["opt"], [tree], packing, args.capacity, objective)
+
+    # after the timings: one profiled step per mode (the profiler's cost stays out of the times)
+    peak = {packing: peak_bytes(lambda p=packing: one_step(p)) / 2**20 for packing in runs}
     t, s = runs["tree"], runs["sequence"]
     stats, untrusted = judge({"tree": t["wall"], "baseline": s["wall"]}, load)
     parts = [part for mb in objective.microbatches([tree], "tree", args.capacity) for part in mb]
     flops_tree = tree_work(parts).flops(cost)
     flops_seq = baseline_work([tree]).flops(cost)
+    efficiency = min(s["wall"]) / min(t["wall"]) / (flops_seq / flops_tree)
+    untrusted += noise.verdict({}, efficiency=efficiency)  # above 1.05 of the bound: flagged
     return {
         "name": name,
         "paths": tree.num_paths,
@@ -157,6 +167,7 @@ def bench_tree(name, tree, vocab, args, objective, cost) -> dict:
         "loss_seq": s["loss"],
         "speedup_median": stats["baseline"]["median"] / stats["tree"]["median"],
         "spread": (stats["baseline"]["spread"], stats["tree"]["spread"]),
+        "peak": (peak["sequence"], peak["tree"]),
         "untrusted": untrusted,
     }
 
@@ -165,8 +176,9 @@ def table(rows: list[dict]) -> str:
     out = [
         "| tree | paths | path tokens | tree tokens | computed | token ratio | FLOP bound | tree s "
         "| sequence s | speedup (wall) | median (spread seq/tree) | efficiency | speedup (CPU time) "
-        "| loss tree | loss sequence | rel. diff | timings |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| loss tree | loss sequence | rel. diff | peak live MiB seq / tree (ratio; activation bound) "
+        "| timings |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         rel = abs(r["loss_tree"] - r["loss_seq"]) / abs(r["loss_seq"])
@@ -178,7 +190,8 @@ def table(rows: list[dict]) -> str:
             f"| {r['seq_s'] / r['tree_s'] / r['flop_ratio']:.2f} "
             f"| {r['seq_cpu'] / r['tree_cpu']:.2f}x "
             f"| {r['loss_tree']:.6f} | {r['loss_seq']:.6f} | {rel:.1e} "
-            f"| {'NOT TRUSTWORTHY' if r['untrusted'] else 'ok'} |"
+            f"| {r['peak'][0]:.0f} / {r['peak'][1]:.0f} ({r['peak'][0] / r['peak'][1]:.2f}x; "
+            f"{r['token_ratio']:.2f}x) | {'NOT TRUSTWORTHY' if r['untrusted'] else 'ok'} |"
         )
     tot = {k: sum(r[k] for r in rows) for k in ("path_tokens", "tree_tokens", "computed", "tree_s", "seq_s")}
     cpu_t, cpu_s = sum(r["tree_cpu"] for r in rows), sum(r["seq_cpu"] for r in rows)
@@ -187,7 +200,7 @@ def table(rows: list[dict]) -> str:
         f"| **all** | {sum(r['paths'] for r in rows)} | {tot['path_tokens']:,} | {tot['tree_tokens']:,} "
         f"| {tot['computed']:,} | {tot['path_tokens'] / tot['computed']:.2f} | {flop_ratio:.2f} "
         f"| {tot['tree_s']:.2f} | {tot['seq_s']:.2f} | **{tot['seq_s'] / tot['tree_s']:.2f}x** | "
-        f"| {tot['seq_s'] / tot['tree_s'] / flop_ratio:.2f} | {cpu_s / cpu_t:.2f}x | | | "
+        f"| {tot['seq_s'] / tot['tree_s'] / flop_ratio:.2f} | {cpu_s / cpu_t:.2f}x | | | | "
         f"| {'NOT TRUSTWORTHY' if any(r['untrusted'] for r in rows) else 'ok'} |"
     )
     return "\n".join(out)
@@ -240,16 +253,16 @@ def main() -> None:
         "family, "
         "chunked head on trained targets, same compute_loss)\n"
         "- speedup (wall): sequence time / tree time; CPU time: process user+system time, less "
-        "sensitive to other load on the machine\n\n"
+        "sensitive to other load on the machine\n"
+        "- peak live MiB: the most tensor bytes alive at once during one step of each mode "
+        "(treetrain.bench.measure.peak_bytes); activation bound: the token ratio\n\n"
     )
     text = head + table(rows) + "\n\n" + noise_section(before, [(r["name"], r["untrusted"]) for r in rows])
     print("\n" + text)
     if args.write:
         slug = re.sub(r"[^a-z0-9]+", "-", hw.lower()).strip("-")
-        path = os.path.join(
-            os.path.dirname(__file__), "results", f"train_tree_vs_sequence_{slug}_{datetime.date.today()}.md"
-        )
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        path = RESULTS / f"train_tree_vs_sequence_{slug}_{datetime.date.today()}.md"
+        path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as f:  # one section per invocation (e.g. --vocab full, then compact)
             f.write(("\n" if f.tell() else TITLE) + text)
         print(f"appended to {path}")

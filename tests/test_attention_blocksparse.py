@@ -16,7 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from treetrain.attention import blocksparse
+from treetrain.attention import blockrule, blocksparse
 from treetrain.attention.blocksparse import blocksparse_attention, build_plan
 from treetrain.attention.dense import dense_attention
 from treetrain.attention.mask import TreeMask, check_subtree_end, dense_tree_mask
@@ -76,11 +76,11 @@ def _run(fn, q, k, v, do, subtree_end, **kw):
     return (out.detach(), *torch.autograd.grad(out, (q, k, v), do))
 
 
-def _rel_errors(subtree_end, block, dtype, hq=4, hkv=2, dim=8, seed=0):
+def _rel_errors(subtree_end, block, dtype, hq=4, hkv=2, dim=8, seed=0, fanout=None):
     """Max error of (out, dq, dk, dv), blocksparse in ``dtype`` vs dense in float64, relative to
     ``max(|reference|, 1)`` (a one-token tree has dq = dk = 0 exactly)."""
     q, k, v, do = _inputs(subtree_end.numel(), hq, hkv, dim, dtype, seed)
-    got = _run(blocksparse_attention, q, k, v, do, subtree_end, block=block)
+    got = _run(blocksparse_attention, q, k, v, do, subtree_end, block=block, fanout=fanout)
     q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
     ref = _run(dense_attention, q64, k64, v64, do.double(), subtree_end)
     return [float((a.double() - b).abs().max() / b.abs().max().clamp_min(1)) for a, b in zip(got, ref)]
@@ -123,10 +123,15 @@ def test_rows_whose_first_kernel_block_is_all_masked():
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(subtree_end=dfs_trees(), block=st.sampled_from([1, 2, 3, 4, 8, 16]), heads=st.sampled_from([1, 2]))
-def test_float64_random_trees(subtree_end, block, heads):
+@given(
+    subtree_end=dfs_trees(),
+    block=st.sampled_from([1, 2, 3, 4, 8, 16]),
+    fanout=st.sampled_from([2, 4, 8]),
+    heads=st.sampled_from([1, 2]),
+)
+def test_float64_random_trees(subtree_end, block, fanout, heads):
     check_subtree_end(subtree_end)
-    errs = _rel_errors(subtree_end, block, torch.float64, hq=2 * heads, hkv=heads)
+    errs = _rel_errors(subtree_end, block, torch.float64, hq=2 * heads, hkv=heads, fanout=fanout)
     assert max(errs) < 1e-12, errs
 
 
@@ -155,10 +160,14 @@ def _coverage(plan, T):
 
 
 @settings(max_examples=60, deadline=None)
-@given(subtree_end=dfs_trees(max_tokens=160), block=st.sampled_from([1, 2, 4, 8, 32]))
-def test_plan_covers_each_allowed_pair_once(subtree_end, block):
+@given(
+    subtree_end=dfs_trees(max_tokens=160),
+    block=st.sampled_from([1, 2, 4, 8, 32]),
+    fanout=st.sampled_from([2, 3, 4, 8]),
+)
+def test_plan_covers_each_allowed_pair_once(subtree_end, block, fanout):
     T = subtree_end.numel()
-    plan = build_plan(subtree_end, block)
+    plan = build_plan(subtree_end, block, fanout)
     assert torch.equal(_coverage(plan, T), dense_tree_mask(subtree_end).long())
     assert plan.allowed_pairs == int(dense_tree_mask(subtree_end).sum())
     # the masked-out work: the local tiles' upper triangles, plus each key at most once in the
@@ -193,10 +202,60 @@ def test_plan_is_cached_across_layers():
     mask = TreeMask(se)
     q, k, v, _ = _inputs(se.numel(), 2, 2, 8, torch.float64)
     blocksparse_attention(q, k, v, mask, scale=0.3, block=8)
-    plan = mask.cache[("blocksparse", 8)]
+    plan = mask.cache[("blocksparse", 8, None)]
     blocksparse_attention(q, k, v, mask, scale=0.3, block=8)
-    assert mask.cache[("blocksparse", 8)] is plan
+    assert mask.cache[("blocksparse", 8, None)] is plan
     assert len(plan._additive) == 1  # one set of kernel masks per (dtype, GQA group size)
+
+
+# a 2,000-token prompt and 8 branches of 40: segment mean (2000^2 + 8 * 40^2) / 2320 ~ 1730, so the
+# rule picks its long-prompt tiles; 2,320 tokens make three levels even at block 256 / fanout 8
+LONG_PROMPT = chains(*[40] * 8, prefix=2000)
+SHORT_BRANCHES = chains(*[24] * 12, prefix=40)  # segment mean (40^2 + 12 * 24^2) / 328 ~ 26
+
+
+def test_block_rule_picks_by_segment_mean(monkeypatch):
+    assert blockrule.segment_mean(chains(10)) == 10.0
+    assert blockrule.segment_mean(chains(3, 1, prefix=2)) == (4 + 9 + 1) / 6
+    assert blockrule.choose_block(LONG_PROMPT) == (256, 8)
+    assert blockrule.choose_block(SHORT_BRANCHES) == (64, 4)
+    # the first row whose threshold the mean reaches wins
+    monkeypatch.setattr(blockrule, "BLOCK_RULE", ((100, 32, 2), (20, 16, 3), (0, 8, 4)))
+    assert blockrule.choose_block(SHORT_BRANCHES) == (16, 3)
+    assert blockrule.choose_block(LONG_PROMPT) == (32, 2)
+
+
+def test_chosen_block_is_used_and_cached():
+    mask = TreeMask(LONG_PROMPT)
+    q, k, v, _ = _inputs(LONG_PROMPT.numel(), 2, 1, 4, torch.float64)
+    blocksparse_attention(q, k, v, mask, scale=0.5)
+    plan = mask.cache[("blocksparse", None, None)]
+    assert (plan.block, plan.fanout) == (256, 8)
+    blocksparse_attention(q, k, v, mask, scale=0.5, fanout=2)  # an explicit fanout, the rule's block
+    plan = mask.cache[("blocksparse", None, 2)]
+    assert (plan.block, plan.fanout) == (256, 2)
+    with pytest.raises(ValueError, match="fanout >= 2"):
+        blocksparse_attention(q, k, v, mask, scale=0.5, fanout=1)
+
+
+@pytest.mark.parametrize("block,fanout", [(64, 4), (64, 8), (128, 4), (128, 8), (256, 4), (256, 8)])
+def test_rule_sizes_cover_each_allowed_pair_once(block, fanout):
+    # every block and fanout the rule can pick, on the tree shape it picks them for: each allowed
+    # pair computed exactly once (the numerics then follow from the kernel, checked below)
+    T = LONG_PROMPT.numel()
+    plan = build_plan(LONG_PROMPT, block, fanout)
+    assert torch.equal(_coverage(plan, T), dense_tree_mask(LONG_PROMPT).long())
+    assert plan.computed_pairs <= plan.allowed_pairs + 1.5 * T * block
+
+
+@pytest.mark.parametrize("se", [LONG_PROMPT, SHORT_BRANCHES], ids=["long-prompt", "short-branches"])
+@pytest.mark.parametrize("block,fanout", [(None, None), (64, 4), (256, 8), (128, 8)])
+def test_float64_any_block_and_fanout(se, block, fanout):
+    q, k, v, do = _inputs(se.numel(), 2, 1, 4, torch.float64)
+    got = _run(blocksparse_attention, q, k, v, do, se, block=block, fanout=fanout)
+    ref = _run(dense_attention, q, k, v, do, se)
+    errs = [float((a - b).abs().max() / b.abs().max().clamp_min(1)) for a, b in zip(got, ref)]
+    assert max(errs) < 1e-12, errs
 
 
 def test_token_major_inputs_and_partial_grads():
@@ -234,3 +293,4 @@ def test_edge_cases():
 
 def test_docstring_examples():
     assert doctest.testmod(blocksparse).failed == 0
+    assert doctest.testmod(blockrule).failed == 0

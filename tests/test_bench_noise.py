@@ -127,13 +127,15 @@ def test_trl_grpo_help_is_whole():
     out = _script("--help")
     # the whole description, not its first line cut mid-sentence
     assert "forward with gradients + backward, and\nthe no-grad scoring" in out
-    assert "Three modes, the same batch" in out and "NOT TRUSTWORTHY" in out
+    assert "Four modes, the same batch" in out and "NOT TRUSTWORTHY" in out
 
 
 @pytest.mark.slow  # TRL's trainer and one tiny case (~15 s quiet, more on a loaded machine)
 def test_trl_grpo_prints_each_row_once_with_its_noise():
     pytest.importorskip("trl")
-    out = _script("--prompt-lens", "16", "--groups", "2", "--completion-lens", "8", "--repeats", "2")
+    out = _script(
+        "--model", "tiny", "--prompt-lens", "16", "--groups", "2", "--completion-lens", "8", "--repeats", "2"
+    )
     rows = [line for line in out.splitlines() if line.startswith("| 16 | 2 | 8 |")]
     assert len(rows) == 1, out  # printed as it is measured, not again in a closing table
     assert out.count("| P | G | C |") == 1
@@ -141,4 +143,13 @@ def test_trl_grpo_prints_each_row_once_with_its_noise():
     assert rows[0].endswith("| ok |") or "NOT TRUSTWORTHY" in rows[0]
     assert "Machine before the run: load average" in out
     if "NOT TRUSTWORTHY" in rows[0]:
-        assert "- P=16 G=2 C=8: " in out  # the reasons, spelled out
+        assert "- P=16 G=2 C=8 x1: " in out  # the reasons, spelled out
+
+
+def test_above_the_bound_is_flagged_not_a_speedup():
+    quiet = noise.Load(cores=2, wall_s=1.0, loadavg=0.1, others_cores=0.0, steal=0.0)
+    ok = {"tree": noise.summary([1.0, 1.01]), "baseline": noise.summary([2.0, 2.01])}
+    assert noise.verdict(ok, quiet, bound=2.0, efficiency=1.05) == []
+    (reason,) = noise.verdict(ok, quiet, bound=2.0, efficiency=1.12)
+    assert reason.startswith("ABOVE THE BOUND: efficiency 1.12 > 1.05") and "not a speedup" in reason
+    assert noise.verdict({}, efficiency=0.93) == []

@@ -87,6 +87,20 @@ def test_partitioned_tree_counts_its_parts():
     assert flop_bound([tree], COST, capacity=6) == pytest.approx(84864 / Work(9, 23, 7).flops(COST))
 
 
+def test_recomputed_head_and_checkpointing_are_priced():
+    # a head that recomputes its logits in backward: one more forward head matmul per such target
+    assert Work(8, 22, 7, recomputed=7).flops(COST) == Work(8, 22, 7).flops(COST) + 7 * 160
+    # checkpointing: every layer's forward again but the MLP's down projection (2 * 8 * 16 per
+    # layer), and every attention pair again
+    assert COST.checkpointed == 2 * 2 * (192 + 2 * 8 * 16) == 1792
+    assert Work(8, 22, 7).flops(COST, checkpointing=True) == Work(8, 22, 7).flops(COST) + 8 * 1792 + 22 * 64
+    assert Work(8, 22, 7).forward_flops(COST) == 8 * 2304 + 22 * 64 + 7 * 160
+    # treetrain's head keeps a call's logits up to the budget, all or none
+    from treetrain.trees.flops import recomputed_targets
+
+    assert recomputed_targets([10, 30], vocab=10, keep_bytes=800) == 30  # 400 bytes kept, 1,200 not
+
+
 def _config(model_type, **kw):
     return SimpleNamespace(model_type=model_type, hidden_size=8, num_attention_heads=2, head_dim=4, **kw)
 

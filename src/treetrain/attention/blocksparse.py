@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from treetrain.attention.alibi import tile_bias
+from treetrain.attention.blockrule import FANOUT, block_and_fanout, level_sizes
 from treetrain.attention.mask import TreeMask, check_inputs
 from treetrain.attention.relbias import rel_bias_tile, rel_bias_tile_grad
 from treetrain.attention.sinks import add_sinks, sink_grad
@@ -53,8 +54,6 @@ try:  # the CPU flash kernel behind SDPA, called directly for its log-sum-exp an
     _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 except (AttributeError, RuntimeError) as e:  # the registry then falls back to dense
     raise ImportError(f"this torch {torch.__version__} has no CPU flash-attention kernel: {e}") from e
-
-FANOUT = 4  # row blocks per parent block; 4 ~ 8 > 2, 16 (benchmarks/results/attention_cpu_*)
 
 
 @dataclass(frozen=True)
@@ -100,6 +99,7 @@ class BlockSparsePlan:
     num_local: int
     allowed_pairs: int
     computed_pairs: int
+    fanout: int = FANOUT
     _additive: dict = field(default_factory=dict, repr=False)
 
     def kernel_masks(
@@ -154,14 +154,6 @@ def _window_allowed(pos: torch.Tensor, t: _Tile, window: int) -> torch.Tensor | 
     return None if bool(near.all()) else near
 
 
-def _tree_sizes(T: int, block: int, fanout: int) -> list[int]:
-    """Row-block sizes per level, ``block * fanout**j``, up to the first that covers ``T``."""
-    sizes = [block]
-    while sizes[-1] < T:
-        sizes.append(sizes[-1] * fanout)
-    return sizes
-
-
 def build_plan(subtree_end: torch.Tensor, block: int = 64, fanout: int = FANOUT) -> BlockSparsePlan:
     """Tile the allowed pairs of ``subtree_end [T]``: ``block``-row local tiles, coarser levels above.
 
@@ -175,7 +167,7 @@ def build_plan(subtree_end: torch.Tensor, block: int = 64, fanout: int = FANOUT)
         raise ValueError(f"need block >= 1 and fanout >= 2, got {block}, {fanout}")
     end = subtree_end.detach().to("cpu", torch.int64)
     T = end.numel()
-    sizes = _tree_sizes(T, block, fanout)
+    sizes = level_sizes(T, block, fanout)
     full: dict[tuple[int, int], list[torch.Tensor]] = {}  # (level, row start) -> keys all its rows see
     local: dict[int, list[torch.Tensor]] = {}  # row start -> keys for the masked local tile
 
@@ -211,7 +203,8 @@ def build_plan(subtree_end: torch.Tensor, block: int = 64, fanout: int = FANOUT)
     for (level, s), keys in sorted(full.items()):
         tiles.append(_Tile(s, min(s + sizes[level], T), **_keyset(torch.cat(keys).sort().values)))
     allowed = int((end - torch.arange(T)).sum())
-    return BlockSparsePlan(T, block, tiles, len(range(0, T, block)), allowed, sum(t.pairs for t in tiles))
+    computed = sum(t.pairs for t in tiles)  # num_local: one local tile per row block
+    return BlockSparsePlan(T, block, tiles, -(-T // block), allowed, computed, fanout)
 
 
 def _masked_tile(end: torch.Tensor, s: int, e: int, keys: torch.Tensor) -> _Tile:
@@ -447,8 +440,9 @@ def blocksparse_attention(
     v: torch.Tensor,
     mask: TreeMask,
     scale: float,
-    block: int = 64,
+    block: int | None = None,
     *,
+    fanout: int | None = None,
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
@@ -459,9 +453,11 @@ def blocksparse_attention(
 
     Shapes: ``q [Hq, T, D]``, ``k, v [Hkv, T, D]`` with ``Hq % Hkv == 0`` (GQA: query head ``h``
     reads key head ``h // (Hq // Hkv)``); returns ``[Hq, T, D]`` in ``q``'s memory layout (so
-    token-major ``[T, H, D]`` storage stays token-major). ``block``: rows of the finest tiles;
-    smaller masks fewer pairs but makes more kernel calls (64 measured best,
-    benchmarks/attention_cpu.py). float64, float32, bfloat16 (accumulated in float32).
+    token-major ``[T, H, D]`` storage stays token-major). ``block``: rows of the finest tiles
+    (smaller masks fewer pairs but makes more kernel calls), ``fanout``: row blocks per parent
+    block; None: chosen from the tree's shape (:func:`.blockrule.choose_block`, benchmarks/attention_cpu.py
+    --sweep). The result is exact for any block and fanout. float64, float32, bfloat16
+    (accumulated in float32).
     ``window``: sliding window along each path (an extra mask on the tiles that cross it).
     ``sinks [Hq]`` or ``[Hq, T]``: sink logits per head (GPT-OSS) or per head and query (Inkling2)
     (see :mod:`.sinks`), forward and gradient.
@@ -486,5 +482,8 @@ def blocksparse_attention(
         return q.new_empty(q.shape)
     pos = mask.window_positions(window)
     pos = None if pos is None else pos.detach().to("cpu", torch.int64)
-    plan = mask.cached(("blocksparse", block), lambda: build_plan(mask.subtree_end, block))
+    plan = mask.cached(  # a bad block or fanout raises here (never cached)
+        ("blocksparse", block, fanout),
+        lambda: build_plan(mask.subtree_end, *block_and_fanout(mask.subtree_end, block, fanout)),
+    )
     return _BlockSparseAttention.apply(q, k, v, plan, scale, pos, window, sinks, alibi, rel_bias, rel_pos)

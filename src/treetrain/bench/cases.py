@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from treetrain.bench import noise
-from treetrain.trees.flops import CostModel, baseline_work, tree_work
+from treetrain.trees.flops import CostModel, baseline_work, recomputed_targets, tree_targets, tree_work
 from treetrain.trees.packing import pack
 from treetrain.trees.tree import TrajectoryTree
 
@@ -206,7 +206,7 @@ class Result:
     tree_mfu: float
     hf_s: float | None  # plain HF step (one-path cases), else None
     tree_vs_hf: float | None  # tree time / HF time
-    baseline_peak_mb: float | None
+    baseline_peak_mb: float | None  # --memory: a fresh process's RSS growth over one step
     tree_peak_mb: float | None
     max_logprob_diff: float
     loss_diff: float  # |tree loss - baseline loss| of the warm-up step (same weights)
@@ -223,6 +223,12 @@ class Result:
     loadavg: float | None = None  # 1-minute load average at the end of the case
     steal: float | None = None
     untrusted: list[str] = dataclasses.field(default_factory=list)  # reasons; empty: none found
+    # the most MiB of tensors alive at once during one step (treetrain.bench.measure.peak_bytes:
+    # activations, gradients, logits; not the allocator's caching), and its ideal ratio: the
+    # activation bound, baseline tokens / distinct tokens
+    baseline_live_mb: float | None = None
+    tree_live_mb: float | None = None
+    activation_bound: float = 1.0
 
 
 def _timed(fn, device) -> tuple[float, float]:
@@ -233,12 +239,25 @@ def _timed(fn, device) -> tuple[float, float]:
     return time.perf_counter() - t0, out
 
 
-def case_flops(trees, capacity: int, cost: CostModel) -> tuple[float, float, int]:
-    """(baseline FLOPs, tree FLOPs, tokens the tree mode computes) of one step."""
+def case_flops(trees, capacity: int, cost: CostModel, vocab: int | None = None) -> tuple[float, float, int]:
+    """(baseline FLOPs, tree FLOPs, tokens the tree mode computes) of one step. With ``vocab``, the
+    head matmuls each mode recomputes in backward count too: a micro-batch whose scored targets'
+    logits exceed ``treetrain.logprobs.LOGITS_KEEP_BYTES`` (e.g. over 1,767 targets at vocab 151,936)."""
+    from dataclasses import replace
+
+    from treetrain.logprobs import LOGITS_KEEP_BYTES
     from treetrain.trees.partition import partition
 
     parts = [p for t in trees for p in partition(t, capacity)]
-    return baseline_work(trees).flops(cost), tree_work(parts).flops(cost), sum(p.num_tokens for p in parts)
+    base, tree = baseline_work(trees), tree_work(parts)
+    if vocab is not None:
+        for mode, work in (("sequence", base), ("tree", tree)):
+            per_call = [
+                sum(tree_targets(u) for u in mb) for mb in _objective().microbatches(trees, mode, capacity)
+            ]
+            work = replace(work, recomputed=recomputed_targets(per_call, vocab, LOGITS_KEEP_BYTES))
+            base, tree = (work, tree) if mode == "sequence" else (base, work)
+    return base.flops(cost), tree.flops(cost), sum(p.num_tokens for p in parts)
 
 
 def case_capacity(trees: list[TrajectoryTree], capacity: int) -> int:
@@ -273,7 +292,8 @@ def run_case(
     ``factory(*model_args)`` rebuilds the model for the peak-memory processes (:func:`peak_memory`)."""
     device = model.get_input_embeddings().weight.device
     capacity = case_capacity(trees, capacity)
-    base_flops, tree_flops, computed = case_flops(trees, capacity, cost)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    base_flops, tree_flops, computed = case_flops(trees, capacity, cost, vocab)
     modes = ["sequence", "tree"] + (["hf"] if all(t.num_paths == 1 for t in trees) else [])
     micro = {m: prepare(m, trees, capacity) if m != "hf" else [] for m in modes}
     times: dict[str, list[float]] = {m: [] for m in modes}
@@ -297,12 +317,14 @@ def run_case(
         m: peak_memory(m, model, model_args, trees, capacity, backend, factory) / 2**20 if memory else None
         for m in ("sequence", "tree")
     }
+    live = {m: live_peak_mb(m, model, trees, micro[m], backend) for m in ("sequence", "tree")}
     stats = {("baseline" if m == "sequence" else m): noise.summary(v) for m, v in times.items()}
     med = {m: min(v) for m, v in times.items()}
     tb, tt = med["sequence"], med["tree"]
     base_tok = sum(t.num_path_tokens for t in trees)
     tree_tok = sum(t.num_tokens for t in trees)
     bound = base_flops / tree_flops
+    efficiency = (tb / tt) / bound
     return Result(
         repeats=repeats,
         baseline_median_s=stats["baseline"]["median"],
@@ -313,7 +335,7 @@ def run_case(
         others_cores=None if load is None else load.others_cores,
         steal=None if load is None else load.steal,
         loadavg=None if load is None else load.loadavg,
-        untrusted=noise.verdict(stats, load, bound),
+        untrusted=noise.verdict(stats, load, bound, efficiency),
         name=name,
         paths=sum(t.num_paths for t in trees),
         baseline_tokens=base_tok,
@@ -324,32 +346,58 @@ def run_case(
         baseline_s=tb,
         tree_s=tt,
         speedup=tb / tt,
-        efficiency=(tb / tt) / bound,
+        efficiency=efficiency,
         baseline_mfu=base_flops / tb / rate,
         tree_mfu=tree_flops / tt / rate,
         hf_s=med.get("hf"),
         tree_vs_hf=tt / med["hf"] if "hf" in med else None,
         baseline_peak_mb=peaks["sequence"],
         tree_peak_mb=peaks["tree"],
+        baseline_live_mb=live["sequence"],
+        tree_live_mb=live["tree"],
+        activation_bound=base_tok / tree_tok,
         max_logprob_diff=max_logprob_diff(model, trees, capacity, backend),
         loss_diff=abs(losses["tree"] - losses["sequence"]),
         matmul_gflops=rate / 1e9,
     )
 
 
-def bench_model(hidden: int, layers: int, vocab: int, heads: int, device, dtype, seed: int = 0):
-    """A random-init Qwen3-architecture model (no download): GQA 2:1, MLP 3x, untied head."""
+def live_peak_mb(mode: str, model, trees, micro, backend) -> float:
+    """MiB of tensors alive at once during one step of ``mode`` (:func:`treetrain.bench.measure.peak_bytes`),
+    gradients freed before and after."""
+    from treetrain.bench.measure import peak_bytes
+
+    model.zero_grad(set_to_none=True)
+    peak = peak_bytes(lambda: train_step(mode, model, trees, micro, backend), next(model.parameters()).device)
+    model.zero_grad(set_to_none=True)
+    return peak / 2**20
+
+
+def bench_model(
+    hidden: int,
+    layers: int,
+    vocab: int,
+    heads: int,
+    device,
+    dtype,
+    seed: int = 0,
+    kv_heads: int | None = None,
+    head_dim: int | None = None,
+    intermediate: int | None = None,
+):
+    """A random-init Qwen3-architecture model (no download), untied head; unless given: GQA 2:1,
+    ``head_dim = hidden // heads``, MLP ``3 * hidden``."""
     import transformers
 
     torch.manual_seed(seed)
     cfg = transformers.Qwen3Config(
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=3 * hidden,
+        intermediate_size=intermediate or 3 * hidden,
         num_hidden_layers=layers,
         num_attention_heads=heads,
-        num_key_value_heads=max(1, heads // 2),
-        head_dim=hidden // heads,
+        num_key_value_heads=kv_heads or max(1, heads // 2),
+        head_dim=head_dim or hidden // heads,
         max_position_embeddings=65536,
         tie_word_embeddings=False,
     )

@@ -37,64 +37,13 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 from treetrain.bench import allocator, noise
+from treetrain.bench.presets import PRESETS, estimate
 
 if TYPE_CHECKING:  # torch and numpy are imported when the command runs, not for its --help
     import torch
 
     from treetrain.bench.cases import Result
     from treetrain.trees.tree import TrajectoryTree
-
-# model and case sizes; every flag left unset takes its preset's value (``--preset``)
-PRESETS: dict[str, dict] = {
-    "tiny": dict(  # a check that the command and its noise report work: seconds, not a measurement
-        hidden=16,
-        layers=1,
-        heads=2,
-        vocab=64,
-        paths=4,
-        path_len=16,
-        por=[0.5],
-        turns=0,
-        turn_len=8,
-        one_path=0,
-        repeats=3,
-        sample_trees=1,
-        capacity=64,
-        matmul_size=128,
-    ),
-    "small": dict(
-        hidden=512,
-        layers=2,
-        heads=4,
-        vocab=4096,
-        paths=16,
-        path_len=256,
-        por=[0.5, 0.8, 0.92],
-        turns=0,
-        turn_len=32,
-        one_path=1024,
-        repeats=4,
-        sample_trees=1,
-        capacity=4096,
-        matmul_size=2048,
-    ),
-    "mid": dict(
-        hidden=1024,
-        layers=8,
-        heads=8,
-        vocab=32000,
-        paths=4,
-        path_len=2048,
-        por=[0.5],
-        turns=8,
-        turn_len=512,
-        one_path=4096,
-        repeats=2,
-        sample_trees=2,
-        capacity=8192,
-        matmul_size=2048,
-    ),
-}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -113,7 +62,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         choices=sorted(PRESETS),
         default="small",
         help="sizes: tiny (a seconds-long check of the command, no measurement), small or mid (hidden "
-        "1024, 8 layers, >= 4k tokens per tree step). Times measured on a quiet 2-core AMD EPYC CPU "
+        "1024, 8 layers, >= 4k tokens per tree step), qwen3-0.6b and smollm2-135m (those models' shapes, "
+        "random init: real vocabularies and depths; --estimate gives their time). Times measured on a "
+        "quiet 2-core AMD EPYC CPU "
         "(docs/guides/benchmarks.md): small 43 s (glibc malloc), small with --turns 20 --sample 81 s and "
         "mid with --sample 22 min (tcmalloc); a loaded machine takes several times longer (478 s seen "
         "for small with --turns 20 --sample at load average 12), and the run says so. "
@@ -121,7 +72,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     p.add_argument("--hidden", type=int, default=None, help="model hidden size")
     p.add_argument("--layers", type=int, default=None, help="decoder layers")
-    p.add_argument("--heads", type=int, default=None, help="attention heads (key/value heads: half)")
+    p.add_argument("--heads", type=int, default=None, help="attention heads")
+    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: half the heads)")
+    p.add_argument("--head-dim", type=int, default=None, help="per-head size (default: hidden / heads)")
+    p.add_argument("--intermediate", type=int, default=None, help="MLP size (default: 3 x hidden)")
     p.add_argument("--vocab", type=int, default=None, help="vocabulary size")
     p.add_argument("--paths", type=int, default=None, help="paths per synthetic group tree")
     p.add_argument("--path-len", type=int, default=None, help="tokens per synthetic group-tree path")
@@ -157,7 +111,15 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "spread over them (2 or more needed to judge the noise)",
     )
     p.add_argument(
-        "--memory", action="store_true", help="also peak memory per mode (CPU: a fresh process each)"
+        "--memory",
+        action="store_true",
+        help="also each mode's RSS growth over a step (CPU: a fresh process each); every run reports the "
+        "peak of live tensors (one profiled step per mode) beside the activation bound",
+    )
+    p.add_argument(
+        "--estimate",
+        action="store_true",
+        help="only print the run's estimated time on a quiet 2-core CPU, from its FLOPs (no model built)",
     )
     allocator.add_flag(p)
     p.add_argument(
@@ -230,15 +192,32 @@ def _opt(x: float | None, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def _block_rule() -> tuple:
+    from treetrain.attention.blockrule import BLOCK_RULE
+
+    return BLOCK_RULE
+
+
+def _mib(x: float) -> str:
+    return f"{x:,.0f}" if x >= 10 else f"{x:.2f}"
+
+
+def _live(r: Result) -> str:
+    if r.baseline_live_mb is None or r.tree_live_mb is None:
+        return "-"
+    ratio = r.baseline_live_mb / r.tree_live_mb if r.tree_live_mb else float("nan")
+    return f"{_mib(r.baseline_live_mb)}/{_mib(r.tree_live_mb)} ({ratio:.2f}x; {r.activation_bound:.2f}x)"
+
+
 def format_table(results: list[Result], machine: list[str] = ()) -> str:
     """The results as a Markdown table; speedup and efficiency from the best times, the median
     speedup and each mode's spread beside them, and whether the case's timings can be trusted."""
     head = (
         "| case | paths | baseline tok | tree tok | POR | speedup (best) | median (spread base/tree) "
         "| FLOP bound | efficiency | baseline s | tree s | MFU base/tree | HF s (tree/HF) "
-        "| peak MB base/tree | max lp diff | timings |"
+        "| peak MB base/tree | live MiB base/tree (ratio; activation bound) | max lp diff | timings |"
     )
-    lines = [head, "|" + "---|" * 16]
+    lines = [head, "|" + "---|" * 17]
     for r in results:
         hf = "-" if r.hf_s is None else f"{r.hf_s:.3f} ({r.tree_vs_hf:.3f})"
         trust = f"NOT TRUSTWORTHY ({len(r.untrusted)} reasons below)" if r.untrusted else "ok"
@@ -249,7 +228,8 @@ def format_table(results: list[Result], machine: list[str] = ()) -> str:
             f"| {r.speedup:.2f}x | {r.speedup_median:.2f}x ({r.baseline_spread:.0%}/{r.tree_spread:.0%}) "
             f"| {r.flop_bound:.2f}x | **{r.efficiency:.2f}** | {r.baseline_s:.3f} "
             f"| {r.tree_s:.3f} | {r.baseline_mfu:.2f}/{r.tree_mfu:.2f} | {hf} "
-            f"| {_opt(r.baseline_peak_mb, '.0f')}/{_opt(r.tree_peak_mb, '.0f')} | {r.max_logprob_diff:.1e} "
+            f"| {_opt(r.baseline_peak_mb, '.0f')}/{_opt(r.tree_peak_mb, '.0f')} | {_live(r)} "
+            f"| {r.max_logprob_diff:.1e} "
             f"| {trust} |"
         )
     return "\n".join(lines) + noise_notes(results, machine)
@@ -356,7 +336,10 @@ def main(args: argparse.Namespace) -> int:
         if args.dtype
         else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     )
-    model_args = (args.hidden, args.layers, args.vocab, args.heads, device, dtype)
+    if args.estimate:
+        return estimate(args, _cases(args, args.vocab))
+    shape = (args.kv_heads, args.head_dim, args.intermediate)
+    model_args = (args.hidden, args.layers, args.vocab, args.heads, device, dtype, 0, *shape)
     model = bench_model(*model_args)
     cost = CostModel.from_config(model.config)
     rate = matmul_rate(dtype, device, args.matmul_size)
@@ -375,8 +358,10 @@ def main(args: argparse.Namespace) -> int:
     cases = _cases(args, args.vocab)
     # work of every case: both modes, warm-up + repeats, plus the untimed log-prob check (~1/3 step)
     work = [
-        (args.repeats + 1.4) * (b + t)
-        for b, t, _ in (case_flops(trees, case_capacity(trees, args.capacity), cost) for _, trees in cases)
+        (args.repeats + 2.4) * (b + t)
+        for b, t, _ in (
+            case_flops(trees, case_capacity(trees, args.capacity), cost, args.vocab) for _, trees in cases
+        )
     ]
     results, t_start, sec_per_flop = [], time.perf_counter(), 1 / (0.3 * rate)
     for i, (name, trees) in enumerate(cases):
@@ -405,6 +390,11 @@ def main(args: argparse.Namespace) -> int:
             f"MFU baseline {r.baseline_mfu:.2f}, tree {r.tree_mfu:.2f}"
             + ("" if r.hf_s is None else f"; tree / plain HF step {r.tree_vs_hf:.3f}")
             + f"; max log-prob diff {r.max_logprob_diff:.1e}",
+            flush=True,
+        )
+        print(
+            f"  peak live MiB baseline {_mib(r.baseline_live_mb)}, tree {_mib(r.tree_live_mb)}: "
+            f"{r.baseline_live_mb / r.tree_live_mb:.2f}x (activation bound {r.activation_bound:.2f}x)",
             flush=True,
         )
         print(
@@ -473,7 +463,12 @@ def results_header(args, rate: float, dtype, device, load: str = "unknown") -> s
         f"{torch.__version__}, {torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d %H:%M')}, "
         f"allocator {getattr(args, 'allocator_used', allocator.active())}\n"
         f"- machine before the run: {load}\n"
-        f"- model: Qwen3-shaped, hidden {args.hidden}, {args.layers} layers, {args.heads} heads, vocab "
+        f"- tree attention: {args.backend or 'by device'}; on the CPU blocksparse, block / fanout by the "
+        f"tree's shape (treetrain.attention.blockrule.BLOCK_RULE {_block_rule()})\n"
+        f"- model: Qwen3-shaped, hidden {args.hidden}, {args.layers} layers, {args.heads} heads "
+        f"({args.kv_heads or max(1, args.heads // 2)} key/value, "
+        f"{args.head_dim or args.hidden // args.heads} wide), MLP {args.intermediate or 3 * args.hidden}, "
+        "vocab "
         f"{args.vocab}, {dtype}; dense matmul rate {rate / 1e9:,.1f} GFLOP/s\n"
         "- baseline: treetrain.objectives.baseline, every path its own sequence, packed padding-free "
         "(varlen) "
@@ -481,5 +476,8 @@ def results_header(args, rate: float, dtype, device, load: str = "unknown") -> s
         "trained targets only, the same compute_loss (SFT token-mean)\n"
         "- FLOP bound: baseline / tree training FLOPs of what each computes (treetrain.trees.flops); "
         "efficiency "
-        "= speedup / bound; MFU = model FLOPs / time / matmul rate\n\n"
+        "= speedup / bound (above 1.05: flagged, work the bound does not price); MFU = model FLOPs / time / "
+        "matmul rate\n"
+        "- memory: live MiB = the most tensor bytes alive at once during one step of each mode "
+        "(treetrain.bench.measure.peak_bytes); activation bound = baseline tokens / distinct tokens\n\n"
     )

@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass
 
 __all__ = [
+    "MAX_EFFICIENCY",
     "MAX_OTHERS",
     "MAX_SPREAD",
     "MAX_STEAL",
@@ -44,6 +45,7 @@ __all__ = [
 ]
 
 MAX_SPREAD = 0.10  # (max - min) / median of one mode's repeats above this: not trustworthy
+MAX_EFFICIENCY = 1.05  # speedup / FLOP bound above this: work the bound does not price, not a speedup
 MAX_OTHERS = 0.10  # other processes' CPU, as a fraction of the machine's cores
 MAX_STEAL = 0.05  # hypervisor steal, as a fraction of the machine's CPU time
 _HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -202,11 +204,18 @@ def summary(times: list[float]) -> dict:
     }
 
 
-def verdict(modes: dict[str, dict], load: Load | None = None, bound: float | None = None) -> list[str]:
+def verdict(
+    modes: dict[str, dict],
+    load: Load | None = None,
+    bound: float | None = None,
+    efficiency: float | None = None,
+) -> list[str]:
     """Why the timings of one case are not trustworthy (empty: no reason found).
 
     ``modes``: :func:`summary` per mode; ``load``: the machine's load while they ran; ``bound``: the
-    FLOP bound, when 1.0 both modes do identical work, so medians that differ are a timing error.
+    FLOP bound, when 1.0 both modes do identical work, so medians that differ are a timing error;
+    ``efficiency``: speedup / bound, above :data:`MAX_EFFICIENCY` the baseline runs work the bound
+    does not price (or the bound is wrong): a bug to explain, never a speedup to quote.
     """
     reasons = []
     for mode, s in modes.items():
@@ -223,6 +232,11 @@ def verdict(modes: dict[str, dict], load: Load | None = None, bound: float | Non
             reasons.append(
                 f"both modes do identical work (bound 1.00) yet their medians differ {abs(ratio - 1):.0%}"
             )
+    if efficiency is not None and efficiency > MAX_EFFICIENCY:
+        reasons.append(
+            f"ABOVE THE BOUND: efficiency {efficiency:.2f} > {MAX_EFFICIENCY:.2f}: the baseline runs work "
+            "the FLOP bound does not price, or the bound is wrong; a bug to explain, not a speedup"
+        )
     return reasons
 
 

@@ -43,6 +43,7 @@ __all__ = [
     "flop_bound",
     "layer_kinds",
     "mixer_cost",
+    "recomputed_targets",
     "token_bound",
     "train_flops",
     "tree_cost",
@@ -55,12 +56,16 @@ __all__ = [
 class CostModel:
     """Forward FLOPs per decoder token (``linear``), per allowed attention pair (``per_pair``), per
     target scored by the LM head (``head = 2 * hidden * vocab``) and per token in the recurrent
-    layers' state updates and convolutions (``recurrent``, :func:`mixer_cost`; 0 without any)."""
+    layers' state updates and convolutions (``recurrent``, :func:`mixer_cost`; 0 without any).
+    ``checkpointed``: the linear FLOPs per token that activation checkpointing recomputes in backward
+    (torch's non-reentrant checkpoint stops once backward has what it needs: every matmul of a layer
+    but the MLP's down projection, whose output backward does not use)."""
 
     linear: float
     per_pair: float
     head: float = 0.0
     recurrent: float = 0.0
+    checkpointed: float = 0.0
 
     @property
     def per_token(self) -> float:
@@ -81,7 +86,8 @@ class CostModel:
         mlp = 3 * h * inter
         linear = 2 * layers * (attn_proj + mlp)
         per_pair = 4 * heads * head_dim * n_attn  # QK^T and PV, 2 FLOPs per multiply-add
-        return cls(float(linear), float(per_pair), float(2 * h * vocab))
+        checkpointed = 2 * layers * (attn_proj + 2 * h * inter)  # all but the down projection
+        return cls(float(linear), float(per_pair), float(2 * h * vocab), checkpointed=float(checkpointed))
 
 
 # A Qwen3-0.6B-shaped model: the reference shape when no model is given.
@@ -212,19 +218,35 @@ def mixer_cost(config) -> tuple[float, float]:
 
 @dataclass(frozen=True)
 class Work:
-    """What one mode computes: decoder tokens, attention pairs, LM-head targets."""
+    """What one mode computes: decoder tokens, attention pairs, LM-head targets, and the targets
+    whose logits backward recomputes (one more head matmul each)."""
 
     tokens: int = 0
     pairs: int = 0
     targets: int = 0
+    recomputed: int = 0
 
     def __add__(self, other: Work) -> Work:
-        return Work(self.tokens + other.tokens, self.pairs + other.pairs, self.targets + other.targets)
+        return Work(
+            self.tokens + other.tokens,
+            self.pairs + other.pairs,
+            self.targets + other.targets,
+            self.recomputed + other.recomputed,
+        )
 
-    def flops(self, cost: CostModel) -> float:
-        """Training FLOPs (3 x forward)."""
+    def flops(self, cost: CostModel, checkpointing: bool = False) -> float:
+        """Training FLOPs (3 x forward, plus the recomputed head matmuls; with ``checkpointing`` the
+        decoder layers' forward recomputed in backward: ``cost.checkpointed`` per token, the
+        recurrent layers' state updates and convs, and every attention pair again)."""
+        recompute = self.recomputed * cost.head
+        if checkpointing:
+            recompute += self.tokens * (cost.checkpointed + cost.recurrent) + self.pairs * cost.per_pair
+        return 3.0 * self.forward_flops(cost) + recompute
+
+    def forward_flops(self, cost: CostModel) -> float:
+        """FLOPs of the forward alone (no-grad scoring: a reference model, old log-probs)."""
         per_token = cost.linear + cost.recurrent
-        return 3.0 * (self.tokens * per_token + self.pairs * cost.per_pair + self.targets * cost.head)
+        return self.tokens * per_token + self.pairs * cost.per_pair + self.targets * cost.head
 
 
 def _trained(tree: TrajectoryTree, p: int) -> np.ndarray:
@@ -286,6 +308,17 @@ def tree_cost(tree: TrajectoryTree, cost: CostModel = QWEN3_0_6B) -> float:
     """Training FLOPs of one tree forward+backward, every token scored (an upper bound, for
     balancing work across ranks)."""
     return train_flops(tree.num_tokens, tree_pairs(tree), cost)
+
+
+def recomputed_targets(targets_per_call, vocab: int, keep_bytes: int, bytes_per_logit: int = 4) -> int:
+    """Targets whose logits a chunked head recomputes in backward: those of every head call whose
+    ``targets x vocab`` logits exceed ``keep_bytes`` (treetrain's head keeps them all or none,
+    ``treetrain.logprobs.LOGITS_KEEP_BYTES``).
+
+    >>> recomputed_targets([1000, 3000], vocab=151936, keep_bytes=2**30)  # 0.6 GB kept, 1.8 GB not
+    3000
+    """
+    return int(sum(n for n in targets_per_call if n * vocab * bytes_per_logit > keep_bytes))
 
 
 def token_bound(trees: Sequence[TrajectoryTree]) -> float:
