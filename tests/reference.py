@@ -52,11 +52,30 @@ def reference_copy(model):
     return copy.deepcopy(model)
 
 
+def fresh_rotary(model) -> None:
+    """Put every rotary module back in the state a freshly built model has (HF's own reset).
+
+    HF's dynamic-NTK rotary is stateful: a forward longer than ``max_position_embeddings`` grows its
+    table to that length, and a later forward keeps it unless it is shorter than
+    ``max_position_embeddings`` (then it resets). So one model scoring path after path gives a path
+    a table that depends on the paths before it. "A path's own forward" is a fresh model's.
+    """
+    for m in model.modules():
+        if not (hasattr(m, "original_max_seq_len") and hasattr(m, "max_seq_len_cached")):
+            continue
+        for name in [n for n in m._buffers if n.endswith("original_inv_freq")]:
+            m._buffers[name[: -len("original_inv_freq")] + "inv_freq"] = m._buffers[name].clone()
+        for name in [n for n in vars(m) if n.endswith("max_seq_len_cached")]:
+            setattr(m, name, m.original_max_seq_len)
+
+
 def reference_logprobs(model, paths, return_entropy: bool = False):
-    """``[len(p) - 1]`` log-probs per path, each path its own forward from position 0."""
+    """``[len(p) - 1]`` log-probs per path, each path its own forward from position 0 (from a fresh
+    rotary state: :func:`fresh_rotary`)."""
     out, ents = [], []
     device = model.get_input_embeddings().weight.device
     for p in paths:
+        fresh_rotary(model)
         ids = torch.as_tensor(list(p), dtype=torch.long, device=device)[None]
         logits = model(input_ids=ids, use_cache=False).logits[0, :-1]
         logits = logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits

@@ -157,11 +157,12 @@ def test_falcon_rotary_runs_depth_first_exactly():
     """Falcon's rotary variant carries no bias: the depth-first run (one node at a time) takes it,
     with the packed run's log-probs and gradients; its ALiBi variant is refused there by name."""
     from treetrain.logprobs import tree_logprobs
+    from treetrain.models.rope import split_regimes
     from treetrain.parallel.depth_first import depth_first_backward, weighted_token_loss
 
-    packed = pack(TrajectoryTree.from_paths(PATHS))
+    model = _model("falcon", alibi=False)  # the zoo's dynamic-NTK rope: split by regime first
+    packed = pack(split_regimes(model, TrajectoryTree.from_paths(PATHS)))
     w = torch.rand(packed.num_tokens, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    model = _model("falcon", alibi=False)
     logp, _ = tree_logprobs(model, packed, backend="dense", entropy=False)
     (-(w * logp).sum()).backward()
     want = grads(model)

@@ -84,3 +84,16 @@ def test_fallback_to_dense_warns_once_and_says_why(monkeypatch):
 def test_available_default_backend_is_silent():
     with warnings_as_errors():
         assert attention.default_backend("cpu") == "blocksparse"
+
+
+def test_backend_for_follows_features(monkeypatch):
+    """The automatic choice reads attention.FEATURES: the default when it computes every feature the
+    model uses, else the first backend of the device's order that does."""
+    assert attention.backend_for("cpu", {"window", "sinks"}) == "blocksparse"
+    assert attention.backend_for("cpu", {"softcap"}) == "dense"
+    monkeypatch.setitem(attention.FEATURES, "blocksparse", attention.FEATURES["dense"])
+    assert attention.backend_for("cpu", {"softcap"}) == "blocksparse"  # one place decides
+    monkeypatch.setattr(attention, "default_backend", lambda device: "triton")
+    assert attention.backend_for("cuda", {"softcap"}) == "flex"
+    with pytest.raises(ValueError, match="no_such_feature"):
+        attention.backend_for("cpu", {"no_such_feature"})

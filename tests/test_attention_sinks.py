@@ -14,6 +14,7 @@ from treetrain.attention.mask import TreeMask, dense_tree_mask
 from treetrain.attention.sinks import add_sinks
 from treetrain.logprobs import path_logprobs
 from treetrain.models.hf import _tree_attention
+from treetrain.models.layer_masks import _layer_mask
 
 from .hybrid_models import float64_everywhere
 from .reference import grad_err, grads, random_coeffs, reference_logprobs, rel_err
@@ -102,7 +103,7 @@ def test_backend_without_sinks_refuses_naming_feature_and_alternatives(backend):
     q, k, v, sinks = (x.detach()[None] for x in _inputs(torch.float32))
     mask = TreeMask(END, backend=backend, position_ids=POS)
     with pytest.raises(ValueError, match=r"does not support attention sinks .*'dense' or 'blocksparse'"):
-        _tree_attention(None, q, k, v, None, scaling=0.3, tree_mask=mask, s_aux=sinks[0])
+        _tree_attention(None, q, k, v, _layer_mask(mask, None), scaling=0.3, tree_mask=mask, s_aux=sinks[0])
 
 
 @pytest.mark.parametrize("backend", ["dense", "blocksparse"])

@@ -61,8 +61,11 @@ def pages() -> list[Path]:
 
 
 def python_blocks(page: Path) -> list[tuple[int, str]]:
-    return [(line, code) for lang, line, code, mark in blocks(page)
-            if lang == "python" and mark != "<!-- no-run -->"]
+    return [
+        (line, code)
+        for lang, line, code, mark in blocks(page)
+        if lang == "python" and mark != "<!-- no-run -->"
+    ]
 
 
 def bash_commands(page: Path) -> list[tuple[int, list[str]]]:
@@ -81,8 +84,13 @@ def bash_commands(page: Path) -> list[tuple[int, list[str]]]:
 DATA = [  # plain SFT on every token (per-path fields must be given for every tree or none)
     {"paths": [[1, 2, 3, 4, 5], [1, 2, 3, 6], [1, 2, 7, 8, 9]]},
     {"paths": [[10, 11, 12], [10, 11, 13, 14]]},
-    {"nodes": [{"id": 0, "parent": None, "tokens": [20, 21]}, {"id": 1, "parent": 0, "tokens": [22, 23]},
-               {"id": 2, "parent": 0, "tokens": [24]}]},
+    {
+        "nodes": [
+            {"id": 0, "parent": None, "tokens": [20, 21]},
+            {"id": 1, "parent": 0, "tokens": [22, 23]},
+            {"id": 2, "parent": 0, "tokens": [24]},
+        ]
+    },
     {"paths": [[30, 31, 32, 33], [30, 31, 34]]},
 ]
 
@@ -126,8 +134,12 @@ def python_results() -> dict[str, str | None]:
     todo = {str(p.relative_to(ROOT)): python_blocks(p) for p in pages()}
     todo = {k: v for k, v in todo.items() if v}
     r = subprocess.run(
-        [sys.executable, "-c", RUNNER], input=json.dumps(todo), capture_output=True, text=True,
-        env=_env(), timeout=300,
+        [sys.executable, "-c", RUNNER],
+        input=json.dumps(todo),
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=300,
     )
     out = r.stdout.rpartition("@@RESULTS@@")[2]
     assert r.returncode == 0 and out, f"docs runner failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"

@@ -14,7 +14,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from treetrain import path_logprobs
-from treetrain.models.gdn import _torch_rule, tree_gated_delta_rule, tree_gated_delta_rule_nodewise
+from treetrain.models.gdn import (
+    _torch_rule,
+    native_chunk_rule,
+    tree_gated_delta_rule,
+    tree_gated_delta_rule_nodewise,
+)
 from treetrain.models.pathconv import conv_window_index, path_conv1d_reference, tree_causal_conv1d
 from treetrain.models.recurrent import patch_recurrent_layers
 from treetrain.models.scan import build_levels
@@ -124,6 +129,30 @@ def test_padding_leaves_the_state_unchanged():
     assert o_p[0, 5:].abs().max() == 0
 
 
+def test_native_rule_is_transformers_rule_in_float64():
+    """A float64 model's rule stays float64 (transformers' own computes in float32): outputs, final
+    state and input gradients equal transformers' rule with its float32 casts lifted, for chunks
+    that divide the sequence, pad it, or hold one step."""
+    q, k, v, g, beta = (t[None].detach() for t in _rule_inputs(37))
+    s0 = torch.randn(1, 4, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    for chunk in (64, 16, 37, 1):
+        args = [t.clone().requires_grad_() for t in (q, k, v, g, beta, s0)]
+        mine = native_chunk_rule(*args[:5], chunk, args[5])
+        assert mine[0].dtype == torch.float64
+        targs = [t.clone().requires_grad_() for t in (q, k, v, g, beta, s0)]
+        with float64_everywhere():
+            theirs = _torch_rule()(*targs[:3], g=targs[3], beta=targs[4], chunk_size=chunk,
+                                   initial_state=targs[5], output_final_state=True,
+                                   use_qk_l2norm_in_kernel=True)  # fmt: skip
+        for a, b in zip(mine, theirs):
+            assert rel_err(a, b) < 1e-13, chunk
+        coef = torch.randn_like(mine[0])
+        ((mine[0] * coef).sum() + mine[1].sum()).backward()
+        ((theirs[0] * coef).sum() + theirs[1].sum()).backward()
+        for a, b in zip(args, targs):
+            assert rel_err(a.grad, b.grad) < 1e-12, chunk
+
+
 @pytest.mark.parametrize("name", ["doc", "one_token", "deep_wide"])
 def test_routed_rule_matches_nodewise_and_whole_paths(name):
     with float64_everywhere():  # the PyTorch rule computes in float32 otherwise
@@ -202,6 +231,7 @@ def grad_err(g_tree: dict, g_ref: dict) -> float:
 # T keys vs len(p) keys), i.e. float64 rounding (1e-16) amplified by the depth of the network and
 # the conditioning of the delta rule's triangular solves. We measure <= ~1e-14; 1e-11 is the bar.
 TOL64 = 1e-11
+FLOOR = 1e-6
 
 
 @pytest.mark.parametrize("arch", HYBRID_ARCHS)
@@ -231,10 +261,10 @@ def test_float64_random_trees_more(arch, paths):
     assert lp_err < TOL64 and g_err < TOL64, (lp_err, g_err)
 
 
-@pytest.mark.parametrize("arch", HYBRID_ARCHS)
+@pytest.mark.parametrize("arch", [*HYBRID_ARCHS, "qwen3_5_moe"])
 def test_float32_within_reference_rounding(arch):
-    """float32: the tree's error against the float64 truth is a small multiple of the reference's
-    own (log-probs and every gradient)."""
+    """float32: the tree's error against the float64 truth is within 2x of the per-path reference's
+    own (log-probs and every gradient, A_log and dt_bias included), in every GDN layout."""
     paths = ONE_TOKEN + GROUP
     coeffs = random_coeffs(paths, 0)
 
@@ -249,11 +279,14 @@ def test_float32_within_reference_rounding(arch):
     ref_lp, ref_g = run(reference_copy(model32), reference_logprobs)
     tree_lp, tree_g = run(model32, lambda m, p: path_logprobs(m, p, backend="dense"))
     ref_e, tree_e = rel_err(ref_lp, truth_lp), rel_err(tree_lp, truth_lp)
-    # both round at ~6e-8 per op in different orders, so either may be a few times worse
-    assert tree_e <= 4 * ref_e + 1e-6, (tree_e, ref_e)
+    # Both round at ~6e-8 per op, in different orders. Within 2x of the reference's own error, or
+    # both at float32 rounding: FLOOR (1e-6, ~8 float32 ulps relative) absorbs parameters whose
+    # two errors are pure rounding noise (2-3e-7 against 6-7e-7 seen: a ratio, not a defect). The
+    # GDN parameters' errors (A_log, dt_bias: 1e-6 to 3e-5) are held to 2x.
+    assert tree_e <= 2 * ref_e + FLOOR, (tree_e, ref_e)
     for n in truth_g:
         ref_e, tree_e = rel_err(ref_g[n], truth_g[n]), rel_err(tree_g[n], truth_g[n])
-        assert tree_e <= 4 * ref_e + 1e-5, (n, tree_e, ref_e)
+        assert tree_e <= 2 * ref_e + FLOOR, (n, tree_e, ref_e)
 
 
 def test_without_routing_the_check_fails(monkeypatch):

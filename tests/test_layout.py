@@ -21,8 +21,17 @@ PKG = SRC / "treetrain"
 
 # a package may import only itself and the packages before it
 ORDER = [
-    "trees", "data", "attention", "models", "logprobs", "objectives",
-    "parallel", "train", "integrations", "bench", "cli",
+    "trees",
+    "data",
+    "attention",
+    "models",
+    "logprobs",
+    "objectives",
+    "parallel",
+    "train",
+    "integrations",
+    "bench",
+    "cli",
 ]
 MAX_TOP_LEVEL = 12
 MAX_LINES = 500
@@ -112,7 +121,8 @@ def package_of(name: str) -> str | None:
 
 def test_top_level_entries():
     entries = sorted(
-        p.name for p in PKG.iterdir()
+        p.name
+        for p in PKG.iterdir()
         if p.name not in {"__init__.py", "__main__.py", "__pycache__"} and not p.name.startswith(".")
     )
     assert len(entries) <= MAX_TOP_LEVEL, f"{len(entries)} top-level entries in src/treetrain: {entries}"
@@ -134,7 +144,7 @@ def test_no_import_cycle():
         path.append(n)
         for m in sorted(graph[n]):
             if state.get(m) == 1:
-                return path[path.index(m):] + [m]
+                return path[path.index(m) :] + [m]
             if m not in state and (cycle := visit(m)):
                 return cycle
         path.pop()
@@ -311,4 +321,3 @@ def test_public_api_resolves():
             home = treetrain._API[name]
             assert name in _defined_names(parse(modules()[home])), f"{name} is not defined in {home}"
             assert getattr(obj, "__module__", home) == home, name
-

@@ -24,10 +24,11 @@ import torch.multiprocessing as mp
 
 from tests.dist_worker import make_trees
 from tests.hybrid_models import float64_everywhere, tiny_hybrid_model
-from tests.reference import tiny_model
+from tests.reference import rel_err, tiny_model
 from tests.zoo import zoo_model
 from treetrain import pack
 from treetrain.logprobs import tree_logprobs
+from treetrain.models.rope import split_regimes
 from treetrain.parallel.cp import CPChunk, context_parallel, cp_tree_logprobs, split_balanced
 
 RTOL = 1e-10
@@ -75,10 +76,22 @@ def _loss(logp, ent, w1, w2):
     return (logp * w1).sum() + (ent * w2).sum()
 
 
+# the dense case runs a dynamic-NTK rope from 13 tokens: make_trees(3, seed=1) has paths of 7-13 and
+# 14-19 tokens (split by regime; models.rope), and a rank's chunk ends before its paths do, so its
+# tokens keep their paths' tables only if the chunking does not decide them
+DYNAMIC = dict(
+    rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=1e4), max_position_embeddings=13
+)
+
+
 def _model(arch: str):
     if arch in ("kimi_linear", "lfm2", "nemotron_h"):
         return zoo_model(arch)
-    return tiny_model(arch) if arch == "qwen3" else tiny_hybrid_model(arch)
+    return tiny_model(arch, **DYNAMIC) if arch == "qwen3" else tiny_hybrid_model(arch)
+
+
+def _packed(model, trees):
+    return pack([split_regimes(model, t) for t in trees])
 
 
 def _trees(arch: str):
@@ -125,7 +138,7 @@ def _run_rank(rank: int, world: int, arch: str) -> dict:
 
     model = _model(arch)
     trees = _trees(arch)
-    packed = pack(trees)
+    packed = _packed(model, trees)
     g = torch.Generator().manual_seed(0)
     w1 = torch.randn(packed.num_tokens, generator=g, dtype=torch.float64)
     w2 = torch.randn(packed.num_tokens, generator=g, dtype=torch.float64)
@@ -146,7 +159,11 @@ def _run_rank(rank: int, world: int, arch: str) -> dict:
     bounds = split_balanced(packed.position_ids, world)
     routed = {bounds[rank + 1] - bounds[rank]} if arch != "qwen3" else set()
     assert seen == routed, (arch, seen, routed)  # every recurrent layer split, not replicated
-    return {"logp": logp.detach(), "ent": ent.detach(), "sft": sft.detach(), "grads": grads, "bounds": bounds}
+    saved = dict(logp=logp.detach(), ent=ent.detach(), sft=sft.detach(), grads=grads, bounds=bounds)
+    if arch == "qwen3_5":  # the GDN hybrid in float32 too (HF's casts on), as tests/test_gdn.py
+        model.gradient_checkpointing_disable()
+        saved["grads32"] = _float32_grads(arch, packed, w1, w2, lambda m, p: cp_tree_logprobs(m, p))
+    return saved
 
 
 def _one_process(arch: str):
@@ -156,7 +173,7 @@ def _one_process(arch: str):
 
     model = _model(arch)
     trees = _trees(arch)
-    packed = pack(trees)
+    packed = _packed(model, trees)
     g = torch.Generator().manual_seed(0)
     w1 = torch.randn(packed.num_tokens, generator=g, dtype=torch.float64)
     w2 = torch.randn(packed.num_tokens, generator=g, dtype=torch.float64)
@@ -167,6 +184,18 @@ def _one_process(arch: str):
         sft, _ = compute_loss(model, packed, obj, loss_normalizer(trees, obj), backend="dense")
         sft.backward()
     return logp.detach(), ent.detach(), sft.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _float32_grads(arch, packed, w1, w2, score):
+    """Parameter gradients of the weighted log-prob loss of a float32 copy (summed over ranks)."""
+    model = tiny_hybrid_model(arch, dtype=torch.float32)
+    logp, ent = score(model, packed)
+    _loss(logp, ent, w1.float(), w2.float()).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    if dist.is_initialized():
+        for t in grads.values():
+            dist.all_reduce(t)
+    return grads
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -199,6 +228,17 @@ def test_cp_equals_one_process(tmp_path, world, archs):
         assert grads.keys() == got["grads"].keys()
         bad = [n for n in grads if not _close(got["grads"][n], grads[n])]
         assert not bad, (arch, bad)
+        if "grads32" in got:  # float32 GDN under CP: within 2x of the one-process tree's own error
+            model = _model(arch)
+            packed = _packed(model, _trees(arch))
+            g = torch.Generator().manual_seed(0)
+            w1, w2 = (torch.randn(packed.num_tokens, generator=g, dtype=torch.float64) for _ in "12")
+            with float64_everywhere():  # the float64 truth of this loss (HF's float32 casts off)
+                _loss(*tree_logprobs(model, packed, backend="dense"), w1, w2).backward()
+            one = _float32_grads(arch, packed, w1, w2, lambda m, p: tree_logprobs(m, p, backend="dense"))
+            for n, p in model.named_parameters():
+                cp_e, one_e = rel_err(got["grads32"][n], p.grad), rel_err(one[n], p.grad)
+                assert cp_e <= 2 * one_e + 1e-6, (n, cp_e, one_e)  # 1e-6: float32 rounding (test_gdn)
 
 
 def test_cp_backend_outside_cp_is_a_clear_error():
@@ -216,6 +256,7 @@ def test_cp_refuses_a_binding_sliding_window():
     from treetrain.parallel.cp import cp_tree_forward
     from treetrain.trees.tree import TrajectoryTree
 
-    packed = pack(TrajectoryTree.from_paths([[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 9]]))
+    model = zoo_model("mistral")  # the zoo's length-dependent rope: split by regime first
+    packed = pack(split_regimes(model, TrajectoryTree.from_paths([[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 9]])))
     with pytest.raises(ValueError, match="'cp' does not support sliding-window attention"):
-        cp_tree_forward(zoo_model("mistral"), packed, CPChunk(None, 0, (0, packed.num_tokens)))
+        cp_tree_forward(model, packed, CPChunk(None, 0, (0, packed.num_tokens)))

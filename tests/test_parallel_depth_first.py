@@ -14,6 +14,7 @@ from tests.dist_worker import make_trees
 from tests.reference import reference_logprobs, tiny_model
 from treetrain import TrajectoryTree, pack
 from treetrain.logprobs import expand_to_paths, tree_logprobs
+from treetrain.models.rope import split_regimes
 from treetrain.parallel.depth_first import depth_first_backward, node_children, weighted_token_loss
 from treetrain.parallel.memory import SavedTensorMeter
 
@@ -138,10 +139,10 @@ def test_depth_first_recurrent_equals_packed(arch):
         TrajectoryTree.from_paths(GRANDPARENT),
         TrajectoryTree.from_paths([[1, 2, 3, 4], [1, 2, 5, 6], [1, 7, 8]]),
     ]
-    packed = pack(trees)
-    w = torch.rand(packed.num_tokens, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     with float64_everywhere():
         model = _recurrent_model(arch, window=64 if arch in ("minimax", "recurrent_gemma") else None)
+        packed = pack([split_regimes(model, t) for t in trees])  # the zoo's length-dependent rope
+        w = torch.rand(packed.num_tokens, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
         loss, logp, grads = _packed_run(model, packed, w)
         got_loss, got_logp = depth_first_backward(model, packed, weighted_token_loss(w))
     assert torch.allclose(got_loss, loss, rtol=RTOL, atol=0)

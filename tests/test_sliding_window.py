@@ -152,6 +152,7 @@ COMMON = dict(
     num_key_value_heads=2, head_dim=8, max_position_embeddings=256, tie_word_embeddings=False,
 )  # fmt: skip
 WINDOW = 3
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
 
 
 def sliding_config(arch: str):
@@ -172,6 +173,18 @@ def sliding_config(arch: str):
             **COMMON, sliding_window=WINDOW, query_pre_attn_scalar=12,
             layer_types=["sliding_attention", "full_attention"],
         )  # fmt: skip
+    # windows a layer never passes to the attention call: HF applies them only in its mask
+    if arch == "qwen2_moe":  # even layers below max_window_layers slide: layer 0
+        return transformers.Qwen2MoeConfig(
+            **COMMON, **MOE, shared_expert_intermediate_size=16, use_sliding_window=True,
+            sliding_window=WINDOW, max_window_layers=1,
+        )  # fmt: skip
+    if arch == "phimoe":  # every layer slides
+        return transformers.PhimoeConfig(**COMMON, **MOE, num_local_experts=4, sliding_window=WINDOW)
+    if arch == "olmoe":  # a user-set window OLMoE passes to the call, but its mask (causal) ignores
+        cfg = transformers.OlmoeConfig(**COMMON, **MOE)
+        cfg.sliding_window = WINDOW
+        return cfg
     raise ValueError(arch)
 
 
@@ -179,6 +192,7 @@ def sliding_model(arch: str, seed: int = 0):
     torch.manual_seed(seed)
     cfg = sliding_config(arch)
     cfg._attn_implementation = "eager"  # HF's literal definition of the window and the softcap
+    cfg._experts_implementation = "eager"  # grouped_mm has no float64 kernel
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float64)
     with torch.no_grad():
         for p in model.parameters():
@@ -227,7 +241,7 @@ def _compare(arch: str, backend: str):
     return lp_err, grad_err(grads(model), grads(ref))
 
 
-ARCHS = ["mistral", "qwen2", "gemma2", "gemma3"]
+ARCHS = ["mistral", "qwen2", "gemma2", "gemma3", "qwen2_moe", "phimoe", "olmoe"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -242,12 +256,17 @@ def test_model_blocksparse_matches_per_path_reference(arch):
     assert lp_err < 1e-11 and g_err < 1e-11, (lp_err, g_err)
 
 
-def test_window_changes_the_result():
-    """Guard against a vacuous pass: the same weights with the window off give other log-probs."""
-    model = sliding_model("mistral")
+@pytest.mark.parametrize("arch", ["mistral", "qwen2_moe", "phimoe"])
+def test_window_changes_the_result(arch):
+    """Guard against a vacuous pass: the same weights with the window off give other log-probs
+    (Qwen2-MoE and PhiMoE: the window their masks apply, which the attention call never sees)."""
+    model = sliding_model(arch)
     with float64_casts(), torch.no_grad():
         windowed = path_logprobs(model, PATHS, backend="dense")
-        model.config.sliding_window = None
+        if arch == "qwen2_moe":
+            model.config.layer_types = ["full_attention"] * 2
+        else:
+            model.config.sliding_window = None
         full = path_logprobs(model, PATHS, backend="dense")
     assert rel_err(windowed[0], full[0]) > 1e-3
 
@@ -291,3 +310,28 @@ def test_final_logit_softcap_head_matches_autograd():
         assert rel_err(a, b) < 1e-12, rel_err(a, b)
     capped_lp, _ = target_logprobs(h, head, t, chunk=3)
     assert rel_err(capped_lp, logp) > 1e-2  # the cap matters at this scale
+
+
+def test_layer_masks_refuse_what_the_tree_cannot_compute():
+    """The mask function HF composes is probed: causal and causal-with-window pass, with the window
+    HF names; a chunked or bidirectional mask, or a layer handed a mask of the model's own, raises."""
+    from transformers import masking_utils as mu
+
+    from treetrain.models.layer_masks import layer_window, mask_interface, padding_mask
+
+    tree = TreeMask(torch.tensor([4, 4, 4, 4]), position_ids=torch.arange(4))
+    with padding_mask(tree, 4, "cpu") as pad:
+        kw = dict(batch_size=1, q_length=4, kv_length=4, attention_mask=pad)
+        full = mask_interface(mask_function=mu.causal_mask_function, **kw)
+        slide = mask_interface(mask_function=mu.sliding_window_causal_mask_function(3), local_size=3, **kw)
+        assert layer_window(full, tree) is None and layer_window(slide, tree) == 3
+        with pytest.raises(ValueError, match="not causal with a sliding window of 3"):  # chunked
+            chunked = mu.chunked_causal_mask_function(3, torch.zeros(1))
+            mask_interface(mask_function=chunked, local_size=3, **kw)
+        with pytest.raises(ValueError, match="not causal"):
+            mask_interface(mask_function=mu.bidirectional_mask_function, **kw)
+        with pytest.raises(ValueError, match="builds its own attention mask"):
+            layer_window(torch.ones(1, 1, 4, 4, dtype=torch.bool), tree)
+    # outside a tree forward: transformers' own SDPA mask
+    plain = mask_interface(mask_function=mu.causal_mask_function, **kw, allow_is_causal_skip=False)
+    assert plain.shape == (1, 1, 4, 4) and plain[0, 0].equal(torch.ones(4, 4, dtype=torch.bool).tril())

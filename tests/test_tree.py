@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from treetrain import TrajectoryTree, pack
 from treetrain.attention.mask import dense_tree_mask
+from treetrain.trees.partition import partition
 
 from .strategies import tree_paths
 
@@ -175,3 +176,35 @@ def test_subset_keeps_metadata_and_ids():
     assert [p.tolist() for p in sub.paths()] == [[4], [1, 2]]
     assert sub.path_ids.tolist() == [2, 0] and sub.fields["weights"].tolist() == [3.0, 1.0]
     assert sub.subset([1]).path_ids.tolist() == [0]
+
+
+def test_split_by_keys_by_hand():
+    """Paths of different keys share no token; order, ids, metadata and the partition keep that."""
+    tree = TrajectoryTree.from_paths([[1, 2, 3], [1, 2, 4], [1, 5]], weights=[1.0, 2.0, 3.0])
+    split = tree.split_by([0, 1, 0])
+    assert split.num_tokens == 7 and split.tokens.tolist() == [1, 2, 3, 5, 1, 2, 4]
+    assert [p.tolist() for p in split.paths()] == [[1, 2, 3], [1, 2, 4], [1, 5]]
+    assert split.path_index[1].tolist() == [4, 5, 6] and split.fields["weights"].tolist() == [1.0, 2.0, 3.0]
+    assert split.path_groups.tolist() == [0, 1, 0] and split.path_ids.tolist() == [0, 1, 2]
+    assert tree.split_by([3, 3, 3]).num_tokens == 5  # one key: the same trie, nothing repeated
+    sub = split.subset([1, 0])  # a subset (and so every partition part) stays split
+    assert sub.num_tokens == 6 and sub.path_groups.tolist() == [1, 0]
+    assert split.split_by([0, 0, 1]).num_tokens == 8  # combined with the groups it has: 3 groups
+    for part in partition(split, 4):  # parts of whole paths, each still split by group
+        groups = part.path_groups
+        by_group = [[q for q, h in zip(part.paths(), groups) if h == g] for g in set(groups)]
+        assert part.num_tokens == sum(TrajectoryTree.from_paths(q).num_tokens for q in by_group)
+
+
+@settings(max_examples=50, deadline=None)
+@given(paths=tree_paths(vocab=4, max_paths=8, max_len=8), seed=st.integers(0, 1000))
+def test_split_by_properties(paths, seed):
+    keys = np.random.default_rng(seed).integers(0, 3, len(paths))
+    split = TrajectoryTree.from_paths(paths).split_by(keys)
+    assert [p.tolist() for p in split.paths()] == paths
+    owner = np.full(split.num_tokens, -1)
+    for p, idx in enumerate(split.path_index):  # no token on paths of two keys
+        assert ((owner[idx] == -1) | (owner[idx] == keys[p])).all()
+        owner[idx] = keys[p]
+    per_key = [TrajectoryTree.from_paths([q for q, k in zip(paths, keys) if k == g]) for g in set(keys)]
+    assert split.num_tokens == sum(t.num_tokens for t in per_key)  # each key's prefixes once

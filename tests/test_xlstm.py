@@ -46,7 +46,7 @@ def _errors(layer, paths, mask_padding=True):
     x = torch.randn(1, packed.num_tokens, layer.config.hidden_size, generator=g, dtype=torch.float64)
     plain = xlstm.mlstm_scan
     if not mask_padding:  # the control: padded steps update the state
-        xlstm.mlstm_scan = lambda eps: (lambda xs, init, valid: plain(eps)(xs, init, torch.ones_like(valid)))
+        xlstm.mlstm_scan = lambda eps: lambda xs, init, valid: plain(eps)(xs, init, torch.ones_like(valid))
     try:
         out = tree_xlstm_layer_forward(layer, x, packed)
     finally:

@@ -4,13 +4,17 @@
 MoE) and sets every scaling and attention extra it has away from its default, so a head transform
 or an attention feature that treetrain missed changes the log-probs by far more than rounding:
 Cohere's ``logit_scale``, Granite's ``logits_scaling`` and multipliers, Gemma's softcaps and
-``query_pre_attn_scalar``, a sliding window shorter than the paths, partial rotary. Each distinct
-layer type of ``layer_types`` is kept (twice when there is room), so hybrids keep their layer mix.
+``query_pre_attn_scalar``, a sliding window shorter than the paths (switched on where the config has
+a switch: Qwen2's ``use_sliding_window``), partial rotary, and a rotary table that depends on the
+forward's length (dynamic NTK or longrope, half the types each) with a threshold between the zoo
+paths' lengths. Each distinct layer type of ``layer_types`` is kept (twice when there is room), so
+hybrids keep their layer mix.
 """
 
 from __future__ import annotations
 
 import copy
+import zlib
 
 import torch
 import transformers
@@ -59,6 +63,11 @@ _GDN_SMALL = dict(
 )  # fmt: skip
 # per type: what its defaults lack for a hybrid to show its layer mix
 PER_TYPE = {
+    # its NoPE layers are its sliding ones: one layer of two
+    "smollm3": dict(no_rope_layers=None, no_rope_layer_interval=2),
+    # a user-set window OLMoE passes to the attention call but never puts in its (causal) mask:
+    # HF's eager and SDPA attention ignore it, so the tree must too
+    "olmoe": dict(sliding_window=3),
     # short convolutions: width 4 (default 3; LFM3 7) with a bias (default none)
     "lfm2": dict(layer_types=["conv", "full_attention"], conv_L_cache=4, conv_bias=True),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], conv_L_cache=4, conv_bias=True),
@@ -106,23 +115,47 @@ PER_TYPE = {
 _SSM = dict(time_step_limit=(0.3, 0.9))  # dt = softplus(...) clamped both ways on some tokens
 _MAMBA1 = dict(time_step_rank=8, state_size=8, conv_kernel=3, use_bias=True, use_conv_bias=False)
 _BAMBA = dict(
-    _SSM, mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=4, mamba_d_conv=3, mamba_proj_bias=True,
+    _SSM,
+    mamba_d_state=16,
+    mamba_n_groups=2,
+    mamba_chunk_size=4,
+    mamba_d_conv=3,
+    mamba_proj_bias=True,
     mamba_conv_bias=False,
 )
 PER_TYPE |= {
     "mamba": dict(_MAMBA1, residual_in_fp32=False),
     "falcon_mamba": dict(_MAMBA1, residual_in_fp32=False, mixer_rms_eps=1e-3),
     "jamba": dict(
-        mamba_dt_rank=8, mamba_d_state=8, mamba_d_conv=3, mamba_proj_bias=True, mamba_conv_bias=False,
-        attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=0,
+        mamba_dt_rank=8,
+        mamba_d_state=8,
+        mamba_d_conv=3,
+        mamba_proj_bias=True,
+        mamba_conv_bias=False,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=0,
     ),
     "zamba": dict(
-        mamba_dt_rank=8, mamba_d_state=8, mamba_d_conv=3, mamba_proj_bias=True, mamba_conv_bias=False,
-        n_mamba_heads=4, attention_hidden_size=128,
+        mamba_dt_rank=8,
+        mamba_d_state=8,
+        mamba_d_conv=3,
+        mamba_proj_bias=True,
+        mamba_conv_bias=False,
+        n_mamba_heads=4,
+        attention_hidden_size=128,
     ),
     "mamba2": dict(
-        time_step_limit=(0.05, 1.5), state_size=16, n_groups=2, chunk_size=4, conv_kernel=3, use_bias=True,
-        use_conv_bias=False, residual_in_fp32=False, time_step_rank=8,
+        time_step_limit=(0.05, 1.5),
+        state_size=16,
+        n_groups=2,
+        chunk_size=4,
+        conv_kernel=3,
+        use_bias=True,
+        use_conv_bias=False,
+        residual_in_fp32=False,
+        time_step_rank=8,
     ),
     "bamba": dict(_BAMBA, attn_layer_indices=[1]),
     "falcon_h1": dict(_BAMBA, mamba_rms_norm=True, mamba_norm_before_gate=False, projectors_bias=True),
@@ -130,28 +163,57 @@ PER_TYPE |= {
         _BAMBA, layer_types=["linear_attention", "full_attention"], shared_intermediate_size=32
     ),
     "nemotron_h": dict(
-        mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, chunk_size=4, conv_kernel=3,
-        use_bias=True, use_conv_bias=False, time_step_min=0.3, residual_in_fp32=True,
+        mamba_num_heads=8,
+        mamba_head_dim=16,
+        ssm_state_size=16,
+        n_groups=2,
+        chunk_size=4,
+        conv_kernel=3,
+        use_bias=True,
+        use_conv_bias=False,
+        time_step_min=0.3,
+        residual_in_fp32=True,
         moe_shared_expert_intermediate_size=32,
     ),
     "zamba2": dict(
-        n_mamba_heads=8, mamba_headdim=16, mamba_d_state=16, mamba_ngroups=2, chunk_size=4, mamba_d_conv=3,
-        add_bias_linear=True, time_step_min=0.3, attention_hidden_size=128, kv_channels=16,
-        num_query_groups=4, adapter_rank=8, hybrid_layer_ids=[1], use_shared_attention_adapter=True,
-        use_mem_rope=True, head_dim=32, num_key_value_heads=4,  # adapters: heads * head_dim = 2 * hidden
+        n_mamba_heads=8,
+        mamba_headdim=16,
+        mamba_d_state=16,
+        mamba_ngroups=2,
+        chunk_size=4,
+        mamba_d_conv=3,
+        add_bias_linear=True,
+        time_step_min=0.3,
+        attention_hidden_size=128,
+        kv_channels=16,
+        num_query_groups=4,
+        adapter_rank=8,
+        hybrid_layer_ids=[1],
+        use_shared_attention_adapter=True,
+        use_mem_rope=True,
+        head_dim=32,
+        num_key_value_heads=4,  # adapters: heads * head_dim = 2 * hidden
     ),
     # ALiBi: 12 heads (not a power of 2: the extra slopes are odd powers of 2^-1/2, rounded to float32
     # / bfloat16 by the models), every other option away from its default
     "bloom": dict(
-        num_attention_heads=12, hidden_size=96, pretraining_tp=2, slow_but_exact=True,
+        num_attention_heads=12,
+        hidden_size=96,
+        pretraining_tp=2,
+        slow_but_exact=True,
         apply_residual_connection_post_layernorm=True,
     ),  # fmt: skip
     "mpt": dict(
-        num_attention_heads=12, hidden_size=96,
+        num_attention_heads=12,
+        hidden_size=96,
         attn_config=dict(alibi_bias_max=4, softmax_scale=0.3, clip_qkv=4.0),  # bias_max: unused by HF
     ),  # fmt: skip
     "falcon": dict(
-        alibi=True, num_attention_heads=12, hidden_size=96, new_decoder_architecture=True, num_kv_heads=4,
+        alibi=True,
+        num_attention_heads=12,
+        hidden_size=96,
+        new_decoder_architecture=True,
+        num_kv_heads=4,
         ffn_hidden_size=128,  # not intermediate_size: Falcon-7B's 18176 otherwise
     ),  # fmt: skip
     # RG-LRU: a conv width of 3 (default 4), the attention block too, a logit cap that matters
@@ -166,9 +228,14 @@ PER_TYPE |= {
     # lightning attention in blocks shorter than the paths, first (a layer's decay shrinks with depth);
     # the residual factors away from 1
     "minimax": dict(
-        layer_types=["linear_attention", "full_attention", "linear_attention"], block_size=3,
-        linear_attn_alpha_factor=0.7, linear_attn_beta_factor=1.3, full_attn_alpha_factor=0.9,
-        full_attn_beta_factor=1.1, mlp_alpha_factor=0.8, mlp_beta_factor=1.2,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        block_size=3,
+        linear_attn_alpha_factor=0.7,
+        linear_attn_beta_factor=1.3,
+        full_attn_alpha_factor=0.9,
+        full_attn_beta_factor=1.1,
+        mlp_alpha_factor=0.8,
+        mlp_beta_factor=1.2,
     ),  # fmt: skip
 }
 # Inkling: a relative bias reaching 4 tokens back (shorter than the paths: farther keys get none),
@@ -186,13 +253,20 @@ _INKLING2 = dict(
 )  # fmt: skip
 PER_TYPE |= {
     "inkling_text": dict(
-        _INKLING, vocab_size=VOCAB + 16, unpadded_vocab_size=VOCAB, logits_mup_width_multiplier=0.5,
+        _INKLING,
+        vocab_size=VOCAB + 16,
+        unpadded_vocab_size=VOCAB,
+        logits_mup_width_multiplier=0.5,
         mlp_layer_types=["dense", "sparse", "dense", "sparse"],
     ),  # fmt: skip
     "inkling2_text": _INKLING2,
     "inkling2_loop_text": dict(
-        _INKLING2, n_layers_per_attn_res_block=1, loop_layer_index_start=1, loop_layer_index_end=3,
-        loop_num_passes=2, loop_gate_rank=8,
+        _INKLING2,
+        n_layers_per_attn_res_block=1,
+        loop_layer_index_start=1,
+        loop_layer_index_end=3,
+        loop_num_passes=2,
+        loop_gate_rank=8,
     ),  # fmt: skip
 }
 # scalings and extras away from their defaults, wherever the config has them
@@ -206,6 +280,8 @@ AWAY = dict(
     attn_logit_softcapping=5.0,
     query_pre_attn_scalar=12,
     sliding_window=3,
+    use_sliding_window=True,  # Qwen2, Qwen2-MoE, Qwen3, SmolLM3: the window is off by default
+    max_window_layers=1,  # Qwen2, Qwen3, Dots1: layers >= 1 slide; Qwen2-MoE: even layers < 1 slide
     partial_rotary_factor=0.5,
     scale_emb=2.0,
     dim_model_base=16,
@@ -234,18 +310,87 @@ def zoo_config(model_type: str):
     prop = lambda k: isinstance(getattr(type(cfg), amap.get(k, k), None), property)  # noqa: E731
     settable = lambda k: hasattr(cfg, k) and not prop(k)  # noqa: E731
     over = {k: v for k, v in {**SMALL, **AWAY}.items() if settable(k)}
-    layer_types = getattr(cfg, "layer_types", None)
-    if layer_types and settable("layer_types"):
-        kinds = list(dict.fromkeys(layer_types))
-        over["layer_types"] = (kinds + kinds)[: max(2, len(kinds))]
-        over["num_hidden_layers"] = len(over["layer_types"])
     if "kv_lora_rank" in over:  # multi-head latent attention: one key/value head per query head
         over["num_key_value_heads"] = over["num_attention_heads"]
     over.update(PER_TYPE.get(model_type, {}))
+    base = {k: v for k, v in cfg.to_dict().items() if not prop(k)}
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types and settable("layer_types") and "layer_types" not in over:
+        kinds = list(dict.fromkeys(layer_types + _derived_layer_types(type(cfg), base, over)))
+        over["layer_types"] = (kinds + kinds)[: max(2, len(kinds))]
     if "layer_types" in over:
         over["num_hidden_layers"] = len(over["layer_types"])
-    base = {k: v for k, v in cfg.to_dict().items() if not prop(k)}
-    return type(cfg)(**{**base, **over})
+    small = type(cfg)(**{**base, **over})
+    length_dependent_rope(small, rope_kind(model_type), ROPE_EXTRA.get(model_type, {}))
+    return small
+
+
+# the zoo paths have 6, 6, 8 and 9 tokens: a threshold of 7 puts them on both sides
+ROPE_THRESHOLD = 7
+_KEEP = ("rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved", "llama_4_scaling_beta")
+# what a type's rotary code reads besides the rope type's own parameters
+ROPE_EXTRA = {
+    "phimoe": dict(short_mscale=1.1, long_mscale=1.3, original_max_position_embeddings=ROPE_THRESHOLD),
+}
+
+
+# types whose HF rotary code cannot run a length-dependent table at all: RecurrentGemma's rotary
+# raises for any rope type but the default; LFM3's partial rotary (its factor only in the full
+# attention layers' rope parameters) gets a full-width dynamic or longrope table from HF (a shape
+# error in HF's own forward, transformers 5.24); transformers 5.10's Gemma 3 longrope raises in HF's
+# own code (an unbound local)
+ROPE_KIND = {"recurrent_gemma": None, "lfm3": None, "gemma3_text": "dynamic"}
+
+
+def rope_kind(model_type: str) -> str | None:
+    """``dynamic`` or ``longrope``, half the types each (a hash of the name: stable across versions);
+    None where the type's rotary code cannot run either (``ROPE_KIND``)."""
+    if model_type in ROPE_KIND:
+        return ROPE_KIND[model_type]
+    return "longrope" if zlib.crc32(model_type.encode()) % 2 else "dynamic"
+
+
+def length_dependent_rope(cfg, kind: str | None, extra: dict | None = None) -> None:
+    """Switch every rope parameter set of ``cfg`` (per layer type where it has several) to a table
+    that depends on the forward's length, with the threshold between the zoo paths' lengths:
+    dynamic NTK (factor 2, from ``max_position_embeddings = 7``) or longrope (short and long factors,
+    from ``original_max_position_embeddings = 7``; ``max_position_embeddings`` 512, so its attention
+    scaling is on too). Configs without rope parameters (learned positions) stay as they are."""
+    params = getattr(cfg, "rope_parameters", None)
+    if kind is None or not isinstance(params, dict) or not params:
+        return
+    per_type = {k: v for k, v in params.items() if isinstance(v, dict)}  # per layer type (Gemma 3)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    new = {}
+    for key, p in per_type.items() if per_type else [(None, params)]:
+        q = {k: v for k, v in p.items() if k in _KEEP}
+        if isinstance(getattr(cfg, "partial_rotary_factor", None), float):  # older versions copy it in
+            q["partial_rotary_factor"] = cfg.partial_rotary_factor
+        if kind == "dynamic":
+            q.update(rope_type="dynamic", factor=2.0)
+        else:
+            half = int(head_dim * q.get("partial_rotary_factor", 1.0)) // 2
+            q.update(
+                rope_type="longrope",
+                original_max_position_embeddings=ROPE_THRESHOLD,
+                short_factor=[1.0 + 0.1 * i for i in range(half)],
+                long_factor=[1.0 + 0.5 * i for i in range(half)],
+            )
+        new[key] = {**q, **(extra or {})}
+    cfg.rope_parameters = {**params, **new} if per_type else new[None]
+    if kind == "dynamic":
+        cfg.max_position_embeddings = ROPE_THRESHOLD
+    elif hasattr(cfg, "original_max_position_embeddings"):  # Phi-3 copies it into the parameters
+        cfg.original_max_position_embeddings = ROPE_THRESHOLD
+
+
+def _derived_layer_types(cls, base: dict, over: dict) -> list[str]:
+    """The layer types the config class derives itself for the small config (windows switched on:
+    Qwen2's ``use_sliding_window`` and ``max_window_layers``), so each kind it has is kept."""
+    try:
+        return list(cls(**{**base, **over, "layer_types": None}).layer_types or [])
+    except Exception:  # a config that needs its layer types given: its defaults already hold them
+        return []
 
 
 def zoo_model(model_type: str, dtype=torch.float64, seed: int = 0, attn: str = "eager"):

@@ -21,6 +21,7 @@ from torch import nn
 
 from treetrain.models.head import LMHead, lm_head
 from treetrain.models.hf import tree_forward
+from treetrain.models.rope import split_regimes
 from treetrain.trees.packing import PackedTree, pack
 from treetrain.trees.tree import TrajectoryTree
 
@@ -236,18 +237,25 @@ def expand_to_paths(per_token: torch.Tensor, packed: PackedTree) -> list[torch.T
     return list(flat.split((packed.path_lengths - 1).tolist()))
 
 
-def _as_packed(batch) -> PackedTree:
+def _as_packed(batch, config=None) -> PackedTree:
+    """``batch`` packed, its trees split by the rope regimes of ``config`` (a model's config;
+    :func:`treetrain.models.rope.split_regimes`; None: not split)."""
     if isinstance(batch, PackedTree):
-        return batch
-    if isinstance(batch, TrajectoryTree):
-        return pack(batch)
-    if isinstance(batch, Sequence) and batch and all(isinstance(t, TrajectoryTree) for t in batch):
-        return pack(list(batch))
-    if isinstance(batch, Sequence):
-        return pack(TrajectoryTree.from_paths(batch))
-    raise ValueError(
-        f"batch: expected a PackedTree, a TrajectoryTree, a list of them, or token paths; got {type(batch)}"
-    )
+        trees = list(batch.trees)
+    elif isinstance(batch, TrajectoryTree):
+        trees = [batch]
+    elif isinstance(batch, Sequence) and batch and all(isinstance(t, TrajectoryTree) for t in batch):
+        trees = list(batch)
+    elif isinstance(batch, Sequence):
+        trees = [TrajectoryTree.from_paths(batch)]
+    else:
+        raise ValueError(
+            "batch: expected a PackedTree, a TrajectoryTree, a list of them, or token paths; "
+            f"got {type(batch)}"
+        )
+    split = trees if config is None else [split_regimes(config, t) for t in trees]
+    same = all(a.num_tokens == b.num_tokens for a, b in zip(split, trees))
+    return batch if isinstance(batch, PackedTree) and same else pack(split)
 
 
 def _check_vocab(model: nn.Module, ids: torch.Tensor) -> None:
@@ -283,7 +291,7 @@ def path_logprobs(
     >>> [lp.shape for lp in lps]
     [torch.Size([2]), torch.Size([2])]
     """
-    packed = _as_packed(batch)
+    packed = _as_packed(batch, model.config)  # paths of two rope regimes share no token
     _check_vocab(model, packed.input_ids)
     logp, ent = tree_logprobs(model, packed, backend, chunk, entropy=return_entropy)
     out = expand_to_paths(logp, packed)

@@ -21,6 +21,7 @@ __all__ = [
     "FEATURES",
     "check_features",
     "TreeMask",
+    "backend_for",
     "block_classes",
     "default_backend",
     "dense_attention",
@@ -119,3 +120,18 @@ def default_backend(device: torch.device | str) -> str:
         return "triton" if why is None else _fallback("flex", "triton", why)
     why = _unavailable("blocksparse")
     return "blocksparse" if why is None else _fallback("dense", "blocksparse", why)
+
+
+def backend_for(device: torch.device | str, features=()) -> str:
+    """The backend to run a model that uses ``features`` (names of :data:`FEATURES`) on ``device``:
+    :func:`default_backend` when it computes all of them, else the first that does in the device's
+    order (CUDA: ``flex``, then ``dense``; elsewhere ``dense``). E.g. Gemma 2's ``softcap`` on CUDA,
+    where the default ``triton`` has none: ``flex``."""
+    name = default_backend(device)
+    wanted = frozenset(features)
+    order = ("flex", "dense") if torch.device(device).type == "cuda" else ("dense",)
+    for b in (name, *order):
+        if wanted <= FEATURES[b]:
+            return b
+    check_features(name, wanted)  # raises, naming the feature
+    return name

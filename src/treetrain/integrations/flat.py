@@ -33,6 +33,7 @@ from torch import nn
 from treetrain.logprobs import auto_chunk, target_logprobs
 from treetrain.models.head import lm_head
 from treetrain.models.hf import tree_forward
+from treetrain.models.rope import split_regimes
 from treetrain.trees.packing import PackedTree, pack
 from treetrain.trees.partition import partition
 from treetrain.trees.tree import TrajectoryTree
@@ -65,12 +66,15 @@ class FlatBatch:
         *,
         logits_to_keep: int | None = None,
         score_mask: torch.Tensor | None = None,
+        model: nn.Module | None = None,
     ) -> FlatBatch:
         """``input_ids [B, L]``; ``attention_mask [B, L]`` (1 real, 0 padding; None: all real).
 
         Scored: the last ``logits_to_keep`` columns (output ``[B, logits_to_keep]``, TRL's layout),
         or the columns where ``score_mask [B, L]`` is true (output ``[B, L]``), or with neither every
-        column (``[B, L]``). Each row's real tokens must be one contiguous run.
+        column (``[B, L]``). Each row's real tokens must be one contiguous run. ``model``: the model
+        that will score it; rows in different regimes of its length-dependent rope share no token
+        (:func:`treetrain.models.rope.split_regimes`), so every part of the tree is scored exactly.
         """
         ids = _as_2d("input_ids", input_ids)
         B, L = ids.shape
@@ -91,6 +95,8 @@ class FlatBatch:
             empty = np.zeros(0, dtype=np.int64)
             return cls(None, rows, empty, empty, empty, (B, width))  # type: ignore[arg-type]
         tree = TrajectoryTree.from_paths([ids[b, start[b] : start[b] + length[b]] for b in rows])
+        if model is not None:
+            tree = split_regimes(model, tree)
         # every target (path position j >= 1) with its batch column; keep the requested ones
         n = length[rows]
         path_of = np.repeat(np.arange(rows.size), n - 1)
@@ -233,10 +239,13 @@ def score_packed(
     return full_logp, (full_ent.index_copy(0, targets, ent) if entropy else full_ent)
 
 
-def score_parts(input_ids, attention_mask, logits_to_keep, score_mask, max_tokens, score):
-    """The rows as a :class:`FlatBatch`, its parts under ``max_tokens``, and ``score(part) ->
-    (logp [T], ent [T])`` of each: ``(batch, parts, logps, ents)``, ready for ``batch.scatter``."""
-    batch = FlatBatch.build(input_ids, attention_mask, logits_to_keep=logits_to_keep, score_mask=score_mask)
+def score_parts(input_ids, attention_mask, logits_to_keep, score_mask, max_tokens, score, model=None):
+    """The rows as a :class:`FlatBatch` (split by ``model``'s rope regimes), its parts under
+    ``max_tokens``, and ``score(part) -> (logp [T], ent [T])`` of each: ``(batch, parts, logps,
+    ents)``, ready for ``batch.scatter``."""
+    batch = FlatBatch.build(
+        input_ids, attention_mask, logits_to_keep=logits_to_keep, score_mask=score_mask, model=model
+    )
     parts = batch.parts(max_tokens)
     scored = [score(part) for part in parts]
     return batch, parts, [lp for lp, _ in scored], [ent for _, ent in scored]
@@ -283,6 +292,7 @@ def flat_logprobs(
             backend=backend,
             chunk=chunk,
         ),
+        model,
     )
     dtype = _out_dtype(model)
     out = batch.scatter(parts, logps, dtype=dtype, device=device)

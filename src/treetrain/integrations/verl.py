@@ -235,7 +235,7 @@ class _TreeEngineMixin:
         values, offsets = ids.values().cpu().numpy(), ids.offsets().cpu().numpy()
         rows = [values[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
         budget, longest = int(data["max_token_len_per_gpu"]), max(len(r) for r in rows)
-        parts = split_rows(rows, budget) if longest <= budget else []
+        parts = split_rows(rows, budget, self.module) if longest <= budget else []
         # agreed on by every rank before any raises (a rank raising alone would hang the others)
         agreed = torch.tensor([len(parts), longest, -len(rows)], device=get_device_name())
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.get_data_parallel_group())
@@ -282,7 +282,7 @@ class _TreeEngineMixin:
     def forward_step(self, micro_batch: TensorDict, loss_function, forward_only):
         _check_micro_batch(micro_batch)
         ids = micro_batch["input_ids"]  # the tree is built on the host, before the batch moves
-        rows = RowTree.build(ids.values(), ids.offsets(), micro_batch["position_ids"].values())
+        rows = RowTree.build(ids.values(), ids.offsets(), micro_batch["position_ids"].values(), self.module)
         micro_batch = micro_batch.to(get_device_id())
         autocast_dtype = getattr(self, "_autocast_dtype", torch.bfloat16)
         autocast_ctx = (

@@ -23,7 +23,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch import nn
 
+from treetrain.models.rope import split_regimes
 from treetrain.trees.packing import PackedTree, pack
 from treetrain.trees.partition import partition
 from treetrain.trees.tree import TrajectoryTree
@@ -49,11 +51,16 @@ class RowTree:
 
     @classmethod
     def build(
-        cls, values: torch.Tensor, offsets: torch.Tensor, position_ids: torch.Tensor | None = None
+        cls,
+        values: torch.Tensor,
+        offsets: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        model: nn.Module | None = None,
     ) -> RowTree:
         """``values [N]`` token ids of the rows back to back, ``offsets [B + 1]`` (a nested tensor's
         ``values()``/``offsets()``); ``position_ids [N]`` must restart at 0 on every row and count up
-        (what the tree gives each token), else a ``ValueError`` names the row."""
+        (what the tree gives each token), else a ``ValueError`` names the row. ``model``: rows in
+        different regimes of its length-dependent rope share no token (``models.rope.split_regimes``)."""
         ids = values.detach().cpu().to(torch.int64)
         off = offsets.detach().cpu().to(torch.int64)
         lengths = off.diff()
@@ -63,7 +70,7 @@ class RowTree:
         if position_ids is not None:
             _check_positions(position_ids.detach().cpu().to(torch.int64), off)
         rows = list(ids.numpy()[o0:o1] for o0, o1 in zip(off[:-1].tolist(), off[1:].tolist()))
-        packed = pack(TrajectoryTree.from_paths(rows))
+        packed = pack(split_regimes(model, TrajectoryTree.from_paths(rows)))
         dfs = packed.path_index
         labels = torch.roll(ids, -1)  # verl's input_ids_rmpad_rolled
         vocab = int(ids.max()) + 1
@@ -97,14 +104,15 @@ def _check_positions(position_ids: torch.Tensor, offsets: torch.Tensor) -> None:
         )
 
 
-def split_rows(rows: list[np.ndarray], budget: int) -> list[np.ndarray]:
+def split_rows(rows: list[np.ndarray], budget: int, model: nn.Module | None = None) -> list[np.ndarray]:
     """Row indices of micro-batches whose trees hold at most ``budget`` distinct tokens each.
 
-    The rows become one tree, which treetrain's partitioner splits into parts of whole rows (a shared
-    prefix is recomputed once per part that needs it). Like verl's own split, a row longer than the
-    budget is an error (``max_token_len_per_gpu`` must hold the longest row).
+    The rows become one tree (split by ``model``'s rope regimes, as :meth:`RowTree.build` splits
+    them), which treetrain's partitioner splits into parts of whole rows (a shared prefix is
+    recomputed once per part that needs it). Like verl's own split, a row longer than the budget is
+    an error (``max_token_len_per_gpu`` must hold the longest row).
     """
-    tree = TrajectoryTree.from_paths(rows)
+    tree = split_regimes(model, TrajectoryTree.from_paths(rows))
     longest = int(tree.path_lengths.max())
     if longest > budget:
         raise ValueError(

@@ -106,7 +106,7 @@ def wrapped_score(
             return model(**{REQUEST_KWARG: requests[-1]})
 
     batch, parts, logps, ents = score_parts(
-        input_ids, attention_mask, logits_to_keep, score_mask, max_tokens, score
+        input_ids, attention_mask, logits_to_keep, score_mask, max_tokens, score, model
     )
     routers = [r.router_logits for r in requests] if record_router else None
     return WrappedScores(batch, parts, logps, ents, routers)

@@ -47,6 +47,62 @@ def _torch_rule():
     return inspect.unwrap(torch_chunk_gated_delta_rule)  # the PyTorch rule, past the kernel dispatch
 
 
+def native_chunk_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    chunk_size: int = 64,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = True,
+    use_qk_l2norm_in_kernel: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The chunked gated delta rule in the inputs' own dtype (transformers' PyTorch rule always
+    computes in float32): what a float64 model runs, so float64 stays float64.
+
+    Shapes as transformers' ``torch_chunk_gated_delta_rule``: q, k ``[B, L, Hk, Dk]``, v
+    ``[B, L, Hv, Dv]``, g, beta ``[B, L, Hv]``, state ``[B, Hv, Dk, Dv]`` -> out ``[B, L, Hv, Dv]``,
+    final state. The recurrence, per step: ``S <- exp(g) S``, ``d = beta (v - S^T k)``,
+    ``S <- S + k d^T``, ``o = S^T q`` (q, k l2-normalized, q scaled by ``Dk^-1/2``). Within a chunk,
+    with ``G`` the cumulative log decay and ``Gam[i, j] = exp(G_i - G_j)`` (``i >= j``), the steps'
+    ``d`` solve the unit lower-triangular system ``(I + strictly_lower(beta_i k_i.k_j Gam)) d =
+    beta (V - exp(G) K S0)``; then ``O = exp(G) Q S0 + tril(Q K^T Gam) d`` and ``S = exp(G_C) S0 +
+    (exp(G_C - G) K)^T d``. Every exponent is <= 0 (``g <= 0``): nothing overflows.
+    """
+    rep = v.shape[2] // q.shape[2]
+    if rep > 1:  # grouped value heads: each q/k head serves `rep` consecutive value heads
+        q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+    if use_qk_l2norm_in_kernel:
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    q = q * q.shape[-1] ** -0.5
+    B, L, H, Dk = q.shape
+    Dv, C = v.shape[-1], chunk_size
+    pad = (-L) % C
+    # [B, H, chunks, C, D]; padded steps (q = k = v = beta = g = 0) leave the state as it is
+    q, k, v = (F.pad(x.transpose(1, 2), (0, 0, 0, pad)).unflatten(2, (-1, C)) for x in (q, k, v))
+    g, beta = (F.pad(x.transpose(1, 2), (0, pad)).unflatten(2, (-1, C)) for x in (g, beta))
+    G = g.cumsum(-1)
+    lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    gam = (G[..., :, None] - G[..., None, :]).masked_fill(~lower, float("-inf")).exp()
+    m = ((beta[..., None] * (k @ k.transpose(-1, -2))) * gam).tril(-1)
+    eye = torch.eye(C, dtype=q.dtype, device=q.device)
+    solve = lambda rhs: torch.linalg.solve_triangular(eye + m, rhs, upper=False, unitriangular=True)  # noqa: E731
+    u = solve(beta[..., None] * v)  # d = u - w S0
+    w = solve((beta * G.exp())[..., None] * k)
+    p = (q @ k.transpose(-1, -2)) * gam
+    qg, kg = q * G.exp()[..., None], k * (G[..., -1:] - G).exp()[..., None]
+    state = q.new_zeros(B, H, Dk, Dv) if initial_state is None else initial_state.to(q.dtype)
+    outs = []
+    for c in range(q.shape[2]):
+        d = u[:, :, c] - w[:, :, c] @ state
+        outs.append(qg[:, :, c] @ state + p[:, :, c] @ d)
+        state = G[:, :, c, -1, None, None].exp() * state + kg[:, :, c].transpose(-1, -2) @ d
+    out = torch.stack(outs, 2).flatten(2, 3)[:, :, :L].transpose(1, 2)
+    return out, (state if output_final_state else None)
+
+
 def _fla_rule():
     """FLA's varlen chunked kernel, or None (not installed)."""
     try:
@@ -77,16 +133,17 @@ def tree_gated_delta_rule(
 
     q, k ``[T, Hk, Dk]``; v ``[T, Hv, Dv]``; g (log decay), beta ``[T, Hv]``; all in DFS order.
     Every node starts from its parent's final state (roots from zeros). ``kernel``: ``"torch"``
-    (padded levels through transformers' ``torch_chunk_gated_delta_rule``), ``"fla"`` (unpadded
-    levels through FLA's ``chunk_gated_delta_rule`` with ``cu_seqlens``; CUDA, half types), or
-    None to pick by device and dtype.
+    (padded levels through transformers' ``torch_chunk_gated_delta_rule``, which computes in
+    float32; float64 inputs through :func:`native_chunk_rule`, the same rule in float64), ``"fla"``
+    (unpadded levels through FLA's ``chunk_gated_delta_rule`` with ``cu_seqlens``; CUDA, half
+    types), or None to pick by device and dtype.
     """
     kernel = kernel or ("fla" if use_fla(q) else "torch")
     if kernel == "fla":
         return _tree_rule_fla(q, k, v, g, beta, levels, use_qk_l2norm)
     if kernel != "torch":
         raise ValueError(f"kernel {kernel!r}: choose 'torch' or 'fla'")
-    rule = _torch_rule()
+    rule = native_chunk_rule if q.dtype == torch.float64 else _torch_rule()
 
     def scan(xs, init, valid):
         qg, kg, vg, gg, bg = xs
@@ -222,7 +279,10 @@ def tree_gdn_forward(
     beta = b.sigmoid()
     if getattr(module, "allow_neg_eigval", False):  # OLMo Hybrid: beta in [0, 2]
         beta = beta * 2.0
-    g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)  # as the layer: float32
+    # as the layer, at least float32 (HF: ``.float()``, so half types don't overflow), but a float64
+    # model stays float64 here and in the rule (HF's own rule computes in float32 even then)
+    up = torch.promote_types(x.dtype, torch.float32)
+    g = -module.A_log.to(up).exp() * F.softplus(a.to(up) + module.dt_bias)
     core = tree_gated_delta_rule(q, k, v, g, beta, tree_levels(packed, tree_mask, dev))  # [T, Hv, Dv]
     norm, out = (module.norm, module.out_proj) if hasattr(module, "norm") else (module.o_norm, module.o_proj)
     core = norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))

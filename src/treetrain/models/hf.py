@@ -3,18 +3,22 @@
 Tree attention is registered under the name ``treetrain`` in transformers' public
 ``AttentionInterface`` (and ``AttentionMaskInterface``). The model receives:
 
-- ``attention_mask = subtree_end.view(1, 1, 1, T)``: a 4D tensor, which transformers passes through
-  untouched, so it never builds a mask of its own nor guesses packed-sequence boundaries from the
-  position ids (tree positions jump back at branch points);
+- ``attention_mask``: an all-ones ``[1, T]`` padding mask (:mod:`treetrain.models.layer_masks`).
+  While the forward runs, the model builds its masks through the registered ``treetrain`` mask
+  function, which hands each layer a marked mask carrying the
+  layer's sliding window exactly as the model decided it (config, layer types, its own code), so
+  transformers never builds a T x T mask nor guesses packed-sequence boundaries from the position
+  ids (tree positions jump back at branch points);
 - ``tree_mask`` (a ``TreeMask``: ``subtree_end``, the tokens' path positions, the backend, a
   per-forward cache) and ``packed_tree`` as keyword arguments, which transformers forwards to every
   attention and recurrent layer.
 
-Sliding-window layers pass ``sliding_window`` to the attention function (Mistral, Qwen2, Gemma 2/3:
-``None`` on global layers); it reaches the backend as ``window``, measured along each path.
-Gemma 2's ``softcap`` reaches it as ``softcap``; its ``scaling`` (``query_pre_attn_scalar``) as
-every model's does. GPT-OSS's ``s_aux`` (per-head sink logits) reaches it as ``sinks``. A backend
-that lacks a feature the model uses is refused, naming the feature and the backends that can.
+The window reaches the backend as ``window``, measured along each path. A ``sliding_window=``
+keyword of the attention call is not read: HF's eager and SDPA attention apply only the mask (the
+keyword is for flash-attention), and Qwen2-MoE and PhiMoE never pass one. Gemma 2's ``softcap``
+reaches the backend as ``softcap``; its ``scaling`` (``query_pre_attn_scalar``) as every model's
+does. GPT-OSS's ``s_aux`` (per-head sink logits) reaches it as ``sinks``. A backend that lacks a
+feature the model uses is refused, naming the feature and the backends that can.
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from treetrain.attention import FEATURES, check_features, default_backend, get_backend
+from treetrain.attention import backend_for, check_features, get_backend
 from treetrain.attention.mask import TreeMask
-from treetrain.models.inkling import attention_features
+from treetrain.models.inkling import attention_features as inkling_features
+from treetrain.models.layer_masks import layer_window, mask_interface, padding_mask
+from treetrain.models.rope import patch_rotary, rotary_lengths, token_lengths
 from treetrain.models.support import check_model
 from treetrain.trees.packing import PackedTree
 
@@ -66,7 +72,7 @@ def _tree_attention(module, query, key, value, attention_mask, scaling=None, dro
         dtype = torch.get_autocast_dtype(dev)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     extra = {}
-    window = _effective_window(mask, kwargs.get("sliding_window"))
+    window = _effective_window(mask, layer_window(attention_mask, mask, type(module).__name__))
     if window is not None:
         extra["window"] = window
     if softcap is not None:
@@ -152,13 +158,6 @@ def _eager_attention(query, key, value, attention_mask, scaling, softcap=None, s
     return (probs @ value).transpose(1, 2).contiguous()
 
 
-def _sdpa_mask(*args, **kwargs):
-    """Tree calls bring their mask ready-made; ordinary calls get transformers' SDPA mask."""
-    from transformers.masking_utils import sdpa_mask
-
-    return sdpa_mask(*args, **kwargs)
-
-
 def register() -> None:
     """Register the ``treetrain`` attention (idempotent)."""
     global _registered
@@ -168,7 +167,7 @@ def register() -> None:
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTN_NAME, _tree_attention)
-    AttentionMaskInterface.register(ATTN_NAME, _sdpa_mask)
+    AttentionMaskInterface.register(ATTN_NAME, mask_interface)
     _registered = True
 
 
@@ -189,21 +188,41 @@ def prepare_model(model: nn.Module) -> nn.Module:
     from treetrain.models.recurrent import patch_recurrent_layers
 
     patch_recurrent_layers(model)
+    model.__dict__["_treetrain_rotary"] = patch_rotary(model)
     patch_own_attention(model)  # ALiBi decoders (BLOOM, MPT, Falcon): their own attention classes
     return model
 
 
+def rope_lengths(model: nn.Module, packed: PackedTree) -> torch.Tensor | None:
+    """Each DFS token's path length ``[T]`` for a prepared model's length-dependent rotary modules
+    (:mod:`treetrain.models.rope`); None when it has none. Raises ``ValueError`` when a token is shared
+    by paths of different rope regimes."""
+    return token_lengths(model.config, packed) if model.__dict__.get("_treetrain_rotary") else None
+
+
+def attention_features(model: nn.Module) -> frozenset[str]:
+    """What the model's attention computes besides the tree mask, as ``attention.FEATURES`` names it:
+    ``softcap`` (Gemma 2's ``attn_logit_softcapping``), ``sinks`` (a ``sinks`` parameter: GPT-OSS),
+    ``window`` (a ``sliding_window`` in the config), and Inkling's ``rel_bias`` and per-query sinks."""
+    config = model.config.get_text_config()
+    features = set()
+    if getattr(config, "attn_logit_softcapping", None):
+        features.add("softcap")
+    if getattr(config, "sliding_window", None):
+        features.add("window")
+    if any(name.endswith("sinks") for name, _ in model.named_parameters()):
+        features.add("sinks")
+    return frozenset(features | inkling_features(model))
+
+
 def auto_backend(model: nn.Module, device: torch.device) -> str:
-    """The device's default backend, or one that supports the model's attention softcap (Gemma 2)
-    or relative bias (Inkling): ``dense`` on CPU, ``flex`` on CUDA, where the default (blocksparse,
-    triton) lacks it."""
-    name = default_backend(device)
-    softcap = getattr(model.config.get_text_config(), "attn_logit_softcapping", None)
-    if softcap and name in ("blocksparse", "triton"):
-        return "flex" if torch.device(device).type == "cuda" else "dense"
-    if attention_features(model) - FEATURES[name]:  # Inkling's relative bias: not in triton
-        return "flex" if torch.device(device).type == "cuda" else "dense"
-    return name
+    """The backend for ``model`` on ``device``: the device's default, or one that computes every
+    attention feature the model uses (``attention.backend_for``; e.g. ``dense`` on CPU and ``flex``
+    on CUDA for Gemma 2's attention softcap)."""
+    features = model.__dict__.get("_treetrain_features")
+    if features is None:
+        features = model.__dict__["_treetrain_features"] = attention_features(model)
+    return backend_for(device, features)
 
 
 def decoder_of(model: nn.Module) -> nn.Module:
@@ -227,13 +246,32 @@ def tree_forward(model: nn.Module, packed: PackedTree, backend: str | None = Non
     mask = TreeMask(
         packed.subtree_end, backend=backend or auto_backend(model, device), position_ids=packed.position_ids
     )
+    return run_decoder(model, packed, mask, 0, T, rope_lengths(model, packed), packed_tree=packed)
+
+
+def run_decoder(
+    model: nn.Module,
+    packed: PackedTree,
+    mask: TreeMask,
+    start: int,
+    end: int,
+    rope: torch.Tensor | None = None,
+    **extra,
+) -> torch.Tensor:
+    """The decoder over DFS tokens ``[start, end)`` of ``packed``: final hidden states ``[end - start,
+    hidden]``. The one decoder call of every tree forward (whole tree, a context-parallel chunk, a
+    depth-first node): ``mask`` is its ``TreeMask``; ``rope`` the tokens' path lengths
+    (:func:`rope_lengths`, all ``T`` of them); ``extra`` more keywords for the layers."""
     decoder = getattr(model, "treetrain_decoder", None) or decoder_of(model)
-    out = decoder(
-        input_ids=packed.input_ids[None],
-        position_ids=packed.position_ids[None],
-        attention_mask=packed.subtree_end.view(1, 1, 1, T),
-        tree_mask=mask,
-        packed_tree=packed,
-        use_cache=False,
-    )
+    device = packed.input_ids.device
+    lengths = None if rope is None else rope[start:end]
+    with padding_mask(mask, end - start, device) as attention_mask, rotary_lengths(lengths):
+        out = decoder(
+            input_ids=packed.input_ids[None, start:end],
+            position_ids=packed.position_ids[None, start:end],
+            attention_mask=attention_mask,
+            tree_mask=mask,
+            use_cache=False,
+            **extra,
+        )
     return out.last_hidden_state[0]

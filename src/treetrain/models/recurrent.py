@@ -82,7 +82,6 @@ OUTPUTS: dict[str, Callable[..., Any]] = {
 }
 
 
-
 def _hand_down_as_attention_mask(self: nn.Module, *args, **kwargs):
     """Instance ``forward`` of a module that passes its layers only ``attention_mask`` (unused by
     them): in a tree forward, that argument becomes the tree."""

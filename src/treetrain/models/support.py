@@ -14,6 +14,7 @@ The list, with the reasons for what is refused, is ``docs/architectures.md``.
 from __future__ import annotations
 
 import re
+from importlib.metadata import version
 
 from torch import nn
 
@@ -30,11 +31,11 @@ def _words(text: str) -> list[str]:
 # model type -> what it has beyond plain decoder self-attention (RoPE or learned positions, GQA,
 # dense or MoE MLPs) that treetrain handles; every entry is checked by tests/test_model_zoo.py
 _PLAIN = _words(
-    """afmoe apertus apertus1p5_text arcee aria_text biogpt bitnet ctrl cwm dots1
-    ernie4_5 ernie4_5_moe exaone exaone4 flex_olmo gemma glm glm4 glm4_moe gpt-sw3 gpt2 gpt_bigcode
-    gpt_neox helium hunyuan_v1_dense hunyuan_v1_moe hy_v3 internlm3 iquestcoder jais2 jetmoe
-    kolibri1 llama minimax_m2 mixtral olmo olmo2 olmo3 olmoe opt persimmon phi phi3 qwen2_moe
-    qwen3 qwen3_moe sarvam_mla sarvam_moe seed_oss smollm3 solar_open"""
+    """afmoe apertus apertus1p5_text arcee aria_text biogpt bitnet ctrl cwm ernie4_5 ernie4_5_moe
+    exaone exaone4 flex_olmo gemma glm glm4 glm4_moe gpt-sw3 gpt2 gpt_bigcode gpt_neox helium
+    hunyuan_v1_dense hunyuan_v1_moe hy_v3 internlm3 iquestcoder jais2 jetmoe kolibri1 llama
+    minimax_m2 mixtral olmo olmo2 olmo3 opt persimmon phi phi3 qwen3_moe sarvam_mla sarvam_moe
+    seed_oss solar_open"""
 )
 EXACT: dict[str, str] = {t: "" for t in _PLAIN} | {
     "cohere": "head: logits * logit_scale",
@@ -56,6 +57,12 @@ EXACT: dict[str, str] = {t: "" for t in _PLAIN} | {
     "ministral": "sliding window",
     "ministral3": "sliding window",
     "qwen2": "sliding window",
+    "qwen2_moe": "sliding window (its mask only: the attention call never receives it); MoE",
+    "qwen3": "sliding window",
+    "dots1": "sliding window; MoE",
+    "smollm3": "sliding window on its NoPE layers",
+    "phimoe": "sliding window (its mask only: the attention call never receives it); MoE",
+    "olmoe": "a sliding_window its mask ignores is ignored, as HF's eager and SDPA attention do; MoE",
     "starcoder2": "sliding window",
     "qwen3_next": "Gated DeltaNet layers routed along the tree (models.recurrent); MoE",
     "qwen3_5_text": "Gated DeltaNet layers routed along the tree (models.recurrent)",
@@ -135,7 +142,6 @@ REFUSED: dict[str, str] = {
     "the tree mask (one query interval per key) cannot express and that HF's indexer reads only from a "
     "dense [T, T] mask (well defined along paths: a block is fixed by its last token, so one straddling a "
     "branch point is a distinct block per branch; not implemented)",
-    "phimoe": "sliding-window run differs from HF's (0.09 on the model-zoo test); not understood yet",
     "deepseek_v2": "gradients agree only to 5e-8 at float64 (float32 internals not found yet): not verified",
     "diffllama": "gradients agree only to 1e-7 at float64 (float32 internals not found yet): not verified",
     "doge": "dynamic mask attention (a value-dependent mask of its own; log-probs differ by 0.12)",
@@ -182,6 +188,23 @@ def _stateful_layer(model: nn.Module) -> tuple[str, str] | None:
     return None
 
 
+# The model zoo runs on the newest transformers and, in CI, on the lowest supported (pyproject's
+# bound, the verl venv's 5.10.4). These types are exact on the newest but not on the lowest (their
+# layers changed: Mamba2 scans, lightning slopes, mask and rope code), so older versions refuse them
+# rather than run them unverified.
+VERIFIED_FROM = "5.24.0"
+NEWEST_ONLY = frozenset(
+    _words(
+        """bamba ctrl falcon_h1 falcon_mamba lfm2 lfm2_moe mamba2 minimax nemotron_h
+        olmo_hybrid recurrent_gemma solar_open zamba zamba2"""
+    )
+)
+
+
+def _version(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", v)[:3])
+
+
 def refusal(model: nn.Module) -> str | None:
     """Why treetrain refuses ``model``, or None when it runs it exactly."""
     model = unwrap(model)
@@ -194,6 +217,12 @@ def refusal(model: nn.Module) -> str | None:
         )
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
+    installed = version("transformers")
+    if model_type in NEWEST_ONLY and _version(installed) < _version(VERIFIED_FROM):
+        return (
+            f"model type {model_type!r} is verified exact only with transformers >= {VERIFIED_FROM} "
+            f"(installed: {installed}): upgrade transformers; {_DOCS}"
+        )
     if model_type in EXACT:
         return None
     why = REFUSED.get(model_type, "not verified exact by treetrain's model-zoo test")

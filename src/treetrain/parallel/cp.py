@@ -212,24 +212,16 @@ def make_chunk(packed: PackedTree, group: dist.ProcessGroup | None, per_token: f
 
 def cp_tree_forward(model: nn.Module, packed: PackedTree, chunk: CPChunk) -> torch.Tensor:
     """Final hidden states of this rank's chunk: ``[end - start, hidden]`` (the decoder, unchanged)."""
-    from treetrain.models.hf import prepare_model
+    from treetrain.models.hf import prepare_model, rope_lengths, run_decoder
 
     prepare_model(model)
     device = model.get_input_embeddings().weight.device
     packed = packed.to(device)
-    s, e = chunk.start, chunk.end
     # position_ids: a sliding window that binds is refused by name (the cp backend has none)
     mask = TreeMask(packed.subtree_end, backend="cp", cache={"cp": chunk}, position_ids=packed.position_ids)
-    decoder = getattr(model, "treetrain_decoder", None) or model.base_model
-    out = decoder(
-        input_ids=packed.input_ids[None, s:e],
-        position_ids=packed.position_ids[None, s:e],
-        attention_mask=packed.subtree_end[s:e].view(1, 1, 1, e - s),
-        tree_mask=mask,
-        packed_tree=packed,  # read by recurrent layers only (cp_recurrent_forward)
-        use_cache=False,
-    )
-    return out.last_hidden_state[0]
+    # packed_tree: read by recurrent layers only (cp_recurrent_forward)
+    rope = rope_lengths(model, packed)  # each token's path length: its rotary table (models.rope)
+    return run_decoder(model, packed, mask, chunk.start, chunk.end, rope, packed_tree=packed)
 
 
 def cp_tree_logprobs(

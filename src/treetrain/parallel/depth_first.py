@@ -216,19 +216,22 @@ def depth_first_backward(
     """Accumulate into ``.grad`` the gradient of ``sum(token_loss(...))`` over every node, depth-first.
 
     Returns ``(loss, logp)``: the total loss (0-d, detached) and every target's log-prob ``[T]`` in
-    DFS order (0 for a root's first token), equal to ``tree_logprobs`` of the packed run.
+    DFS order (0 for a root's first token), equal to ``tree_logprobs`` of the packed run. A model
+    whose rope depends on the forward's length needs a tree split by regime
+    (``treetrain.models.rope.split_regimes``; the DFS order is then the split tree's): each node's
+    tokens keep their paths' rotary tables. An unsplit tree with paths of several regimes raises.
     """
     from treetrain.logprobs import target_logprobs
     from treetrain.models.head import lm_head
-    from treetrain.models.hf import prepare_model
+    from treetrain.models.hf import prepare_model, rope_lengths, run_decoder
 
     prepare_model(model)
     _check(model)
     packed = batch if isinstance(batch, PackedTree) else pack(batch)
     device = model.get_input_embeddings().weight.device
     packed = packed.to(device)
+    rope = rope_lengths(model, packed)  # a node's tokens keep their paths' rotary tables (models.rope)
     head = lm_head(model)
-    decoder = getattr(model, "treetrain_decoder", None) or model.base_model
     kids = node_children(packed.node_parent.cpu())
     starts, ends = packed.node_start.tolist(), packed.node_end.tolist()
     dtype = head.weight.dtype
@@ -239,20 +242,14 @@ def depth_first_backward(
         nonlocal total
         s, e = starts[node], ends[node]
         ctx = _Stack(stack, packed, s, e, has_children=bool(kids[node]))
-        out = decoder(
-            input_ids=packed.input_ids[None, s:e],
-            position_ids=packed.position_ids[None, s:e],
-            attention_mask=packed.subtree_end[s:e].view(1, 1, 1, e - s),  # unused: passed through
-            tree_mask=TreeMask(
-                packed.subtree_end[s:e],
-                backend="depth_first",
-                cache={"stack": ctx, "segment": ctx},
-                position_ids=packed.position_ids[s:e],  # a sliding window is refused by name if it binds
-            ),
-            packed_tree=ctx.view,  # recurrent layers run on the node (models.segment)
-            use_cache=False,
+        mask = TreeMask(
+            packed.subtree_end[s:e],
+            backend="depth_first",
+            cache={"stack": ctx, "segment": ctx},
+            position_ids=packed.position_ids[s:e],  # a sliding window is refused by name if it binds
         )
-        hidden = out.last_hidden_state[0]  # [n, H]
+        # packed_tree: recurrent layers run on the node (models.segment)
+        hidden = run_decoder(model, packed, mask, s, e, rope, packed_tree=ctx.view)  # [n, H]
         own = ctx.own
         # rows of this node predict its next tokens and its children's first tokens
         targets = [*range(s + 1, e), *(starts[c] for c in kids[node])]
@@ -267,7 +264,7 @@ def depth_first_backward(
             all_logp[targets.cpu()] = logp.detach().to(all_logp.dtype).cpu()
             loss = token_loss(logp, targets)
         leaves = own.leaves()
-        del out, ctx
+        del ctx
         for child in kids[node]:
             run(child, [*stack, leaves])
         outputs, grads = [loss], [torch.ones_like(loss)]

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from treetrain.data.sources import is_table_source
+from treetrain.models.rope import split_regimes
 from treetrain.train.build import refuse_remote_code
 from treetrain.train.config import DEFAULT_STEPS, TrainConfig
 from treetrain.trees.packing import PackedTree, pack
@@ -192,9 +193,11 @@ def make_batches(
     """``steps`` optimizer-step batches of ``batch_trees`` trees, packed and ready to run.
 
     ``objective`` (a :class:`treetrain.objectives.interface.TrainObjective`; default: the one of
-    ``cfg``) checks the records and groups the trees into micro-batches. With ``world_size > 1``
-    each batch holds every tree of the step (for the loss normalizer and the metrics) but only
-    this rank's micro-batches (:func:`rank_microbatches`).
+    ``cfg``) checks the records and groups the trees into micro-batches. With ``model_config``,
+    each tree is first split by the model's rope regimes (``models.rope.split_regimes``: a no-op
+    unless the rope depends on the forward's length), so every micro-batch and partition inherits
+    it. With ``world_size > 1`` each batch holds every tree of the step (for the loss normalizer and
+    the metrics) but only this rank's micro-batches (:func:`rank_microbatches`).
     """
     if objective is None:
         from treetrain.objectives.registry import build_objective
@@ -206,6 +209,8 @@ def make_batches(
         trees = list(itertools.islice(stream, cfg.batch_trees))
         if not trees:  # the run's last tree was read (``--epochs``)
             return
+        if model_config is not None:  # length-dependent rope: paths of two regimes share no token
+            trees = [split_regimes(model_config, t) for t in trees]
         if cfg.advantages is not None:  # per-path rewards -> group-normalized advantages
             from treetrain.objectives.advantages import assign_advantages
 

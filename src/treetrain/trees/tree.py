@@ -20,6 +20,7 @@ path, token work is numpy.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -76,8 +77,11 @@ def _flatten(paths: Sequence) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate([_as_path(p, i) for i, p in enumerate(paths)]), offsets
 
 
-def _sorted_lcps(flat: np.ndarray, offsets: np.ndarray) -> tuple[list[int], np.ndarray]:
-    """Paths in lexicographic order and each one's LCP with its predecessor (0 for the first).
+def _sorted_lcps(
+    flat: np.ndarray, offsets: np.ndarray, groups: np.ndarray | None = None
+) -> tuple[list[int], np.ndarray]:
+    """Paths in lexicographic order (by group first) and each one's LCP with its predecessor (0 for
+    the first, and for the first of a group).
 
     Vectorized over all tokens: for consecutive pairs, compare positions ``[0, min(len))`` at once
     and take the first mismatch per pair.
@@ -85,6 +89,9 @@ def _sorted_lcps(flat: np.ndarray, offsets: np.ndarray) -> tuple[list[int], np.n
     P = offsets.size - 1
     be = flat.astype(">i8").tobytes()  # big-endian bytes of ids >= 0 compare like token lists
     keys = [be[8 * offsets[i] : 8 * offsets[i + 1]] for i in range(P)]
+    if groups is not None:  # group ranks (>= 0) as a big-endian prefix: groups sort first
+        rank = np.unique(groups, return_inverse=True)[1].astype(">i8").tobytes()
+        keys = [rank[8 * i : 8 * i + 8] + k for i, k in enumerate(keys)]
     order = sorted(range(P), key=keys.__getitem__)
     if P == 1:
         return order, np.zeros(1, dtype=np.int64)
@@ -95,6 +102,8 @@ def _sorted_lcps(flat: np.ndarray, offsets: np.ndarray) -> tuple[list[int], np.n
     j = np.arange(seg.size) - np.repeat(np.cumsum(m) - m, m)
     differ = flat[start[:-1][seg] + j] != flat[start[1:][seg] + j]
     first = np.minimum.reduceat(np.where(differ, j, m[seg]), np.cumsum(m) - m)
+    if groups is not None:  # paths of different groups share nothing
+        first = np.where(groups[o[1:]] == groups[o[:-1]], first, 0)
     return order, np.concatenate([[0], first])
 
 
@@ -107,7 +116,8 @@ class TrajectoryTree:
       order); path_leaf [P] (the node a path ends in); path_index: P arrays, ``[len(path)]`` each.
     Per-path metadata: ``loss_masks`` (P arrays ``[len]`` of 0/1), ``weights [P]``, ``advantages``
     (``[P]`` scalars or P arrays ``[len]``), ``old_logprobs``/``ref_logprobs`` (P arrays ``[len-1]``),
-    ``path_ids [P]`` (index of each path in the tree it was cut from, for partitions).
+    ``path_ids [P]`` (index of each path in the tree it was cut from, for partitions);
+    ``path_groups [P]`` or None: paths in different groups share no token (:meth:`split_by`).
     """
 
     tokens: np.ndarray
@@ -120,6 +130,7 @@ class TrajectoryTree:
     path_index: list[np.ndarray]
     path_ids: np.ndarray
     fields: dict = field(default_factory=dict)
+    path_groups: np.ndarray | None = None  # [P] int64: paths of different groups share no token
 
     # ---- construction -------------------------------------------------------------------------
 
@@ -136,11 +147,14 @@ class TrajectoryTree:
         path_ids: Sequence[int] | None = None,
         margins: Sequence[float] | None = None,
         rewards: Sequence[float] | None = None,
+        groups: Sequence[int] | None = None,
     ) -> TrajectoryTree:
         """Merge token paths into a prefix tree. Duplicates and prefix paths are kept as paths.
 
         ``paths[i]`` is a list (or 1-D array/tensor) of non-negative token ids. ``margins`` (a
         preference pair's margin, on both of its paths) and ``rewards`` are one number per path.
+        ``groups`` (one int per path): paths of different groups share no token, not even a common
+        prefix (each group its own trees, in group order); see :meth:`split_by`.
         """
         if not isinstance(paths, Sequence) or isinstance(paths, (str, bytes)) or len(paths) == 0:
             raise ValueError("paths: expected a non-empty list of token-id lists")
@@ -155,8 +169,14 @@ class TrajectoryTree:
             margins=margins,
             rewards=rewards,
         )
-        tree = _build(flat, offsets)
+        group_arr = None
+        if groups is not None:
+            group_arr = np.asarray(groups, dtype=np.int64)
+            if group_arr.shape != (len(paths),):
+                raise ValueError(f"groups: expected one int per path ({len(paths)}), got {group_arr.shape}")
+        tree = _build(flat, offsets, group_arr)
         tree.fields = fields
+        tree.path_groups = group_arr
         if path_ids is not None:
             tree.path_ids = np.asarray(path_ids, dtype=np.int64)
             assert tree.path_ids.shape == (len(paths),)
@@ -249,10 +269,40 @@ class TrajectoryTree:
         return np.bincount(np.concatenate(self.path_index), minlength=self.num_tokens)
 
     def subset(self, path_ids: Sequence[int]) -> TrajectoryTree:
-        """A new tree of the given paths (indices into this tree), with their metadata."""
+        """A new tree of the given paths (indices into this tree), with their metadata and groups."""
         ids = [int(i) for i in path_ids]
         sub = {k: _take(v, ids) for k, v in self.fields.items()}
-        return TrajectoryTree.from_paths([self.path(i) for i in ids], path_ids=self.path_ids[ids], **sub)
+        groups = None if self.path_groups is None else self.path_groups[ids]
+        return TrajectoryTree.from_paths(
+            [self.path(i) for i in ids], path_ids=self.path_ids[ids], groups=groups, **sub
+        )
+
+    def split_by(self, keys: Sequence[int]) -> TrajectoryTree:
+        """This tree with paths of different ``keys`` (one int per path) sharing no token.
+
+        Every path, its position in the path order, ``path_ids`` and metadata stay as they are; a
+        prefix shared by paths of several keys is repeated once per key (each key's paths form trees
+        of their own). ``keys`` become :attr:`path_groups` (combined with groups the tree already
+        has). Rebuilds only when some token is shared across keys.
+
+        Example: paths ``[1 2 3]``, ``[1 2 4]``, ``[1 5]`` with keys ``[0, 1, 0]``: 7 tokens
+        (``1 2 3 5`` and ``1 2 4``) instead of 5; ``path(1)`` is still ``[1 2 4]``.
+        """
+        keys = np.asarray(keys, dtype=np.int64)
+        if keys.shape != (self.num_paths,):
+            raise ValueError(f"keys: expected one int per path ({self.num_paths}), got {keys.shape}")
+        if self.path_groups is not None and not np.array_equal(self.path_groups, keys):
+            keys = np.unique(np.stack([self.path_groups, keys], 1), axis=0, return_inverse=True)[1].ravel()
+        index = np.concatenate(self.path_index)
+        per_token = np.repeat(keys, self.path_lengths)
+        lo = np.full(self.num_tokens, np.iinfo(np.int64).max)
+        hi = np.full(self.num_tokens, np.iinfo(np.int64).min)
+        np.minimum.at(lo, index, per_token)
+        np.maximum.at(hi, index, per_token)
+        if (lo == hi).all():  # no token is shared across keys: the same trie
+            return dataclasses.replace(self, path_groups=keys)
+        sub = {k: _take(v, list(range(self.num_paths))) for k, v in self.fields.items()}
+        return TrajectoryTree.from_paths(self.paths(), path_ids=self.path_ids, groups=keys, **sub)
 
     # ---- display ------------------------------------------------------------------------------
 
@@ -317,7 +367,7 @@ def _validate_fields(lengths: list[int], **given) -> dict:
     return out
 
 
-def _build(flat: np.ndarray, offsets: np.ndarray) -> TrajectoryTree:
+def _build(flat: np.ndarray, offsets: np.ndarray, groups: np.ndarray | None = None) -> TrajectoryTree:
     """Compressed trie from validated paths, in one pass over the paths in sorted order.
 
     A stack holds the current root-to-leaf chain of nodes. For each path (sorted), nodes deeper than
@@ -326,7 +376,7 @@ def _build(flat: np.ndarray, offsets: np.ndarray) -> TrajectoryTree:
     suffix becomes one new node.
     """
     P = offsets.size - 1
-    order, lcps = _sorted_lcps(flat, offsets)
+    order, lcps = _sorted_lcps(flat, offsets, groups)
     lcps = lcps.tolist()
     offs = offsets.tolist()
     # node fields, in creation order (remapped to DFS order at the end)

@@ -91,7 +91,7 @@ class FusedTreeRequest:
             )
         score_mask = torch.zeros_like(real)
         score_mask[:, 1:] = mask
-        batch = FlatBatch.build(input_ids, attention_mask, score_mask=score_mask)
+        batch = FlatBatch.build(input_ids, attention_mask, score_mask=score_mask, model=lm)
         parts = batch.parts()
         fields, routers = [], []
         for part in parts:
@@ -165,7 +165,7 @@ class RewardTreeRequest:
             raise ValueError(f"{self.name}: a row's pooled token (its last non-pad token) is padding")
         score_mask = torch.zeros_like(attention_mask, dtype=torch.bool)
         score_mask[rows, last] = True
-        batch = FlatBatch.build(input_ids, attention_mask, score_mask=score_mask)
+        batch = FlatBatch.build(input_ids, attention_mask, score_mask=score_mask, model=model)
         if batch.out_pos.size < B:
             raise ValueError(f"{self.name}: every row needs at least two real tokens")
         pooled = None

@@ -160,4 +160,6 @@ def merge_pairs(trees: Sequence[TrajectoryTree]) -> TrajectoryTree:
         "loss_masks": [m for t in trees for m in t.fields["loss_masks"]],
         "margins": np.concatenate([t.fields["margins"] for t in trees]),
     }
-    return TrajectoryTree.from_paths(paths, **fields)
+    groups = [t.path_groups for t in trees]  # rope regimes (models.rope.split_regimes) stay apart
+    groups = np.concatenate(groups) if all(g is not None for g in groups) else None
+    return TrajectoryTree.from_paths(paths, groups=groups, **fields)

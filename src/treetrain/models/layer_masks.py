@@ -1,0 +1,129 @@
+"""Each layer's attention mask as the Hugging Face model decides it, read through its mask interface.
+
+A model decides per layer whether its attention is full or a sliding window, and how wide, from its
+config (``sliding_window``, ``use_sliding_window``, ``max_window_layers``, ``layer_types``) and its
+own code. The keyword ``sliding_window=`` of the attention call is not that decision: Qwen2-MoE and
+PhiMoE apply their window only in the mask and never pass it; OLMoE passes a ``sliding_window`` that
+its mask ignores (HF's eager and SDPA attention read the mask only; flash-attention alone reads the
+keyword). What HF's eager and SDPA attention compute is fixed by the mask the model builds through
+``transformers.masking_utils`` (``create_causal_mask``, ``create_sliding_window_causal_mask``, ...),
+which calls the mask function registered for the attention implementation.
+
+So a tree forward passes, as ``attention_mask``, an all-ones ``[1, n]`` padding mask, and while it
+runs (:func:`padding_mask`) every mask the model asks for is the tree's: the model builds each
+through :func:`mask_interface` (registered as the ``treetrain`` mask function), which checks the
+mask function HF composed against what the tree can compute (causal, or causal with the window
+``local_size``) on a few probe rows, and returns a marked 4D tensor carrying the window. That
+tensor reaches each layer's attention call, which reads the window with :func:`layer_window`.
+
+Example: Qwen2-MoE with ``use_sliding_window=True, sliding_window=3`` and layer types
+``[sliding_attention, full_attention]``: the model calls ``create_sliding_window_causal_mask`` (window
+3) and ``create_causal_mask``; layer 0 gets the mask with window 3, layer 1 the full causal one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from treetrain.attention.mask import TreeMask
+
+__all__ = ["layer_window", "mask_interface", "padding_mask"]
+
+_TREE = "_treetrain_tree"  # on a layer mask: the forward's TreeMask
+_WINDOW = "_treetrain_window"  # on a layer mask: its sliding window (None: full causal)
+
+
+# the TreeMask of each tree forward in progress, innermost last: every mask the model builds while
+# one is open belongs to it
+_OPEN: list[TreeMask] = []
+
+
+@contextlib.contextmanager
+def padding_mask(mask: TreeMask, n: int, device) -> Iterator[torch.Tensor]:
+    """The ``[1, n]`` all-ones ``attention_mask`` of a tree forward over ``n`` tokens (no padding).
+
+    While the context is open, :func:`mask_interface` builds every mask for ``mask``'s forward.
+    """
+    _OPEN.append(mask)
+    try:
+        yield torch.ones(1, n, dtype=torch.bool, device=device)
+    finally:
+        _OPEN.pop()
+
+
+def layer_window(attention_mask, mask: TreeMask, where: str = "") -> int | None:
+    """The window of the mask HF gave a layer (None: full causal attention).
+
+    Raises ``ValueError`` when the layer got any other mask than one :func:`mask_interface` built for
+    this forward: the model made its own mask, which the tree mask cannot reproduce.
+    """
+    if not _same_tree(getattr(attention_mask, _TREE, None), mask):
+        got = "no mask" if attention_mask is None else f"a {type(attention_mask).__name__}"
+        raise ValueError(
+            f"{where or 'an attention layer'} received {got} that transformers' mask functions did not "
+            "build for the tree forward: the model builds its own attention mask, which tree attention "
+            "cannot reproduce; this model is not supported (docs/architectures.md)"
+        )
+    return getattr(attention_mask, _WINDOW)
+
+
+def _same_tree(a: TreeMask | None, b: TreeMask) -> bool:
+    """Whether ``a`` is the forward's tree ``b``, or a copy of it: FSDP rebuilds the dataclasses among a
+    module's inputs on their way in (``_recursive_to``), so the attention call may hold a copy."""
+    if a is None or a is b:
+        return a is b
+    return a.subtree_end.data_ptr() == b.subtree_end.data_ptr() and a.subtree_end.shape == b.subtree_end.shape
+
+
+def _layer_mask(tree: TreeMask, window: int | None) -> torch.Tensor:
+    m = tree.subtree_end.view(1, 1, 1, -1)  # a view: contents unused, the marks are what counts
+    setattr(m, _TREE, tree)
+    setattr(m, _WINDOW, window)
+    return m
+
+
+def _probe(mask_function, window: int | None) -> bool:
+    """Whether ``mask_function(b, h, q, kv)`` is causal (with ``q - kv < window`` when set) on probe
+    rows on both sides of the window, evaluated as HF's SDPA mask does (broadcast index tensors)."""
+    rows = {0, 1, 2, 5, 17}
+    if window is not None:
+        rows |= {window - 1, window, window + 1, 2 * window + 1}
+    q = torch.tensor(sorted(r for r in rows if r >= 0))
+    kv = torch.arange(int(q.max()) + 1)
+    zero = torch.zeros(1, 1, 1, 1, dtype=torch.long)
+    got = mask_function(zero, zero, q[None, None, :, None], kv[None, None, None, :])
+    want = kv[None, :] <= q[:, None]
+    if window is not None:
+        want &= q[:, None] - kv[None, :] < window
+    got = torch.as_tensor(got)
+    return got.dim() <= 4 and bool((got.expand(1, 1, *want.shape)[0, 0] == want).all())
+
+
+def mask_interface(*args, **kwargs):
+    """The ``treetrain`` mask function: for a tree forward, the marked layer mask (its window is
+    HF's ``local_size``, checked against the mask function HF composed); otherwise transformers'
+    SDPA mask (an ordinary call of a prepared model)."""
+    tree = _OPEN[-1] if _OPEN else None
+    if tree is None:
+        from transformers.masking_utils import sdpa_mask
+
+        return sdpa_mask(*args, **kwargs)
+    window = kwargs.get("local_size")
+    config = kwargs.get("config")
+    what = getattr(config, "model_type", None) or "this model"
+    if kwargs.get("q_offset") or kwargs.get("kv_offset"):
+        raise ValueError(f"{what}: a tree forward takes no cache (mask offsets must be 0)")
+    try:
+        exact = _probe(kwargs["mask_function"], window)
+    except Exception as e:  # a mask function that is not index-based: not one the tree can read
+        raise ValueError(f"{what}: its attention mask function cannot be read by tree attention ({e})") from e
+    if not exact:
+        shape = "causal" if window is None else f"causal with a sliding window of {window}"
+        raise ValueError(
+            f"{what}: its attention mask is not {shape} (chunked, bidirectional or overlaid masks); "
+            "tree attention cannot reproduce it, so the model is not supported (docs/architectures.md)"
+        )
+    return tree.cached(("hf_layer_mask", window), lambda: _layer_mask(tree, window))
