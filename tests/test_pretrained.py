@@ -190,3 +190,16 @@ def test_default_data_for_a_named_model_is_the_messages_sample():
 
     assert data_path(TrainConfig(model=NAME)).name == "agent-dialogues-messages.jsonl"
     assert data_path(TrainConfig()).name == "agent-dialogues.jsonl.gz"
+
+
+def test_bench_on_a_named_model(env, tmp_path):
+    """``treetrain bench --model smollm2-135m-instruct``: the pretrained model's sizes, the name in the
+    result file's name and header; tree and baseline agree on it."""
+    argv = ["bench", "--model", NAME, "--preset", "tiny", "--paths", "4", "--path-len", "40", "--por", "0.5"]
+    argv += ["--one-path", "0", "--repeats", "1", "--matmul-size", "64", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    (md,) = tmp_path.glob(f"treetrain_bench_{NAME}_*.md")
+    assert f"- model: {NAME} (pretrained weights" in md.read_text()
+    (js,) = tmp_path.glob(f"treetrain_bench_{NAME}_*.json")
+    (r,) = json.loads(js.read_text())["results"]
+    assert r["max_logprob_diff"] < 1e-4 and r["flop_bound"] > 1

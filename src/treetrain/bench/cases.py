@@ -334,10 +334,18 @@ def run_case(
     )
 
 
-def bench_model(hidden: int, layers: int, vocab: int, heads: int, device, dtype, seed: int = 0):
-    """A random-init Qwen3-architecture model (no download): GQA 2:1, MLP 3x, untied head."""
+def bench_model(
+    hidden: int, layers: int, vocab: int, heads: int, device, dtype, seed: int = 0, path: str | None = None
+):
+    """A random-init Qwen3-architecture model (no download): GQA 2:1, MLP 3x, untied head; or, with
+    ``path``, the pretrained model of that local directory (its own sizes; the others are ignored)."""
     import transformers
 
+    if path is not None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation="sdpa"
+        )
+        return model.to(device)
     torch.manual_seed(seed)
     cfg = transformers.Qwen3Config(
         vocab_size=vocab,
