@@ -44,6 +44,10 @@ from treetrain.objectives.policy_config import Objective  # noqa: E402
 from treetrain.trees.packing import pack  # noqa: E402
 
 RECORD = "airline-00/per-turn"
+# a ratio tree-bf16 / per-path-bf16 up to 1 + NOISE counts as "no larger": both runs round the same
+# matmuls to bf16, so their errors agree to about the tree's own float32 difference (1e-4 of bf16's here),
+# and a mean over ~200 targets moves by a few parts in 1000 with which rows share one matmul
+NOISE = 0.01
 
 
 def autocast(bf16: bool):
@@ -135,7 +139,11 @@ def main(argv=None) -> dict:
     verdict = (
         "tree bf16 error / per-path bf16 error: "
         + ", ".join(f"{k} {v:.3f}" for k, v in ratio.items())
-        + (" (all <= 1)" if all(v <= 1 for v in ratio.values()) else " (NOT all <= 1)")
+        + (
+            f" (all <= {1 + NOISE:g}: no larger than the per-path bf16 error)"
+            if all(v <= 1 + NOISE for v in ratio.values())
+            else f" (NOT all <= {1 + NOISE:g}: the tree adds bf16 error)"
+        )
     )
     print(table + "\n\n" + verdict + f"\n({wall:.0f} s)")
     out = {

@@ -15,7 +15,7 @@ rounding. On-policy (one iteration per generation) GRPO's policy term is exactly
 log-probs, so the loss shows the ``beta * KL`` term; the gradient norm checks the policy gradient.
 
     python examples/smollm2_grpo_tools.py --steps 2 --compare-steps 1   # a check, minutes
-    python examples/smollm2_grpo_tools.py --write    # 16 steps + 4 compared; writes benchmarks/results
+    python examples/smollm2_grpo_tools.py --write    # 12 steps + 2 compared; writes benchmarks/results
 """
 
 from __future__ import annotations
@@ -113,12 +113,12 @@ def train(cls, args, model_dir, tokenizer, steps: int, store: list, replay: bool
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--steps", type=int, default=16)
-    ap.add_argument("--compare-steps", type=int, default=4, help="steps replayed through trl.GRPOTrainer")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--compare-steps", type=int, default=2, help="steps replayed through trl.GRPOTrainer")
     ap.add_argument("--prompts", type=int, default=2, help="prompts per step")
     ap.add_argument("--group", type=int, default=4, help="completions per prompt (G)")
-    ap.add_argument("--max-new", type=int, default=32)
-    ap.add_argument("--lr", type=float, default=2e-5)
+    ap.add_argument("--max-new", type=int, default=28)
+    ap.add_argument("--lr", type=float, default=3e-5)
     ap.add_argument("--beta", type=float, default=0.04, help="KL coefficient (reference: the initial model)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--write", action="store_true", help="write the result and plot to benchmarks/results")
@@ -218,7 +218,8 @@ def write(out: dict, tree: list[dict], trl_rows: list[dict], args) -> None:
         "# SmolLM2-135M-Instruct GRPO with tool calls: TreeGRPOTrainer, and trl.GRPOTrainer on the same "
         "completions\n\n"
         f"- command: `python examples/smollm2_grpo_tools.py --steps {args.steps} --compare-steps "
-        f"{args.compare_steps} --prompts {args.prompts} --group {args.group} --lr {args.lr:g} "
+        f"{args.compare_steps} --prompts {args.prompts} --group {args.group} --max-new {args.max_new} "
+        f"--lr {args.lr:g} "
         f"--beta {args.beta:g} "
         "--write`\n"
         f"- hardware: {cpu}, {os.cpu_count()} cores, torch {torch.__version__}; "
