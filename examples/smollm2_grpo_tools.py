@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import sys
@@ -73,7 +74,8 @@ def record_generation(trainer, store: list) -> None:
 
     def generate(self, prompt_ids, *a, **k):
         completion_ids, logprobs = sample(prompt_ids, *a, **k)
-        store.append([list(c) for c in completion_ids])
+        call = {"prompts": [list(p) for p in prompt_ids], "completions": [list(c) for c in completion_ids]}
+        store.append(call)
         return completion_ids, logprobs
 
     trainer._generate_single_turn = types.MethodType(generate, trainer)
@@ -85,7 +87,10 @@ def replay_generation(trainer, store: list) -> None:
     calls = iter(store)
 
     def generate(self, prompt_ids, *a, **k):
-        return next(calls), None
+        call = next(calls)
+        if [list(p) for p in prompt_ids] != call["prompts"]:
+            raise RuntimeError("the replay is misaligned: this call's prompts are not the recorded call's")
+        return call["completions"], None
 
     trainer._generate_single_turn = types.MethodType(generate, trainer)
 
@@ -98,13 +103,28 @@ def per_step(trainer) -> list[dict]:
     ]
 
 
-def train(cls, args, model_dir, tokenizer, steps: int, store: list, replay: bool) -> tuple[list[dict], float]:
+class StopAfter(transformers.TrainerCallback):
+    """Stop a run after ``steps`` optimizer steps: the replay runs the tree run's first steps with the
+    tree run's ``max_steps`` (the same LR schedule), then stops."""
+
+    def __init__(self, steps: int):
+        self.steps = steps
+
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_training_stop = state.global_step >= self.steps
+        return control
+
+
+def train(cls, args, model_dir, tokenizer, store: list, replay_steps: int | None = None):
+    """One run of ``args.steps`` steps (the replay: the first ``replay_steps`` of them), the same
+    dataset and schedule either way; returns the logged metrics per step and the wall time."""
     with tempfile.TemporaryDirectory() as out:
         trainer = cls(
-            model=model_dir, reward_funcs=calculator_reward, args=config(args, out, steps),
-            train_dataset=dataset(tokenizer, steps * args.prompts, args.seed), processing_class=tokenizer,
+            model=model_dir, reward_funcs=calculator_reward, args=config(args, out, args.steps),
+            train_dataset=dataset(tokenizer, args.steps * args.prompts, args.seed),
+            processing_class=tokenizer, callbacks=[StopAfter(replay_steps)] if replay_steps else None,
         )  # fmt: skip
-        (replay_generation if replay else record_generation)(trainer, store)
+        (replay_generation if replay_steps else record_generation)(trainer, store)
         t0 = time.perf_counter()
         trainer.train()
         return per_step(trainer), time.perf_counter() - t0
@@ -128,7 +148,9 @@ def main(argv=None) -> dict:
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     load = os.getloadavg()[0]
     store: list = []
-    tree, tree_wall = train(TreeGRPOTrainer, args, model_dir, tokenizer, args.steps, store, replay=False)
+    tree, tree_wall = train(TreeGRPOTrainer, args, model_dir, tokenizer, store)
+    saved = Path(tempfile.gettempdir()) / "smollm2_grpo_tools_completions.json"
+    saved.write_text(json.dumps({"args": vars(args), "calls": store}))  # kept if the replay fails
     for r in tree:
         print(
             f"tree step {r['step']:3d}  reward {r['reward']:.3f}  loss {r['loss']:+.6f}  "
@@ -136,8 +158,10 @@ def main(argv=None) -> dict:
         )
     print(f"TreeGRPOTrainer: {args.steps} steps in {tree_wall:.0f} s", flush=True)
     k = min(args.compare_steps, args.steps)
-    trl_rows, trl_wall = train(GRPOTrainer, args, model_dir, tokenizer, k, store[: len(store)], replay=True)
+    trl_rows, trl_wall = train(GRPOTrainer, args, model_dir, tokenizer, store, replay_steps=k)
     print(f"trl.GRPOTrainer replay: {k} steps in {trl_wall:.0f} s", flush=True)
+    if [r["reward"] for r in trl_rows] != [r["reward"] for r in tree[:k]]:  # the same rows, the same rewards
+        raise RuntimeError(f"the replay is misaligned: rewards {trl_rows} vs {tree[:k]}")
     out = compare(tree, trl_rows)
     out.update(load=load, tree_wall=tree_wall, trl_wall=trl_wall)
     print(out["table"])
