@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 from common import hardware
 
-from treetrain.models.gdn import build_levels, tree_gated_delta_rule, tree_gated_delta_rule_nodewise
+from treetrain.models.gdn import tree_gated_delta_rule, tree_gated_delta_rule_nodewise
+from treetrain.models.scan import build_levels
 from treetrain.trees.packing import pack
 from treetrain.trees.tree import TrajectoryTree
 

@@ -3,7 +3,7 @@
 Every result lands under one folder (``--out``, default
 ``benchmarks/results/gpu-<gpu>-<date>/``): per part a ``results.jsonl`` (one line per finished case)
 and a ``state.json`` (status, seconds used); then ``summary.md``, ``kernel_time_vs_T.png`` and
-``log.txt``. Each part has a time budget (printed at the start; 1350 s in all) and stops cleanly when
+``log.txt``. Each part has a time budget (printed at the start; 1950 s in all) and stops cleanly when
 it runs out, recording that; ``--max-seconds`` ends a run before a device call's limit, and
 ``--resume`` carries on where the last run stopped (finished parts and cases are skipped).
 
@@ -14,7 +14,10 @@ gradients vs per-path forwards, each error bounded by the matching per-path/low-
 2. ``kernels``: Triton vs FlexAttention (and flash-attn varlen, if it imports) at T = 4k..64k,
 per-turn and group trees, forward + backward, TFLOP/s on allowed pairs and the fraction of dense
 causal attention's rate. 3. ``e2e``: Qwen3-0.6B-shaped, bf16 mixed precision, FSDP2 on one GPU, tree
-vs the per-path baseline (speedup, FLOP bound, MFU, peak memory, tokens/s). 4. ``report``.
+vs the per-path baseline (speedup, FLOP bound, MFU, peak memory, tokens/s). 4. ``verl``: verl's
+trainer (``python -m verl.trainer.main_ppo``, vLLM rollout, actor + reference + critic) two steps
+with ``strategy=fsdp2`` and with ``strategy=treetrain`` on one seed, step 1's metrics compared
+(runs where ``--verl-python`` imports verl and vLLM, else recorded unavailable). 5. ``report``.
 
 On a device lease (10-minute calls; the results folder travels back as one archive)::
 
@@ -58,12 +61,12 @@ sys.path[:0] = [str(ROOT / "src"), str(ROOT)]  # this checkout's treetrain, test
 
 import torch  # noqa: E402
 
-from benchmarks.gpu import correctness, end_to_end, kernels, report  # noqa: E402
+from benchmarks.gpu import correctness, end_to_end, kernels, report, verl_trainer  # noqa: E402
 from benchmarks.gpu.runner import EXIT_INCOMPLETE, Part, load_records, print_plan, run_part  # noqa: E402
 from benchmarks.gpu.sizes import BUDGETS, Sizes, dry_run_sizes, gpu_sizes  # noqa: E402
 from treetrain.bench.command import hardware_slug  # noqa: E402
 
-PARTS = ("correctness", "kernels", "e2e", "report")
+PARTS = ("correctness", "kernels", "e2e", "verl", "report")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -82,6 +85,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile-below", type=float, default=0.95,
                    help="profile a step per mode of each end-to-end case below this efficiency")  # fmt: skip
     p.add_argument("--budget-scale", type=float, default=1.0, help="multiply every part's time budget")
+    p.add_argument("--verl-python", default=None,
+                   help="Python with verl 0.9.1 and vLLM, for the verl part (default: this one)")  # fmt: skip
     p.add_argument("--archive", type=Path, default=None, help="also write the results folder as a .tgz here")
     p.add_argument("--dry-run", action="store_true",
                    help="print the GPU plan, then run every part at tiny sizes on the CPU")  # fmt: skip
@@ -102,17 +107,21 @@ def default_out(dry_run: bool) -> Path:
     return ROOT / "benchmarks" / "results" / f"{name}-{datetime.date.today().isoformat()}"
 
 
-def build_parts(sizes: Sizes, out: Path, scale: float, header: list[str], e2e_model) -> list[Part]:
+def build_parts(
+    sizes: Sizes, out: Path, scale: float, header: list[str], e2e_model, verl_python: str | None = None
+) -> list[Part]:
     about = {
         "correctness": "attention fwd+bwd per backend and dtype, GDN kernels, model log-probs + grads",
         "kernels": "fwd+bwd time, TFLOP/s, fraction of dense causal attention, per tree kind and T",
         "e2e": "one training step, tree vs per-path baseline, FSDP2 + bf16 mixed precision",
+        "verl": "verl's main_ppo, strategy=fsdp2 vs treetrain, step 1 metrics",
         "report": "summary.md and kernel_time_vs_T.png (rewritten every run)",
     }
     plans = {
         "correctness": lambda: correctness.plan(sizes),
         "kernels": lambda: kernels.plan(sizes),
         "e2e": lambda: end_to_end.plan(sizes, e2e_model, out),
+        "verl": lambda: verl_trainer.plan(sizes, out, verl_python),
         "report": lambda: report.plan(out, header),
     }
     return [Part(n, BUDGETS[n] * scale, plans[n], always=n == "report", about=about[n]) for n in PARTS]
@@ -188,7 +197,8 @@ def run(args: argparse.Namespace, out: Path, log) -> dict[str, str]:
         torch._dynamo.config.accumulated_cache_size_limit = 512
     sizes.profile_below = args.profile_below
     shared_model = end_to_end.Model(sizes)
-    parts = build_parts(sizes, out, args.budget_scale, describe(sizes, args.dry_run), shared_model)
+    header = describe(sizes, args.dry_run)
+    parts = build_parts(sizes, out, args.budget_scale, header, shared_model, args.verl_python)
     parts = [p for p in parts if p.name in args.parts]
     print_plan(parts, out, log)
     states: dict[str, str] = {}
@@ -232,7 +242,7 @@ def exit_status(states: dict[str, str], out: Path) -> int:
         print(f"not finished: run again with --resume --out {out}")
         return EXIT_INCOMPLETE
     bad = [p for p, s in states.items() if s == "over_budget"]
-    for part in ("correctness", "kernels", "e2e"):
+    for part in ("correctness", "kernels", "e2e", "verl"):
         if part in states:
             bad += [f"{part}: {r['id']}" for r in load_records(out, part) if r.get("status") != "ok"]
     if bad:

@@ -137,7 +137,7 @@ def rloo_modes(trainer, ids, mask, C):
 def dpo_modes(model, ref, ids, mask, P):
     from trl.trainer.utils import add_fused_lm_head
 
-    from treetrain.integrations.trl_preference import FusedTreeRequest
+    from treetrain.integrations.trl.preference import FusedTreeRequest
     from treetrain.integrations.wrapped import REQUEST_KWARG, install_tree_scoring
 
     outputs = ("log_probs", "entropy", "mean_logits", "is_top1")
@@ -174,7 +174,7 @@ def dpo_modes(model, ref, ids, mask, P):
 
 
 def reward_modes(model, ids, mask):
-    from treetrain.integrations.trl_preference import RewardTreeRequest
+    from treetrain.integrations.trl.preference import RewardTreeRequest
     from treetrain.integrations.wrapped import REQUEST_KWARG, install_tree_scoring
 
     install_tree_scoring(model)

@@ -89,12 +89,24 @@ def tiny_hybrid_model(arch: str, dtype=torch.float64, seed: int = 0, **over):
     return model.to(dtype)
 
 
+def _warm_dynamo_rules():
+    """Build torch.compile's table of torch functions now, from the real ``torch.zeros``:
+    dynamo builds it lazily on first use, and built while the patches below are in
+    place it marks the real functions as unknown ("skipped") for the rest of the run."""
+    import torch._dynamo.trace_rules as rules
+
+    rules.get_torch_obj_rule_map()
+    rules._allowed_callable_ids()
+    rules._disallowed_callable_ids()
+
+
 @contextlib.contextmanager
 def float64_everywhere():
     """``float64_casts`` plus what MoE code adds: routers take ``softmax(..., dtype=torch.float)``
-    (float32 routing weights in a float64 model) and transformers' ``load_balancing_loss_func``
-    accumulates into ``torch.zeros(..., dtype=torch.float32)``."""
-    orig_softmax, orig_zeros = torch.nn.functional.softmax, torch.zeros
+    (float32 routing weights in a float64 model), transformers' ``load_balancing_loss_func``
+    accumulates into ``torch.zeros(..., dtype=torch.float32)`` and Inkling2's experts into
+    ``torch.zeros_like(..., dtype=torch.float32)``."""
+    orig_softmax, orig_zeros, orig_zeros_like = torch.nn.functional.softmax, torch.zeros, torch.zeros_like
 
     def softmax(x, dim=None, _stacklevel=3, dtype=None):
         if dtype is torch.float32 and x.dtype is torch.float64:
@@ -106,9 +118,15 @@ def float64_everywhere():
             kwargs["dtype"] = torch.float64
         return orig_zeros(*size, **kwargs)
 
-    torch.nn.functional.softmax, torch.zeros = softmax, zeros
+    def zeros_like(x, **kwargs):
+        if kwargs.get("dtype") is torch.float32:
+            kwargs["dtype"] = torch.float64
+        return orig_zeros_like(x, **kwargs)
+
+    _warm_dynamo_rules()
+    torch.nn.functional.softmax, torch.zeros, torch.zeros_like = softmax, zeros, zeros_like
     try:
         with float64_casts():
             yield
     finally:
-        torch.nn.functional.softmax, torch.zeros = orig_softmax, orig_zeros
+        torch.nn.functional.softmax, torch.zeros, torch.zeros_like = orig_softmax, orig_zeros, orig_zeros_like

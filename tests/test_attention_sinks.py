@@ -1,5 +1,6 @@
-"""Attention sinks (GPT-OSS) in every backend: forward and the gradients of q, k, v and the sinks,
-against HF's eager definition (the sink joins the softmax as one more column and is dropped)."""
+"""Attention sinks in every backend, per head (GPT-OSS) and per head and query (Inkling2): forward
+and the gradients of q, k, v and the sinks, against HF's eager definition (the sink joins the
+softmax as one more column and is dropped)."""
 
 from __future__ import annotations
 
@@ -32,10 +33,11 @@ def test_add_sinks_by_hand():
     assert torch.allclose(new_lse.exp(), torch.tensor([[3.0]], dtype=torch.float64), atol=1e-15)
 
 
-def _inputs(dtype, seed=0, hq=4, hkv=2, d=8):
+def _inputs(dtype, seed=0, hq=4, hkv=2, d=8, per_query=False):
     g = torch.Generator().manual_seed(seed)
     make = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(dtype).requires_grad_()  # noqa: E731
-    return make(hq, 8, d), make(hkv, 8, d), make(hkv, 8, d), make(hq) * 2
+    sinks = make(hq, 8) if per_query else make(hq)
+    return make(hq, 8, d), make(hkv, 8, d), make(hkv, 8, d), sinks * 2
 
 
 def _eager(q, k, v, sinks, scale, window=None):
@@ -44,7 +46,8 @@ def _eager(q, k, v, sinks, scale, window=None):
     k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
     scores = (q @ k.transpose(-1, -2)) * scale
     scores = scores.masked_fill(~dense_tree_mask(END, POS, window), float("-inf"))
-    scores = torch.cat([scores, sinks[:, None, None].expand(-1, scores.shape[1], 1)], -1)
+    column = sinks[:, None, None] if sinks.dim() == 1 else sinks[:, :, None]
+    scores = torch.cat([scores, column.expand(-1, scores.shape[1], 1)], -1)
     return torch.softmax(scores, -1)[..., :-1] @ v
 
 
@@ -54,16 +57,17 @@ CASES = [("dense", torch.float64, 1e-12, {}), ("blocksparse", torch.float64, 1e-
 CASES += [("triton", torch.float32, 1e-5, {})]
 
 
+@pytest.mark.parametrize("per_query", [False, True], ids=["per_head", "per_query"])
 @pytest.mark.parametrize("window", [None, 2])
 @pytest.mark.parametrize("backend, dtype, tol, kw", CASES, ids=[c[0] for c in CASES])
-def test_sinks_forward_and_gradients(backend, dtype, tol, kw, window):
+def test_sinks_forward_and_gradients(backend, dtype, tol, kw, window, per_query):
     if backend == "triton":
         pytest.importorskip("triton")
         from treetrain.attention.triton_kernel import triton_available
 
         if not triton_available():
             pytest.skip("no CUDA device and TRITON_INTERPRET unset")
-    q, k, v, sinks = _inputs(dtype)
+    q, k, v, sinks = _inputs(dtype, per_query=per_query)
     g = torch.randn(q.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(dtype)
     want = _eager(*(x.double() for x in (q, k, v, sinks)), 0.3, window)
     want_g = torch.autograd.grad((want * g.double()).sum(), (q, k, v, sinks))
@@ -79,10 +83,18 @@ def test_sinks_forward_and_gradients(backend, dtype, tol, kw, window):
 def test_flex_sinks_forward():
     """FlexAttention has no CPU backward: the forward here (its gradient flows through flex's
     differentiable log-sum-exp on CUDA)."""
-    q, k, v, sinks = (x.detach() for x in _inputs(torch.float32))
-    want = _eager(*(x.double() for x in (q, k, v, sinks)), 0.3)
-    got = get_backend("flex")(q, k, v, TreeMask(END, position_ids=POS), 0.3, sinks=sinks)
-    assert rel_err(got, want) < 1e-5  # float32 kernel: its own rounding, ~1e-7
+    for per_query in (False, True):
+        q, k, v, sinks = (x.detach() for x in _inputs(torch.float32, per_query=per_query))
+        want = _eager(*(x.double() for x in (q, k, v, sinks)), 0.3)
+        got = get_backend("flex")(q, k, v, TreeMask(END, position_ids=POS), 0.3, sinks=sinks)
+        assert rel_err(got, want) < 1e-5  # float32 kernel: its own rounding, ~1e-7
+
+
+def test_bad_sinks_are_refused():
+    q, k, v, _ = _inputs(torch.float64)
+    for backend in ("dense", "blocksparse"):
+        with pytest.raises(ValueError, match=r"sinks must be \[Hq\] = \[4\] or \[Hq, T\] = \[4, 8\]"):
+            get_backend(backend)(q, k, v, TreeMask(END, position_ids=POS), 0.3, sinks=torch.zeros(4, 7))
 
 
 @pytest.mark.parametrize("backend", ["cp", "depth_first"])

@@ -221,6 +221,48 @@ def test_low_precision(dtype, seed):
         assert err <= 3 * max(a, b), (name, err, a, b)
 
 
+# ------------------------------------------------------------------------------------------------
+# ALiBi: the bias alibi[h, k] - alibi[h, q] inside every tile (forward, dq, dk/dv).
+# ------------------------------------------------------------------------------------------------
+
+
+def path_positions(parent: list[int]) -> torch.Tensor:
+    depth: list[int] = []
+    for p in parent:
+        depth.append(0 if p < 0 else depth[p] + 1)
+    return torch.tensor(depth)
+
+
+@pytest.mark.parametrize(
+    "parent, heads, window",
+    [
+        (chain(17) + offset(random_parents(30, random.Random(3)), 17), (4, 2), None),  # forest, GQA
+        (chain(3) + offset(star(20), 3), (2, 1), 4),  # one-token leaves; a sliding window too
+        (random_parents(33, random.Random(5), p_continue=0.4), (3, 3), None),
+    ],
+    ids=["forest-gqa", "star-window", "bushy"],
+)
+def test_alibi_against_dense(parent, heads, window):
+    end, pos = subtree_end_from_parents(parent), path_positions(parent)
+    hq = heads[0]
+    slopes = torch.tensor([2 ** (-8 * (h + 1) / hq) for h in range(hq)])
+    # slope * position, plus a random term so a bias read at the wrong token or head shows
+    noise = torch.randn(hq, len(parent), generator=torch.Generator().manual_seed(0))
+    alibi = slopes[:, None] * pos[None] + noise
+    q, k, v, do = make_inputs(len(parent), *heads, 16, torch.float32)
+
+    def go(attn, q, k, v, do, **kw):
+        q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+        mask = TreeMask(end.to(q.device), position_ids=pos.to(q.device))
+        o = attn(q, k, v, mask, 0.7, alibi=alibi.to(q.device, q.dtype), window=window, **kw)
+        return [x.double().cpu() for x in (o, *torch.autograd.grad(o, (q, k, v), do.to(o.dtype)))]
+
+    ref = go(dense_attention, *(x.double() for x in (q, k, v, do)))
+    got = go(tk.triton_tree_attention, q, k, v, do, block_m=16, block_n=16)
+    for name, err in zip(("out", "dq", "dk", "dv"), max_errors(got, ref)):
+        assert err < FP32_ATOL, (name, err)
+
+
 def test_triton_available():
     assert tk.triton_available() == (tk.triton is not None)
 
@@ -234,15 +276,18 @@ P, D = "*{dtype}", {d}
 cfg = dict(GROUP=2, D=D, BLOCK_M={block_m}, BLOCK_N={block_n}, BLOCK_D=D, PRECISION="tf32")
 rows = dict(LSE="*fp32", DELTA="*fp32", SEND="*i64", KMIN="*i32", KMAX="*i32", T="i32")
 rows |= dict(POS="*i64", WINDOW="i32")  # the sliding window's positions and width
+rows |= dict(AB="*fp32")  # ALiBi's bias per head and token
 sigs = {{
     tk._fwd_kernel: dict(Q=P, K=P, V=P, O=P, qk_scale="fp32"),
     tk._bwd_delta_kernel: dict(O=P, DO=P),
     tk._bwd_dkdv_kernel: dict(Q=P, K=P, V=P, DO=P, DK=P, DV=P, qk_scale="fp32", sm_scale="fp32"),
     tk._bwd_dq_kernel: dict(Q=P, K=P, V=P, DO=P, DQ=P, qk_scale="fp32", sm_scale="fp32"),
 }}
-for (fn, sig), window in [(item, w) for item in sigs.items() for w in (False, True)]:  # sliding window
+# plain, and sliding window with ALiBi (every optional branch compiled once)
+flags = [dict(HAS_WINDOW=f, HAS_ALIBI=f) for f in (False, True)]
+for (fn, sig), flag in [(item, f) for item in sigs.items() for f in flags]:
     sig = sig | {{a: t for a, t in rows.items() if a in fn.arg_names}}
-    cx = {{a: v for a, v in (cfg | dict(HAS_WINDOW=window)).items() if a in fn.arg_names}}
+    cx = {{a: v for a, v in (cfg | flag).items() if a in fn.arg_names}}
     sig |= dict.fromkeys(cx, "constexpr")
     sig = {{a: sig[a] for a in fn.arg_names}}
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=cx)

@@ -110,21 +110,30 @@ def test_dpo_on_a_paths_file_names_file_and_line(paths_file, tmp_path):
     assert f"{paths_file}:1: --objective dpo trains on preference pairs" in line and "paths data" in line
 
 
+def _listing_error(proc: subprocess.CompletedProcess, command: str) -> str:
+    """Exit status 2, ``treetrain COMMAND: error: FILE: N of M records are invalid:`` and one line per
+    bad record (as ``train`` lists them, issue 35), no usage, no traceback."""
+    assert proc.returncode == 2 and proc.stderr.startswith(f"treetrain {command}: error: "), proc.stderr
+    assert "records are invalid:" in proc.stderr.splitlines()[0]
+    assert "usage:" not in proc.stderr and "Traceback" not in proc.stderr
+    return proc.stderr
+
+
 def test_stats_rejects_token_ids_that_train_rejects(tmp_path):
     oov = tmp_path / "oov.jsonl"
     oov.write_text('{"paths": [[1, 2, 151936], [1, 2, 4]]}\n')  # 151936: one past Qwen3's vocabulary
     message = f'{oov}:1: field "paths"[0][2]: token id 151936 is outside the vocabulary (vocab_size=151936)'
-    assert message in _one_line_error(treetrain("stats", "--data", str(oov)), "stats")
+    assert message in _listing_error(treetrain("stats", "--data", str(oov)), "stats")
     proc = treetrain("train", "--data", str(oov), "--output", str(tmp_path / "o"), "--no-progress")
     assert proc.returncode == 2 and message in proc.stderr  # train lists every invalid record
     assert treetrain("stats", "--data", str(oov), "--vocab-size", "151937").returncode == 0
-    line = _one_line_error(treetrain("stats", "--data", str(oov), "--vocab-size", "100"), "stats")
-    assert "token id 151936 is outside the vocabulary (vocab_size=100)" in line and "--vocab-size 100" in line
+    err = _listing_error(treetrain("stats", "--data", str(oov), "--vocab-size", "100"), "stats")
+    assert "token id 151936 is outside the vocabulary (vocab_size=100)" in err and "--vocab-size 100" in err
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text('{"model_type": "qwen3", "vocab_size": 1000}')  # defaults otherwise
-    line = _one_line_error(treetrain("stats", "--data", str(oov), "--model", str(model)), "stats")
-    assert "(vocab_size=1000)" in line and f"--model {model}'s" in line
+    err = _listing_error(treetrain("stats", "--data", str(oov), "--model", str(model)), "stats")
+    assert "(vocab_size=1000)" in err and f"--model {model}'s" in err
 
 
 # ---- item 1: extending a finished run ----------------------------------------------------------
@@ -191,7 +200,7 @@ def test_grpo_logs_reward_statistics_in_every_sink(tmp_path):
             assert records[step][name] == pytest.approx(value, rel=1e-12, abs=1e-15), (step, name)
             (event,) = [e for e in acc.Scalars(name) if e.step == step]
             assert event.value == pytest.approx(value, rel=1e-6, abs=1e-7)  # TensorBoard stores float32
-    for row in (r"reward mean first -> last +0\.75 -> 0\.8\n", r"reward min / max +0 / 2\n",
+    for row in (r"reward mean +0\.75 \(step 1\) -> 0\.8 \(step 2\)\n", r"reward min / max +0 / 2\n",
                 r"zero-advantage groups +25\.0% of groups"):  # fmt: skip
         assert re.search(row, proc.stdout), proc.stdout  # the summary table
 

@@ -1,12 +1,11 @@
 """The code in the docs runs, so the guides cannot rot.
 
-Every ```` ```python ```` block of ``docs/**/*.md`` and the README runs unless the line before it is
-``<!-- no-run -->`` (for code that needs a GPU, several processes, a hub model or a host
-framework's full set-up). A page's blocks run in order in one namespace, as a reader would paste
-them, in a fresh working directory, with ``model`` bound to the embedded tiny random-init Qwen3
-(``treetrain.train.build.build_model(None, ...)``, no download) and a small ``data.jsonl``
-(:data:`DATA`) in the working directory. One subprocess runs every page
-(one torch import for all); each page is reported as its own test.
+Every ```` ```python ```` block of ``docs/**/*.md`` and the README runs as pasted unless the line
+before it is ``<!-- no-run: REASON -->`` (for code that needs a GPU, several processes, a hub model
+or a host framework's full set-up; the reason is required). A page's blocks run in order in one
+namespace, as a reader would paste them, in a fresh empty working directory: nothing is provided, so
+a block makes its own model (``treetrain.tiny_model()``) and data, or names the bundled sample. One
+subprocess runs every page (one torch import for all); each page is reported as its own test.
 
 Every ```` ```json ```` block is one or more data records, each of which must parse (a format
 change that the guides do not follow fails here).
@@ -49,6 +48,7 @@ def blocks(page: Path) -> list[tuple[str, int, str, str]]:
                 j += 1
             prev = lines[i - 1].strip() if i else ""
             marker = prev if prev.startswith("<!--") else ""
+            marker = "<!-- no-run -->" if marker.startswith("<!-- no-run") else marker
             out.append((m.group(1), start + 1, "\n".join(lines[start:j]), marker))
             i = j + 1
             continue
@@ -90,19 +90,14 @@ DATA = [  # plain SFT on every token (per-path fields must be given for every tr
 RUNNER = r"""
 import json, os, sys, tempfile, traceback
 import torch
-from treetrain.train.build import build_model
 
 results = {}
 todo = json.load(sys.stdin)
-data = todo.pop("@data")
 for page, chunks in todo.items():
     ns = {"__name__": "__main__"}
     torch.manual_seed(0)
-    ns["model"] = build_model(None, 0, torch.float32, torch.device("cpu"))
     with tempfile.TemporaryDirectory() as tmp:
         os.chdir(tmp)
-        with open("data.jsonl", "w") as f:
-            f.write(data)
         try:
             for line, code in chunks:
                 # pad so that tracebacks give the line number in the page
@@ -130,7 +125,6 @@ def _env() -> dict[str, str]:
 def python_results() -> dict[str, str | None]:
     todo = {str(p.relative_to(ROOT)): python_blocks(p) for p in pages()}
     todo = {k: v for k, v in todo.items() if v}
-    todo["@data"] = _data_jsonl()
     r = subprocess.run(
         [sys.executable, "-c", RUNNER], input=json.dumps(todo), capture_output=True, text=True,
         env=_env(), timeout=300,
@@ -184,8 +178,37 @@ def test_json_records_parse(page):
             assert tree.num_paths >= 1, f"{page.relative_to(ROOT)}:{line}"
 
 
+def _setup_commands(page: Path) -> list[str]:
+    """The set-up block's commands: the first ``bash`` block holding ``pip install``."""
+    code = next(code for lang, _, code, _ in blocks(page) if lang == "bash" and "pip install" in code)
+    return [line.strip() for line in code.splitlines() if line.strip()]
+
+
+def test_ci_runs_the_readmes_test_command():
+    """README: two commands, the main job's install and run, then the test extra and the tests; CI
+    ends with exactly the second, and the getting-started page shows the same two."""
+    install, tests = _setup_commands(ROOT / "README.md")
+    assert install.startswith("pip install torch==") and "[test]" not in install, install
+    assert tests.startswith('pip install -e ".[test]"') and tests.endswith("python -m pytest"), tests
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines() if line.strip()]
+    assert ci[-1] == tests, ci[-1]
+    assert _setup_commands(DOCS / "getting-started.md") == [install, tests]
+
+
+def test_no_python_block_is_skipped_without_a_reason():
+    """``<!-- no-run: REASON -->``: a reader (and a reviewer) sees why a block is not run."""
+    for page in pages():
+        lines = page.read_text().splitlines()
+        for i, line in enumerate(lines[1:], start=1):
+            if line.strip() == "```python" and lines[i - 1].strip().startswith("<!-- no-run"):
+                reason = lines[i - 1].strip().removeprefix("<!-- no-run").removesuffix("-->").strip(" :")
+                assert reason, f"{page.relative_to(ROOT)}:{i}: a no-run python block needs a reason"
+
+
 def test_docs_have_runnable_code():
-    """The harness finds what it should: the guides' examples are not all skipped."""
+    """The harness finds what it should: the README and the guides' examples are not all skipped."""
     assert len(RUNNABLE) >= 5, [str(p) for p in RUNNABLE]
+    runnable = {str(p.relative_to(ROOT)) for p in RUNNABLE}
+    assert {"README.md", "docs/getting-started.md", "docs/guides/data.md", "docs/guides/train.md"} <= runnable
     assert COMMAND_PAGES
     assert {p.name for p in JSON_PAGES} >= {"data.md", "objectives.md"}

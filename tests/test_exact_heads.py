@@ -86,6 +86,8 @@ HEADS = {
     "gemma2": dict(softcap=3.0),
     "gemma3_text": dict(softcap=3.0),
     "vaultgemma": dict(softcap=3.0),
+    "recurrent_gemma": dict(softcap=5.0),  # logits_soft_cap
+    "xlstm": dict(softcap=6.0),  # output_logit_soft_cap
     "llama": dict(),
 }
 

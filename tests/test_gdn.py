@@ -14,16 +14,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from treetrain import path_logprobs
-from treetrain.models.gdn import (
-    _torch_rule,
-    build_levels,
-    conv_window_index,
-    path_conv1d_reference,
-    tree_causal_conv1d,
-    tree_gated_delta_rule,
-    tree_gated_delta_rule_nodewise,
-)
+from treetrain.models.gdn import _torch_rule, tree_gated_delta_rule, tree_gated_delta_rule_nodewise
+from treetrain.models.pathconv import conv_window_index, path_conv1d_reference, tree_causal_conv1d
 from treetrain.models.recurrent import patch_recurrent_layers
+from treetrain.models.scan import build_levels
+from treetrain.models.support import check_model
 from treetrain.trees.packing import pack
 from treetrain.trees.tree import TrajectoryTree
 
@@ -305,7 +300,7 @@ def test_unsupported_recurrent_layer_raises():
 
     model = torch.nn.Sequential(FooMamba2Mixer())
     with pytest.raises(ValueError, match="no tree routing"):
-        patch_recurrent_layers(model)
+        check_model(model)
 
 
 def test_subclassed_layers_are_routed():

@@ -88,7 +88,7 @@ def test_dry_run_kernels_and_end_to_end(tmp_path):
     out = tmp_path / "gpu"
     archive = tmp_path / "a.tgz"
     run = _suite(
-        "--out", str(out), "--parts", "kernels", "e2e", "report", "--archive", str(archive),
+        "--out", str(out), "--parts", "kernels", "e2e", "verl", "report", "--archive", str(archive),
         "--profile-below", "1e9",  # profile every end-to-end case
     )  # fmt: skip
     assert run.returncode in (0, 1), run.stdout[-3000:] + run.stderr[-3000:]  # 1: CPU timings miss a goal
@@ -108,8 +108,17 @@ def test_dry_run_kernels_and_end_to_end(tmp_path):
     assert (out / "kernel_time_vs_T.png").stat().st_size > 0
     with tarfile.open(archive) as tar:  # the folder as one file, to bring back from a device call
         assert f"{out.name}/e2e/results.jsonl" in tar.getnames()
+    # verl's trainer: its inputs written and its command recorded; the launch needs a GPU and verl
+    verl = {r["id"]: r for r in _records(out, "verl")}
+    for strategy in ("fsdp2", "treetrain"):
+        rec = verl[f"main_ppo strategy={strategy}"]
+        assert "CPU dry run" in rec["unavailable"] and f"critic.strategy={strategy}" in rec["command"]
+    run_dir = out / "verl" / "run"
+    assert {"train.parquet", "val.parquet", "reward.py"} <= {p.name for p in run_dir.iterdir()}
+    assert (run_dir / "model" / "tokenizer.json").exists() and (run_dir / "model" / "config.json").exists()
     summary = (out / "summary.md").read_text()
     assert "## 1. Correctness\n\nnot run" in summary and "kernel_time_vs_T.png" in summary
+    assert "## 4. verl's trainer" in summary and "verl main_ppo: step 1" in summary
 
 
 # ---- the runner, in process ------------------------------------------------------------------------
@@ -157,3 +166,18 @@ def test_runner_budget_stops_the_part_and_records_it(tmp_path):
     assert state["status"] == "over_budget" and state["not_run"] == ["c"] and 0.3 <= state["used_s"] < 5
     assert run_part(part, tmp_path, deadline=None, log=lambda m: None) == "over_budget"  # not retried
     assert calls == ["a", "b"]
+
+
+def test_verl_step_one_comparison():
+    """The verl part's verdict: the rollouts must be the same, then each engine metric within its
+    bf16 tolerance (relative, or absolute near zero)."""
+    from benchmarks.gpu.verl_trainer import ENGINE_TOL, compare
+
+    a = {"response_length/mean": 40.0, "critic/score/mean": 0.25} | {k: 1.0 for k in ENGINE_TOL}
+    close = dict(a, **{"actor/entropy": 1.04, "actor/kl_loss": 0.0005 + 1.0})
+    assert "error" not in compare(a, close) and compare(a, close)["same_rollout"]
+    assert "rollouts differ" in compare(a, dict(close, **{"response_length/mean": 41.0}))["error"]
+    far = compare(a, dict(close, **{"actor/entropy": 1.2}))
+    assert far["status"] == "error" and far["mismatches"] == ["actor/entropy: 1 vs 1.2"]
+    missing = {k: v for k, v in a.items() if k != "actor/grad_norm"}
+    assert "actor/grad_norm missing" in compare(a, missing)["error"]

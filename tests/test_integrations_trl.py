@@ -30,7 +30,13 @@ from treetrain.integrations.flat import flat_logprobs  # noqa: E402
 from treetrain.integrations.trl import TreeGRPOTrainer  # noqa: E402
 
 from .reference import float64_casts  # noqa: E402
-from .trl_tiny import dataset, fixed_rollout, reward_len_and_a, save_tiny_policy  # noqa: E402
+from .trl_tiny import (  # noqa: E402
+    dataset,
+    fixed_rollout,
+    reward_len_and_a,
+    save_tiny_nemotron_h,
+    save_tiny_policy,
+)
 
 MAX_LEN = 6
 
@@ -325,3 +331,17 @@ def test_rloo_equal_trl(over, policy, tmp_path):
         }:
             assert y[k] == pytest.approx(x[k], rel=1e-5 if k == "loss" else 1e-3, abs=1e-6), k
     assert update_err(b_w, a_w, initial(policy)) < 1e-4
+
+
+def test_nemotron_h_equal_trl(tmp_path_factory):
+    """A Mamba2 hybrid policy (Nemotron-H: Mamba2 mixer, attention, MLP): TRL's GRPO runs with the
+    tree, its Mamba2 states routed along the tree (prompt and shared completion prefixes run once),
+    and the losses and update equal TRL's, to TRL's own float32 error as above."""
+    transformers.logging.set_verbosity_error()
+    policy = save_tiny_nemotron_h(tmp_path_factory.mktemp("nemotron_h") / "policy")
+    over = dict(CONFIGS["grpo"], max_steps=1)  # one step: 2 micro-steps x 2 iterations, KL on
+    trl_loss, trl_w, _ = train(GRPOTrainer, policy, tmp_path_factory.mktemp("trl"), **over)
+    tree_loss, tree_w, tree_tr = train(TreeGRPOTrainer, policy, tmp_path_factory.mktemp("tree"), **over)
+    assert any(type(m).__name__ == "NemotronHMamba2Mixer" for m in tree_tr.model.modules())
+    assert torch.allclose(tree_loss, trl_loss, rtol=1e-6, atol=1e-6), (tree_loss, trl_loss)
+    assert update_err(tree_w, trl_w, initial(policy)) < 1e-5

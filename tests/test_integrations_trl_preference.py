@@ -22,7 +22,7 @@ import transformers  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from trl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer  # noqa: E402
 
-from treetrain.integrations.trl_preference import TreeDPOTrainer, TreeRewardTrainer  # noqa: E402
+from treetrain.integrations.trl import TreeDPOTrainer, TreeRewardTrainer  # noqa: E402
 from treetrain.models.hf import tree_forward as real_tree_forward  # noqa: E402
 
 from .reference import tiny_config  # noqa: E402
@@ -92,7 +92,7 @@ def run(cls, cfg_cls, model, out, data, **over):
         return real_tree_forward(*args, **kwargs)
 
     # patched where the tree trainers call it (the module's own name), counting the calls
-    with mock.patch("treetrain.integrations.trl_preference.tree_forward", counting_tree_forward):
+    with mock.patch("treetrain.integrations.trl.preference.tree_forward", counting_tree_forward):
         trainer = cls(
             model=model, args=cfg_cls(output_dir=str(out), **{**COMMON, **over}), train_dataset=data
         )
@@ -171,7 +171,7 @@ def test_fused_request_refuses_what_the_tree_cannot_give():
     own tokens raise naming the problem; a call without ``fused_lm_head`` is the model's own forward."""
     from trl.trainer.utils import add_fused_lm_head
 
-    from treetrain.integrations.trl_preference import FusedTreeRequest
+    from treetrain.integrations.trl.preference import FusedTreeRequest
     from treetrain.integrations.wrapped import REQUEST_KWARG, install_tree_scoring
 
     from .reference import tiny_model
@@ -203,3 +203,17 @@ def test_fused_request_refuses_what_the_tree_cannot_give():
     bad[0, 2] = 9
     with pytest.raises(ValueError, match="scored label must be the input token"):
         model(input_ids=ids, attention_mask=mask, labels=bad, fused_lm_head=True, **req)
+
+
+def test_all_four_drop_ins_import_from_one_place():
+    """``treetrain.integrations.trl`` is where a user imports every TRL drop-in from (issue 36)."""
+    import trl
+
+    import treetrain.integrations.trl as place
+
+    assert sorted(place.__all__) == [
+        "TESTED_TRL", "TreeDPOTrainer", "TreeGRPOTrainer", "TreeRLOOTrainer", "TreeRewardTrainer"
+    ]  # fmt: skip
+    for name in ("GRPO", "RLOO", "DPO", "Reward"):
+        assert issubclass(getattr(place, f"Tree{name}Trainer"), getattr(trl, f"{name}Trainer"))
+    assert place.TreeDPOTrainer is TreeDPOTrainer

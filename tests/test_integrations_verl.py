@@ -222,28 +222,72 @@ def _check_role(res: dict, outputs: tuple[str, ...], last=None):
     assert set(tree["grads"]) == set(verl["grads"]) == set(ref["grads"])
     for name in verl["grads"]:
         _close(tree["grads"][name], verl["grads"][name], ref["grads"][name], f"grad {name}")
-    # the norm of gradients that agree to float32 rounding, each summed over the same parameters
-    assert tree["grad_norm"] == pytest.approx(verl["grad_norm"], rel=1e-5)
+    if "grad_norm" in verl:  # the norm of gradients that agree to float32 rounding, summed alike
+        assert tree["grad_norm"] == pytest.approx(verl["grad_norm"], rel=1e-5)
     assert tree["micro_batches"] >= 2  # the budget split the rank's tree into several forwards
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("world", [1, 2])
-def test_tree_engine_equals_verl_engine(tmp_path, world):
+LAYOUTS = ("v0", "v1", "padded")  # tests/verl_worker.py: verl's no-padding batch, V1's nested, padded
+
+
+def _run_worker(tmp_path, world: int) -> list[dict]:
     env = dict(
         os.environ,
         PYTHONPATH=os.pathsep.join([os.path.join(HERE, "..", "src"), os.environ.get("PYTHONPATH", "")]),
     )
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "--standalone",
            os.path.join(HERE, "verl_worker.py"), str(tmp_path)]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    for rank in range(world):
-        res = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
-        _check_role(res["lm"], ("log_probs", "entropy"), last=res["lm"]["last"])
-        _check_role(res["critic"], ("values",))
+    return [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(world)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2])
+def test_tree_engine_equals_verl_engine(tmp_path, world):
+    """Every layout verl hands an engine (``v0``: the V0 trainer's no-padding batch; ``v1``: the V1
+    trainer's fully nested one; ``padded``: ``use_remove_padding=False``, which verl's engine runs
+    padded with an attention mask and the tree runs as it runs every batch)."""
+    for res in _run_worker(tmp_path, world):
+        for layout in LAYOUTS if world == 1 else LAYOUTS[:2]:
+            lm = res["lm"][layout]
+            _check_role(lm, ("log_probs", "entropy"), last=lm["last"])
+            _check_role(res["critic"][layout], ("values",))
         if world == 1:
-            _check_role(res["lm_tied"], ("log_probs", "entropy"), last=res["lm_tied"]["last"])
+            tied = res["lm_tied"]["v0"]
+            _check_role(tied, ("log_probs", "entropy"), last=tied["last"])
+            _check_bf16(res["lm_bf16"]["v0"])
+
+
+def bf16_errors(res: dict, engine: str) -> dict[str, float]:
+    """One engine's error against the float64 reference, per quantity: log-probs and entropies (max
+    absolute, response and prompt positions; not a row's last log-prob, which no loss reads), the
+    loss (absolute) and the gradients (the worst parameter's ``|g - g64| / |g64|``, norms)."""
+    got, ref, keep = res[engine], res["ref64"], ~res["last"]
+    grads = {n: ((got["grads"][n].double() - g).norm() / g.norm()).item() for n, g in ref["grads"].items()}
+    return {
+        "log_probs": (got["log_probs"][keep].double() - ref["log_probs"][keep]).abs().max().item(),
+        "entropy": (got["entropy"].double() - ref["entropy"]).abs().max().item(),
+        "loss": abs(got["loss"] - ref["loss"]),
+        "grads": max(grads.values()),
+    }
+
+
+def _check_bf16(res: dict):
+    """verl's default bf16 mixed precision: each engine against float64 (the two engines round
+    differently, so each is compared with the truth, not with the other): the tree's error is no
+    larger than verl's on every quantity and every parameter's gradient. Measured on this batch
+    (docs/guides/verl.md): log-probs 0.0021 (tree) vs 0.034 (verl), entropies 1.5e-4 vs 0.038, loss
+    1.0e-4 vs 7.4e-4, the worst parameter's gradient 0.014 vs 0.27 relative."""
+    verl, tree = bf16_errors(res, "verl"), bf16_errors(res, "tree")
+    for key in verl:
+        assert tree[key] <= verl[key], f"bf16 {key}: tree {tree[key]:.3g} > verl {verl[key]:.3g}"
+    ref = res["ref64"]["grads"]
+    for name, g in ref.items():
+        err = {e: ((res[e]["grads"][name].double() - g).norm() / g.norm()).item() for e in ("verl", "tree")}
+        assert err["tree"] <= err["verl"], f"bf16 grad {name}: {err}"
+    # and bf16 is really on: both engines are off the float64 truth by far more than float32 rounding
+    assert min(verl["log_probs"], tree["log_probs"], verl["grads"], tree["grads"]) > 1e-4
 
 
 # ---- the speed benchmark's bound counts what verl's engine runs -----------------------------------

@@ -26,6 +26,9 @@ ORDER = [
 ]
 MAX_TOP_LEVEL = 12
 MAX_LINES = 600
+# import places besides the public API: a subpackage whose __init__ imports names from its own modules
+# so users import them from one place. treetrain.integrations.trl: the four TRL drop-ins (issue 36)
+IMPORT_PLACES = {"treetrain.integrations.trl"}
 
 
 def module_name(path: Path) -> str:
@@ -157,6 +160,18 @@ def test_import_direction():
     assert not bad, "imports against the data flow " + " < ".join(ORDER) + ":\n" + "\n".join(bad)
 
 
+def _provided_names(mod: str) -> set[str]:
+    """What ``from mod import name`` may take: the names ``mod`` defines, and for an import place
+    the names its ``__init__`` imports from its own submodules (``__all__`` lists them)."""
+    mods = modules()
+    names = _defined_names(parse(mods[mod]))
+    if mod in IMPORT_PLACES:
+        for sub, imported, _ in imports_of(mod):
+            if sub.startswith(mod + "."):
+                names.update(imported)
+    return names
+
+
 def _defined_names(tree: ast.Module) -> set[str]:
     """Names a module defines at top level (functions, classes, assignments; imports excluded),
     looking inside top-level ``if``/``try`` blocks."""
@@ -201,7 +216,7 @@ def test_no_reexport():
             if mod not in mods:
                 bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: no module {mod}")
                 continue
-            defined = _defined_names(parse(mods[mod]))
+            defined = _provided_names(mod)
             for a in node.names:
                 if a.name != "*" and a.name not in defined and f"{mod}.{a.name}" not in mods:
                     bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: {a.name} is not defined in {mod}")
@@ -227,6 +242,19 @@ def _module_aliases(tree: ast.AST, mods: dict[str, Path]) -> dict[str, str]:
     return {k: v for k, v in aliases.items() if k not in rebound}
 
 
+def test_import_places_only_gather_their_own_modules():
+    """An import place's ``__init__`` defines nothing and imports only from its own submodules,
+    exactly the names of its ``__all__``."""
+    for place in IMPORT_PLACES:
+        tree = parse(modules()[place])
+        imports = imports_of(place)
+        assert all(sub.startswith(place + ".") for sub, _, _ in imports), imports
+        gathered = {n for _, names, _ in imports for n in names}
+        assert _defined_names(tree) == {"__all__"}, _defined_names(tree)
+        all_ = next(n.value for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "__all__")
+        assert {e.value for e in all_.elts} == gathered
+
+
 def test_module_attributes_exist():
     """``alias.name`` on an imported treetrain module names something that module defines (a moved
     function otherwise fails only when that line runs)."""
@@ -243,7 +271,7 @@ def test_module_attributes_exist():
                 and isinstance(node.ctx, ast.Load)
             ):
                 mod = aliases[node.value.id]
-                if node.attr not in _defined_names(parse(mods[mod])) and f"{mod}.{node.attr}" not in mods:
+                if node.attr not in _provided_names(mod) and f"{mod}.{node.attr}" not in mods:
                     bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: {mod} defines no {node.attr}")
     assert not bad, "\n".join(bad)
 

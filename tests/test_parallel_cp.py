@@ -2,9 +2,10 @@
 
 Every rank runs its chunk; log-probs and entropies of every tree token, the SFT loss of
 ``compute_loss`` and every parameter gradient (summed over ranks) must equal the 1-process run,
-for a dense model (Qwen3) and a Gated DeltaNet hybrid (Qwen3.5: recurrent state and conv window
-cross rank boundaries). Float64 everywhere (``float64_everywhere``: HF's internal float32 casts
-off): only the summation order differs (gradient sums over ranks), hence 1e-10 relative.
+for a dense model (Qwen3), a Gated DeltaNet hybrid (Qwen3.5: recurrent state and conv window
+cross rank boundaries) and a KDA hybrid (Kimi Linear, latent attention and MoE). Float64
+everywhere (``float64_everywhere``: HF's internal float32 casts off): only the summation order
+differs (gradient sums over ranks), hence 1e-10 relative.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.multiprocessing as mp
 from tests.dist_worker import make_trees
 from tests.hybrid_models import float64_everywhere, tiny_hybrid_model
 from tests.reference import tiny_model
+from tests.zoo import zoo_model
 from treetrain import pack
 from treetrain.logprobs import tree_logprobs
 from treetrain.parallel.cp import CPChunk, context_parallel, cp_tree_logprobs, split_balanced
@@ -61,6 +63,9 @@ def _loss(logp, ent, w1, w2):
 
 
 def _model(arch: str):
+    # KDA layers (kimi_linear), a Mamba2 hybrid (nemotron_h): state and conv window cross ranks
+    if arch in ("kimi_linear", "nemotron_h"):
+        return zoo_model(arch)
     return tiny_model(arch) if arch == "qwen3" else tiny_hybrid_model(arch)
 
 
@@ -125,6 +130,8 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
         # dense qwen3 case passed too; left out to keep CI short, as tests/test_parallel_cp_train.py
         # trains dense on 4 CP ranks)
         pytest.param(4, "qwen3_5", marks=pytest.mark.slow),
+        pytest.param(2, "kimi_linear", marks=pytest.mark.slow),
+        pytest.param(2, "nemotron_h", marks=pytest.mark.slow),
     ],
 )
 def test_cp_equals_one_process(tmp_path, world, arch):

@@ -82,3 +82,32 @@ def fixed_rollout(max_len: int, env_mask: bool = False):
         return out
 
     return rollout
+
+
+def save_tiny_nemotron_h(path: Path, seed: int = 0) -> str:
+    """A 3-layer Nemotron-H (Mamba2 mixer, attention, MLP) over the char vocabulary, saved under
+    ``path``: chunks of 4 (shorter than a prompt), 2 B/C groups, slow decays (the state matters)."""
+    import transformers
+
+    tok = char_tokenizer()
+    torch.manual_seed(seed)
+    cfg = transformers.NemotronHConfig(
+        vocab_size=len(tok), hidden_size=32, layers_block_type=["linear_attention", "full_attention", "mlp"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48, mamba_num_heads=4,
+        mamba_head_dim=8, ssm_state_size=8, n_groups=2, chunk_size=4, conv_kernel=4, eos_token_id=1,
+        pad_token_id=0, bos_token_id=None, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_((torch.rand(p.shape, generator=g) * 0.45 + 0.05).log())
+            elif name.endswith("dt_bias"):
+                p.copy_(-torch.rand(p.shape, generator=g))
+            elif p.ndim >= 2:
+                p.mul_(1.5)
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = 1, 0
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)

@@ -1,9 +1,15 @@
 """One gloo rank for tests/test_integrations_verl.py (run under torchrun): the same verl batch through
 verl's own FSDP2 engines and through treetrain's, plus an independent float64 per-row reference.
 
-Saves ``OUT/rank{r}.pt``: per engine (``verl``, ``tree``, ``ref64``) the actor's nested log-probs and
-entropies, the PPO/GRPO loss of ``verl.workers.utils.losses.ppo_loss`` and every parameter gradient;
-the critic's values, ``value_loss`` and gradients; ``train_batch``'s grad norm. The test compares them.
+Saves ``OUT/rank{r}.pt``: per role (``lm``, ``critic``, ``lm_tied``) and batch layout, per engine
+(``verl``, ``tree``, ``ref64``) the actor's nested log-probs and entropies, the PPO/GRPO loss of
+``verl.workers.utils.losses.ppo_loss`` and every parameter gradient; the critic's values,
+``value_loss`` and gradients; ``train_batch``'s grad norm. Layouts: ``v0`` (verl's padded rollout
+batch through ``left_right_2_no_padding``: nested ``input_ids``, padded response fields), ``v1``
+(every per-token field a jagged nested tensor, as the V1 trainer's TransferQueue hands it over)
+and ``padded`` (``v0`` with ``use_remove_padding=False``: verl's engine pads the rows and runs with
+an attention mask). On one rank also ``lm_bf16``: both engines in verl's default bf16 mixed
+precision against the float64 reference. The test compares them.
 """
 
 from __future__ import annotations
@@ -118,28 +124,62 @@ def global_batch(seed: int = 0) -> dict[str, torch.Tensor]:
     )
 
 
-def rank_batch(full: dict, rank: int, world: int, **meta) -> TensorDict:
-    """This rank's contiguous share of the batch (as verl's dispatch splits it), no-padding layout."""
+def v1_nested(rows: dict[str, torch.Tensor]) -> TensorDict:
+    """verl's V1 layout: every per-token field a jagged nested tensor (``prompts``, ``responses``,
+    ``input_ids``, ``position_ids``; ``response_mask`` = ``loss_mask`` and the response fields over the
+    response tokens), no attention mask, as ``AgentLoopWorkerTQ`` stores samples in TransferQueue."""
+    P = rows["prompts"].shape[1]
+    plen, rlen = rows["attention_mask"][:, :P].sum(1).tolist(), rows["response_mask"].sum(1).tolist()
+
+    def jagged(tensors):
+        return torch.nested.as_nested_tensor(tensors, layout=torch.jagged)
+
+    B = len(plen)
+    prompts = [rows["prompts"][b, P - plen[b] :] for b in range(B)]
+    responses = [rows["responses"][b, : rlen[b]] for b in range(B)]
+    ids = [torch.cat([p, r]) for p, r in zip(prompts, responses)]
+    out = {
+        "prompts": jagged(prompts),
+        "responses": jagged(responses),
+        "input_ids": jagged(ids),
+        "position_ids": jagged([torch.arange(len(i)) for i in ids]),
+    }
+    for key in ("response_mask", "old_log_probs", "ref_log_prob", "advantages", "values", "returns"):
+        out[key] = jagged([rows[key][b, : rlen[b]] for b in range(B)])
+    out["loss_mask"] = out["response_mask"]
+    return TensorDict(out, batch_size=[B])
+
+
+def rank_batch(full: dict, rank: int, world: int, layout: str = "v0", **meta) -> TensorDict:
+    """This rank's contiguous share of the batch (as verl's dispatch splits it) in ``layout``."""
     B = full["input_ids"].shape[0]
     sl = slice(rank * B // world, (rank + 1) * B // world)
-    td = TensorDict({k: v[sl].clone() for k, v in full.items()}, batch_size=[sl.stop - sl.start])
-    td = left_right_2_no_padding(td)
-    tu.assign_non_tensor(td, temperature=TEMPERATURE, global_batch_size=B, use_remove_padding=True, **meta)
+    rows = {k: v[sl].clone() for k, v in full.items()}
+    if layout == "v1":
+        td = v1_nested(rows)
+    else:
+        td = left_right_2_no_padding(TensorDict(rows, batch_size=[sl.stop - sl.start]))
+    padded = layout == "padded"
+    tu.assign_non_tensor(
+        td, temperature=TEMPERATURE, global_batch_size=B, use_remove_padding=not padded, **meta
+    )
     return td
 
 
-def engine_config(strategy: str) -> FSDPEngineConfig:
-    cfg = FSDPEngineConfig(strategy="fsdp2", use_torch_compile=False, mixed_precision=FP32)
+def engine_config(strategy: str, mixed_precision: dict | None = FP32) -> FSDPEngineConfig:
+    """``mixed_precision=None``: verl's default (bf16 parameters in forward and backward, float32
+    gradient reduction and master weights)."""
+    cfg = FSDPEngineConfig(strategy="fsdp2", use_torch_compile=False, mixed_precision=mixed_precision)
     object.__setattr__(cfg, "strategy", strategy)  # as verl's FSDPActorConfig syncs actor.strategy
     return cfg
 
 
-def build(kind: str, model_type: str, path: str):
+def build(kind: str, model_type: str, path: str, mixed_precision: dict | None = FP32):
     mc = HFModelConfig(path=path, load_tokenizer=False, override_config={"attn_implementation": "sdpa"})
     mc.model_type = model_type
     args = (
         mc,
-        engine_config("fsdp2" if kind == "verl" else "treetrain"),
+        engine_config("fsdp2" if kind == "verl" else "treetrain", mixed_precision),
         FSDPOptimizerConfig(lr=1e-3, total_training_steps=1),
         CheckpointConfig(),
     )
@@ -162,23 +202,29 @@ def nested_values(nt) -> torch.Tensor:
     return nt.values().detach().clone()
 
 
-def run_engine(engine, td_fn, loss_fn, keys, same_td_fn=None) -> dict:
-    """infer_batch outputs, forward_backward_batch's loss and every parameter gradient, train_batch's
-    grad norm. ``same_td_fn``: also infer with that batch (verl's own micro-batching) as ``same``."""
-    with engine.eval_mode():
-        out = engine.infer_batch(td_fn())["model_output"]
-        res = {k: nested_values(out[k]) for k in keys}
-        if same_td_fn is not None:
-            out = engine.infer_batch(same_td_fn())["model_output"]
-            res["same"] = {k: nested_values(out[k]) for k in keys}
-    engine.optimizer_zero_grad()
-    with engine.train_mode():
-        out = engine.forward_backward_batch(td_fn(), loss_fn)
-        res["loss"] = float(sum(out["loss"]))
-        res["grads"] = full_grads(engine.module)
-        res["micro_batches"] = len(out["loss"])
-    with engine.train_mode():
-        res["grad_norm"] = float(engine.train_batch(td_fn(), loss_fn)["metrics"]["grad_norm"])
+def run_engine(engine, layouts: dict, loss_fn, keys, train: bool = True) -> dict:
+    """Per layout (``name -> (batch, verl's micro-batches or None)``): infer_batch outputs,
+    forward_backward_batch's loss and every parameter gradient (and with verl's micro-batches as
+    ``same``); then (``train``) train_batch's grad norm on the first layout's batch."""
+    res = {}
+    for name, (td_fn, same_td_fn) in layouts.items():
+        with engine.eval_mode():
+            out = engine.infer_batch(td_fn())["model_output"]
+            r = {k: nested_values(out[k]) for k in keys}
+            if same_td_fn is not None:
+                out = engine.infer_batch(same_td_fn())["model_output"]
+                r["same"] = {k: nested_values(out[k]) for k in keys}
+        engine.optimizer_zero_grad()
+        with engine.train_mode():
+            out = engine.forward_backward_batch(td_fn(), loss_fn)
+            r["loss"] = float(sum(out["loss"]))
+            r["grads"] = full_grads(engine.module)
+            r["micro_batches"] = len(out["loss"])
+        res[name] = r
+    if train:
+        with engine.train_mode():
+            first = next(iter(layouts.values()))[0]
+            res["grad_norm"] = float(engine.train_batch(first(), loss_fn)["metrics"]["grad_norm"])
     return res
 
 
@@ -222,50 +268,77 @@ def lm_outputs(model, td: TensorDict) -> dict:
     return {"log_probs": both[0], "entropy": both[1]}
 
 
-def actor(path: str, full: dict, rank: int, world: int) -> dict:
+LAYOUTS = ("v0", "v1", "padded")
+VERL_MICRO = dict(use_dynamic_bsz=False, micro_batch_size_per_gpu=4)  # verl's own micro-batches of 4 rows
+TREE_MICRO = dict(use_dynamic_bsz=True, max_token_len_per_gpu=BUDGET)  # parts of the rank's tree
+
+
+def compare(verl: dict, tree: dict, ref: dict, layouts, extra: dict | None = None) -> dict:
+    """``{layout: {"verl", "tree", "ref64"} (+ extra)}``, each engine's train_batch grad norm beside."""
+    res = {
+        name: {"verl": verl[name], "tree": tree[name], "ref64": ref[name], **(extra or {})}
+        for name in layouts
+    }
+    for engine, r in (("verl", verl), ("tree", tree)):
+        if "grad_norm" in r:
+            res[layouts[0]][engine]["grad_norm"] = r["grad_norm"]
+    return res
+
+
+def last_positions(td: TensorDict) -> torch.Tensor:
+    """``[N]``: a row's last position, whose log-prob scores the next row's first token."""
+    last = torch.zeros(td["input_ids"].values().numel(), dtype=torch.bool)
+    last[td["input_ids"].offsets()[1:] - 1] = True
+    return last
+
+
+def actor(path: str, full: dict, rank: int, world: int, layouts=LAYOUTS, mixed_precision=FP32) -> dict:
     """GRPO advantages through verl's ppo_loss with an entropy bonus and a KL loss."""
     cfg = FSDPActorConfig(strategy="fsdp2", rollout_n=4, ppo_micro_batch_size_per_gpu=4, entropy_coeff=0.01,
                           use_kl_loss=True, kl_loss_coef=0.1, loss_agg_mode="token-mean")  # fmt: skip
     loss_fn = functools.partial(ppo_loss, config=cfg)
     batch = functools.partial(rank_batch, full, rank, world, calculate_entropy=True)
-    verl_td = functools.partial(batch, use_dynamic_bsz=False, micro_batch_size_per_gpu=4)
-    tree_td = functools.partial(batch, use_dynamic_bsz=True, max_token_len_per_gpu=BUDGET)
+    verl_td = {n: functools.partial(batch, n, **VERL_MICRO) for n in layouts}
+    tree_td = {n: functools.partial(batch, n, **TREE_MICRO) for n in layouts}
     keys = ("log_probs", "entropy")
-    res = {
-        "verl": run_engine(build("verl", "language_model", path), verl_td, loss_fn, keys),
-        "tree": run_engine(build("tree", "language_model", path), tree_td, loss_fn, keys, verl_td),
-    }
+    train = mixed_precision == FP32
+    verl = run_engine(
+        build("verl", "language_model", path, mixed_precision),
+        {n: (verl_td[n], None) for n in layouts}, loss_fn, keys, train,
+    )  # fmt: skip
+    tree = run_engine(
+        build("tree", "language_model", path, mixed_precision),
+        {n: (tree_td[n], verl_td[n]) for n in layouts}, loss_fn, keys, train,
+    )  # fmt: skip
     model64 = Qwen3ForCausalLM.from_pretrained(path, attn_implementation="eager").double()
-    td = verl_td()
-    tu.assign_non_tensor(td, dp_size=world, batch_num_tokens=int(full["response_mask"].sum()))
-    res["ref64"] = reference(model64, td, loss_fn, lm_outputs, world)
-    last = torch.zeros(td["input_ids"].values().numel(), dtype=torch.bool)
-    last[td["input_ids"].offsets()[1:] - 1] = True  # a row's last log-prob scores the next row's first token
-    res["last"] = last
-    return res
+    ref = {}
+    for name in layouts:
+        td = verl_td[name]()
+        tu.assign_non_tensor(td, dp_size=world, batch_num_tokens=int(full["response_mask"].sum()))
+        model64.zero_grad()
+        ref[name] = reference(model64, td, loss_fn, lm_outputs, world)
+    return compare(verl, tree, ref, layouts, {"last": last_positions(verl_td[layouts[0]]())})
 
 
-def critic(path: str, full: dict, rank: int, world: int) -> dict:
+def critic(path: str, full: dict, rank: int, world: int, layouts=LAYOUTS) -> dict:
     """verl's value_loss (clipped)."""
     cfg = FSDPCriticConfig(strategy="fsdp2", ppo_micro_batch_size_per_gpu=4, cliprange_value=0.5)
     loss_fn = functools.partial(value_loss, config=cfg)
-    verl_td = functools.partial(
-        rank_batch, full, rank, world, use_dynamic_bsz=False, micro_batch_size_per_gpu=4
-    )
-    tree_td = functools.partial(
-        rank_batch, full, rank, world, use_dynamic_bsz=True, max_token_len_per_gpu=BUDGET
-    )
+    verl_td = {n: functools.partial(rank_batch, full, rank, world, n, **VERL_MICRO) for n in layouts}
+    tree_td = {n: functools.partial(rank_batch, full, rank, world, n, **TREE_MICRO) for n in layouts}
     keys = ("values",)
-    res = {
-        "verl": run_engine(build("verl", "value_model", path), verl_td, loss_fn, keys),
-        "tree": run_engine(build("tree", "value_model", path), tree_td, loss_fn, keys, verl_td),
-    }
+    verl_engine, tree_engine = build("verl", "value_model", path), build("tree", "value_model", path)
+    verl = run_engine(verl_engine, {n: (verl_td[n], None) for n in layouts}, loss_fn, keys)
+    tree = run_engine(tree_engine, {n: (tree_td[n], verl_td[n]) for n in layouts}, loss_fn, keys)
     model64 = AutoModelForTokenClassification.from_pretrained(path, attn_implementation="eager").double()
-    td = verl_td()
-    tu.assign_non_tensor(td, dp_size=world, batch_num_tokens=int(full["response_mask"].sum()))
     values = lambda m, td: {"values": per_row(m, td, lambda m, ids: m(input_ids=ids).logits[0, :, 0])}  # noqa: E731
-    res["ref64"] = reference(model64, td, loss_fn, values, world)
-    return res
+    ref = {}
+    for name in layouts:
+        td = verl_td[name]()
+        tu.assign_non_tensor(td, dp_size=world, batch_num_tokens=int(full["response_mask"].sum()))
+        model64.zero_grad()
+        ref[name] = reference(model64, td, loss_fn, values, world)
+    return compare(verl, tree, ref, layouts)
 
 
 def main(out_dir: str) -> None:
@@ -275,12 +348,15 @@ def main(out_dir: str) -> None:
         save_models(out_dir)
     dist.barrier()
     full = global_batch()
+    layouts = LAYOUTS if world == 1 else LAYOUTS[:2]  # padded rows are a per-rank matter: one rank
     results = {
-        "lm": actor(f"{out_dir}/actor", full, rank, world),
-        "critic": critic(f"{out_dir}/critic", full, rank, world),
+        "lm": actor(f"{out_dir}/actor", full, rank, world, layouts),
+        "critic": critic(f"{out_dir}/critic", full, rank, world, layouts),
     }
     if world == 1:  # tied embeddings (Qwen3 up to 4B): the LM head is the embedding, no FSDP unit of its own
-        results["lm_tied"] = actor(f"{out_dir}/actor_tied", full, rank, world)
+        results["lm_tied"] = actor(f"{out_dir}/actor_tied", full, rank, world, layouts=("v0",))
+        # verl's default mixed precision: each engine against the float64 reference
+        results["lm_bf16"] = actor(f"{out_dir}/actor", full, rank, world, ("v0",), mixed_precision=None)
     torch.save(results, f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()
 

@@ -53,10 +53,147 @@ SMALL = dict(
     mamba_d_ssm=128,
     num_heads=8,
 )
+_GDN_SMALL = dict(
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+    linear_conv_kernel_dim=3,
+)  # fmt: skip
 # per type: what its defaults lack for a hybrid to show its layer mix
 PER_TYPE = {
-    "lfm2": dict(layer_types=["conv", "full_attention"]),
-    "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
+    # short convolutions: width 4 (default 3; LFM3 7) with a bias (default none)
+    "lfm2": dict(layer_types=["conv", "full_attention"], conv_L_cache=4, conv_bias=True),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"], conv_L_cache=4, conv_bias=True),
+    "lfm3": dict(conv_L_cache=4, conv_bias=True),
+    # Gated DeltaNet hybrids: grouped value heads (2 key, 4 value heads of 8), conv width 3 (default 4)
+    "lara_mini": dict(_GDN_SMALL),
+    "olmo_hybrid": dict(_GDN_SMALL, linear_a_log_min=0.05, linear_a_log_max=0.5),  # slow decays
+    # refused (QSA attention), built for tests/test_linear_families.py's check of its GDN layer
+    "qwen4_exp_text": dict(
+        _GDN_SMALL,
+        layer_types=["linear_attention", "indexed_attention"],
+        indexer_n_heads=2,
+        indexer_kv_heads=1,
+        indexer_head_dim=16,
+        indexer_budget=4,
+        indexer_compress_ratio=2,
+        hc_count=2,
+        hc_lowrank=8,
+        eos_token_id=2,
+        output_gate_type="sigmoid",
+    ),
+    # KDA hybrids: a dense and an MoE layer, 4 heads of 8, conv width 3 (default 4), grouped routing
+    "kimi_linear": dict(
+        mlp_layer_types=["dense", "sparse"],
+        num_experts_per_token=2,
+        linear_head_dim=8,
+        linear_num_heads=4,
+        linear_conv_kernel_dim=3,
+    ),
+    "bailing_hybrid": dict(
+        layer_types=["linear_attention", "full_attention"],
+        mlp_layer_types=["dense", "sparse"],
+        num_experts_per_token=2,
+        num_expert_group=2,
+        kda_lower_bound=-3.0,
+        short_conv_kernel_size=3,
+        linear_head_dim=8,
+        linear_num_heads=4,
+        linear_conv_kernel_dim=3,
+    ),
+}
+# Mamba and Mamba2 mixers: small state and dt rank; every option away from its default: chunks
+# shorter than the paths (the scan crosses chunk and node boundaries), conv width 3, several B/C
+# groups, biases flipped, time-step clamps that bind, Falcon-H1's gated norm (norm after the gate)
+_SSM = dict(time_step_limit=(0.3, 0.9))  # dt = softplus(...) clamped both ways on some tokens
+_MAMBA1 = dict(time_step_rank=8, state_size=8, conv_kernel=3, use_bias=True, use_conv_bias=False)
+_BAMBA = dict(
+    _SSM, mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=4, mamba_d_conv=3, mamba_proj_bias=True,
+    mamba_conv_bias=False,
+)
+PER_TYPE |= {
+    "mamba": dict(_MAMBA1, residual_in_fp32=False),
+    "falcon_mamba": dict(_MAMBA1, residual_in_fp32=False, mixer_rms_eps=1e-3),
+    "jamba": dict(
+        mamba_dt_rank=8, mamba_d_state=8, mamba_d_conv=3, mamba_proj_bias=True, mamba_conv_bias=False,
+        attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=0,
+    ),
+    "zamba": dict(
+        mamba_dt_rank=8, mamba_d_state=8, mamba_d_conv=3, mamba_proj_bias=True, mamba_conv_bias=False,
+        n_mamba_heads=4, attention_hidden_size=128,
+    ),
+    "mamba2": dict(
+        time_step_limit=(0.05, 1.5), state_size=16, n_groups=2, chunk_size=4, conv_kernel=3, use_bias=True,
+        use_conv_bias=False, residual_in_fp32=False, time_step_rank=8,
+    ),
+    "bamba": dict(_BAMBA, attn_layer_indices=[1]),
+    "falcon_h1": dict(_BAMBA, mamba_rms_norm=True, mamba_norm_before_gate=False, projectors_bias=True),
+    "granitemoehybrid": dict(
+        _BAMBA, layer_types=["linear_attention", "full_attention"], shared_intermediate_size=32
+    ),
+    "nemotron_h": dict(
+        mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, chunk_size=4, conv_kernel=3,
+        use_bias=True, use_conv_bias=False, time_step_min=0.3, residual_in_fp32=True,
+        moe_shared_expert_intermediate_size=32,
+    ),
+    "zamba2": dict(
+        n_mamba_heads=8, mamba_headdim=16, mamba_d_state=16, mamba_ngroups=2, chunk_size=4, mamba_d_conv=3,
+        add_bias_linear=True, time_step_min=0.3, attention_hidden_size=128, kv_channels=16,
+        num_query_groups=4, adapter_rank=8, hybrid_layer_ids=[1], use_shared_attention_adapter=True,
+        use_mem_rope=True, head_dim=32, num_key_value_heads=4,  # adapters: heads * head_dim = 2 * hidden
+    ),
+    # ALiBi: 12 heads (not a power of 2: the extra slopes are odd powers of 2^-1/2, rounded to float32
+    # / bfloat16 by the models), every other option away from its default
+    "bloom": dict(
+        num_attention_heads=12, hidden_size=96, pretraining_tp=2, slow_but_exact=True,
+        apply_residual_connection_post_layernorm=True,
+    ),  # fmt: skip
+    "mpt": dict(
+        num_attention_heads=12, hidden_size=96,
+        attn_config=dict(alibi_bias_max=4, softmax_scale=0.3, clip_qkv=4.0),  # bias_max: unused by HF
+    ),  # fmt: skip
+    "falcon": dict(
+        alibi=True, num_attention_heads=12, hidden_size=96, new_decoder_architecture=True, num_kv_heads=4,
+        ffn_hidden_size=128,  # not intermediate_size: Falcon-7B's 18176 otherwise
+    ),  # fmt: skip
+    # RG-LRU: a conv width of 3 (default 4), the attention block too, a logit cap that matters
+    "recurrent_gemma": dict(num_hidden_layers=3, lru_width=64, conv1d_width=3, logits_soft_cap=5.0),
+    # RWKV: attention and FFN widths of their own, layers rescaled every block in eval mode
+    "rwkv": dict(attention_hidden_size=48, intermediate_size=96, rescale_every=1),
+    # xLSTM: gate and logit caps that matter, chunks of 4 then the step kernel (weight_mode="fused"
+    # cannot be built: transformers' own init fails on it)
+    "xlstm": dict(
+        embedding_dim=64, num_blocks=2, gate_soft_cap=4.0, output_logit_soft_cap=6.0, chunk_size=4, eps=1e-4
+    ),
+    # lightning attention in blocks shorter than the paths, first (a layer's decay shrinks with depth);
+    # the residual factors away from 1
+    "minimax": dict(
+        layer_types=["linear_attention", "full_attention", "linear_attention"], block_size=3,
+        linear_attn_alpha_factor=0.7, linear_attn_beta_factor=1.3, full_attn_alpha_factor=0.9,
+        full_attn_beta_factor=1.1, mlp_alpha_factor=0.8, mlp_beta_factor=1.2,
+    ),  # fmt: skip
+}
+# Inkling: a relative bias reaching 4 tokens back (shorter than the paths: farther keys get none),
+# log scaling from position 2 (default off / 128000), conv width 3 (default 4), sliding layers with
+# heads of their own (one key head), L2 clips and MLP softcaps that bind, block residuals every 2
+# layers (Inkling2) and a loop over layers 1-2 run twice, head transforms away from 1
+_INKLING = dict(
+    d_rel=4, rel_extent=4, log_scaling_n_floor=2, log_scaling_alpha=0.5, conv_kernel_size=3,
+    swa_num_attention_heads=4, swa_num_key_value_heads=1, swa_head_dim=8, route_scale=2.0,
+    layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding", "hybrid"],
+)  # fmt: skip
+_INKLING2 = dict(
+    _INKLING, unpadded_vocab_size=VOCAB, qk_l2_clip_threshold=3.0, rel_l2_clip_threshold=1.0,
+    mlp_gate_softcap=1.0, mlp_up_softcap=2.0, n_layers_per_attn_res_block=2,
+)  # fmt: skip
+PER_TYPE |= {
+    "inkling_text": dict(
+        _INKLING, vocab_size=VOCAB + 16, unpadded_vocab_size=VOCAB, logits_mup_width_multiplier=0.5,
+        mlp_layer_types=["dense", "sparse", "dense", "sparse"],
+    ),  # fmt: skip
+    "inkling2_text": _INKLING2,
+    "inkling2_loop_text": dict(
+        _INKLING2, n_layers_per_attn_res_block=1, loop_layer_index_start=1, loop_layer_index_end=3,
+        loop_num_passes=2, loop_gate_rank=8,
+    ),  # fmt: skip
 }
 # scalings and extras away from their defaults, wherever the config has them
 AWAY = dict(
@@ -123,11 +260,37 @@ def zoo_model(model_type: str, dtype=torch.float64, seed: int = 0, attn: str = "
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.ndim >= 2:
+            if name.endswith("A_log"):  # recurrences: slow decays, a node's state reaches its children
+                p.copy_((torch.rand(p.shape, generator=g) * 0.45 + 0.05).log())
+            elif name.endswith(("dt_bias", "dt_proj.bias", "dt_proj_bias")):  # and small steps
+                p.copy_(-torch.rand(p.shape, generator=g))
+            elif name.endswith(("static_weight", ".query")) and not p.any():  # Inkling2's zero inits:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)  # dynamic conv taps, depth-attention queries
+            elif p.ndim >= 2:
                 p.mul_(3.0)
             elif name.endswith("sinks"):  # GPT-OSS: sinks comparable to the scores, so they matter
                 p.copy_(torch.randn(p.shape, generator=g) * 2)
-    return model.to(dtype).eval()
+    model = model.to(dtype).eval()
+    if dtype == torch.float64:
+        float64_buffers(model)
+    return model
+
+
+def float64_buffers(model) -> None:
+    """Recompute in float64 the buffers HF derives at init in the default dtype (float32), so a
+    float64 comparison measures the algorithm: MiniMax's lightning-attention slopes and decays."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        for m in model.modules():
+            if type(m).__name__ == "MiniMaxLightningAttention":
+                slope = m.get_slope_rate(m.slope_rate.device)
+                q, k, diagonal = m.decay_factors(slope)
+                bufs = (m.slope_rate, m.query_decay, m.key_decay, m.diagonal_decay)
+                for buf, value in zip(bufs, (slope, q, k, diagonal)):
+                    buf.copy_(value)
+    finally:
+        torch.set_default_dtype(default)
 
 
 def zoo_paths(vocab: int = VOCAB, seed: int = 1) -> list[list[int]]:

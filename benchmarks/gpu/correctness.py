@@ -27,13 +27,8 @@ from tests.reference import float64_casts, grad_err, grads, reference_logprobs
 from treetrain.attention import get_backend
 from treetrain.attention.mask import TreeMask
 from treetrain.logprobs import path_logprobs
-from treetrain.models.gdn import (
-    _fla_rule,
-    _torch_rule,
-    build_levels,
-    tree_gated_delta_rule,
-    tree_gated_delta_rule_nodewise,
-)
+from treetrain.models.gdn import _fla_rule, _torch_rule, tree_gated_delta_rule, tree_gated_delta_rule_nodewise
+from treetrain.models.scan import build_levels
 from treetrain.trees.packing import pack
 
 from .trees import group_tree, mask_tensors, per_turn_tree, random_tree

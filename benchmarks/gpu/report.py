@@ -1,4 +1,4 @@
-"""Part 4, the report: ``kernel_time_vs_T.png`` and ``summary.md`` from the other parts' results,
+"""Part 5, the report: ``kernel_time_vs_T.png`` and ``summary.md`` from the other parts' results,
 with the issue's acceptance checks (every correctness check passes, Triton at least as fast as
 FlexAttention on every kernel case, end-to-end efficiency >= 0.9 of the FLOP bound; 0.95 the goal).
 Rewritten on every run, so it always reflects what the folder holds.
@@ -133,15 +133,36 @@ def e2e_section(records: list[dict]) -> tuple[list[str], list[str]]:
     return lines, short
 
 
+def verl_section(records: list[dict]) -> tuple[list[str], list[str], list[str]]:
+    """The main_ppo runs and step 1's metrics side by side; (lines, mismatches, unavailable)."""
+    lines, bad, missing = [], [], []
+    for r in records:
+        if r.get("unavailable"):
+            missing.append(r["unavailable"])
+        elif r.get("status") != "ok":
+            bad.append(f"{r['id']}: {r.get('error', r.get('status'))[:200]}")
+        if r.get("rows"):
+            lines += ["| metric (step 1) | fsdp2 | treetrain | diff | tolerance |", "|---|---|---|---|---|"]
+            lines += [
+                f"| {m['metric']} | {m['fsdp2']:.4g} | {m['treetrain']:.4g} | {m['diff']:.2g} "
+                f"| {m['tol']:.2g} |"
+                for m in r["rows"]
+            ]
+    lines += [f"- {r['id']}: {r.get('headline') or r.get('status')}" for r in records]
+    return lines, bad, sorted(set(missing))
+
+
 def write(out: Path, header: list[str]) -> dict:
     """Write the plot and the summary; returns the acceptance checks."""
-    status = {p: part_status(out, p) for p in ("correctness", "kernels", "e2e")}
-    corr, kern, e2e = (load_records(out, p) for p in ("correctness", "kernels", "e2e"))
+    status = {p: part_status(out, p) for p in ("correctness", "kernels", "e2e", "verl")}
+    corr, kern, e2e, verl = (load_records(out, p) for p in ("correctness", "kernels", "e2e", "verl"))
     plotted = plot_kernels(kern, out / PLOT)
     c_lines, failed = correctness_section(corr)
     k_lines, slower, compared = kernels_section(kern)
     e_lines, short = e2e_section(e2e)
+    v_lines, verl_bad, verl_missing = verl_section(verl)
     unavailable = sorted({why for r in corr for why in (r.get("unavailable") or {}).values()})
+    unavailable += verl_missing
 
     def verdict(part: str, problems: list[str], what: str, measured: bool = True) -> str:
         st = status[part]["status"]
@@ -156,6 +177,12 @@ def write(out: Path, header: list[str]) -> dict:
         verdict("correctness", failed, "every correctness check passes"),
         verdict("kernels", slower, "Triton at least as fast as FlexAttention on every case", compared > 0),
         verdict("e2e", short, f"end-to-end efficiency >= {EFFICIENCY_MIN} of the FLOP bound", bool(e2e)),
+        verdict(
+            "verl",
+            verl_bad,
+            "verl main_ppo: step 1 of strategy=treetrain = strategy=fsdp2 (bf16 noise)",
+            any(r.get("rows") for r in verl) or bool(verl_bad),
+        ),
     ]
     text += [f"- not available here: {why}" for why in unavailable]
     text += ["", "## Parts", "", "| part | status | seconds used | cases |", "|---|---|---|---|"]
@@ -168,9 +195,12 @@ def write(out: Path, header: list[str]) -> dict:
     text += ["", "## 1. Correctness", ""] + c_lines
     text += ["", "## 2. Kernel speed (forward + backward)", ""]
     text += ([f"![kernel time vs T]({PLOT})", ""] if plotted else []) + k_lines
-    text += ["", "## 3. End to end (one training step, FSDP2 on one GPU)", ""] + e_lines + [""]
+    text += ["", "## 3. End to end (one training step, FSDP2 on one GPU)", ""] + e_lines
+    text += ["", "## 4. verl's trainer (main_ppo, vLLM rollout)", ""]
+    text += (v_lines if verl else ["not run"]) + [""]
     (out / SUMMARY).write_text("\n".join(text))
-    return {"failed": failed, "triton_slower": slower, "below_efficiency": short, "plotted": plotted}
+    checks = {"failed": failed, "triton_slower": slower, "below_efficiency": short, "verl": verl_bad}
+    return checks | {"plotted": plotted}
 
 
 def plan(out: Path, header: list[str]) -> list:
@@ -178,7 +208,7 @@ def plan(out: Path, header: list[str]) -> list:
 
     def run() -> dict:
         checks = write(out, header)
-        bad = checks["failed"] or checks["triton_slower"] or checks["below_efficiency"]
+        bad = checks["failed"] or checks["triton_slower"] or checks["below_efficiency"] or checks["verl"]
         return checks | {
             "status": "ok",
             "headline": f"{SUMMARY} written" + ("; acceptance not met" if bad else ""),

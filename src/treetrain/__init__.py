@@ -4,6 +4,7 @@ The public API, listed once here and loaded lazily (``import treetrain`` imports
 transformers; a name's module is imported on first use)::
 
     import treetrain
+    model = treetrain.tiny_model()                   # or any Hugging Face ...ForCausalLM
     tree = treetrain.TrajectoryTree.from_paths([[1, 2, 3, 4], [1, 2, 5]])
     logp = treetrain.path_logprobs(model, tree)      # one forward over the 5 distinct tokens
 
@@ -48,6 +49,7 @@ _API = {
     # integrations and training
     "flat_logprobs": "treetrain.integrations.flat",
     "TrainConfig": "treetrain.train.config",
+    "tiny_model": "treetrain.train.build",
 }
 
 __all__ = [
@@ -70,6 +72,7 @@ __all__ = [
     "pretrained_dir",
     "reference_logprobs",
     "sample_path",
+    "tiny_model",
     "tree_logprobs",
     "validate_file",
     "__version__",
@@ -85,6 +88,7 @@ if TYPE_CHECKING:
     from treetrain.objectives.advantages import group_advantages
     from treetrain.objectives.policy import compute_loss, loss_normalizer, reference_logprobs
     from treetrain.objectives.policy_config import Objective
+    from treetrain.train.build import tiny_model
     from treetrain.train.config import TrainConfig
     from treetrain.trees.packing import PackedTree, pack
     from treetrain.trees.partition import pack_microbatches, partition

@@ -41,10 +41,10 @@ BACKENDS: dict[str, tuple[str, str]] = {
 
 # what each backend computes besides the tree mask (keyword arguments it takes)
 FEATURES: dict[str, frozenset[str]] = {
-    "dense": frozenset({"window", "softcap", "sinks"}),
-    "blocksparse": frozenset({"window", "sinks"}),
-    "flex": frozenset({"window", "softcap", "sinks"}),
-    "triton": frozenset({"window", "sinks"}),
+    "dense": frozenset({"window", "softcap", "sinks", "alibi", "rel_bias"}),
+    "blocksparse": frozenset({"window", "sinks", "alibi", "rel_bias"}),
+    "flex": frozenset({"window", "softcap", "sinks", "alibi", "rel_bias"}),
+    "triton": frozenset({"window", "sinks", "alibi"}),
     "cp": frozenset(),
     "depth_first": frozenset(),
 }
@@ -52,6 +52,8 @@ _FEATURE_NAMES = {
     "window": "sliding-window attention",
     "softcap": "attention logit softcapping",
     "sinks": "attention sinks",
+    "alibi": "ALiBi position bias",
+    "rel_bias": "a learned relative position bias per query and path distance",
 }
 
 

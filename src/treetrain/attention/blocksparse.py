@@ -43,7 +43,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from treetrain.attention.alibi import check_alibi, tile_bias
 from treetrain.attention.mask import TreeMask, check_inputs
+from treetrain.attention.relbias import check_rel_bias, rel_bias_tile, rel_bias_tile_grad
 from treetrain.attention.sinks import add_sinks, check_sinks, sink_grad
 
 try:  # the CPU flash kernel behind SDPA, called directly for its log-sum-exp and backward
@@ -273,7 +275,52 @@ def _unfold(x: torch.Tensor, rep: int) -> torch.Tensor:
     return x[0].unflatten(1, (rep, -1)).transpose(0, 1)
 
 
-def _forward(q, k, v, plan: BlockSparsePlan, scale: float, pos=None, window=None):
+def _bias_mask(t: _Tile, hkv: int, base: torch.Tensor | None, dtype, bias: _Bias) -> torch.Tensor:
+    """A tile's additive mask with the position biases (ALiBi's, Inkling's): ``[1, Hkv, rep * rows, n]``.
+
+    ``base``: the tile's own ``[1, 1, rep * rows, n]`` mask (0 / -inf) or None; a causal tile gets
+    its triangle here (the kernel takes no causal flag beside a mask). Built per tile and call, so
+    no per-head copy of the plan's masks is kept.
+    """
+    rows = slice(t.start, t.stop)
+    keys = slice(t.key_start, t.key_stop) if t.index is None else t.index
+    tile = 0.0
+    if bias.alibi is not None:
+        tile = tile_bias(bias.alibi.to(torch.promote_types(dtype, torch.float32)), rows, keys).to(dtype)
+    if bias.rel is not None:
+        tile = tile + rel_bias_tile(bias.rel.detach(), bias.pos, rows, keys).to(dtype)
+    tile = _fold(_grouped(tile, hkv))
+    if base is None and t.causal:
+        n_rows = t.stop - t.start
+        tril = torch.ones(n_rows, t.num_keys, dtype=torch.bool).tril()
+        base = torch.zeros(n_rows, t.num_keys, dtype=dtype).masked_fill_(~tril, float("-inf"))
+        base = base.repeat(tile.shape[2] // n_rows, 1)[None, None]
+    return tile if base is None else tile + base
+
+
+@dataclass(frozen=True)
+class _Bias:
+    """The scores' position biases: ALiBi's ``alibi [Hq, T]`` and Inkling's ``rel [Hq, T, E]`` at the
+    path positions ``pos [T]`` (CPU int64), each None when absent."""
+
+    alibi: torch.Tensor | None = None
+    rel: torch.Tensor | None = None
+    pos: torch.Tensor | None = None
+
+    @property
+    def any(self) -> bool:
+        return self.alibi is not None or self.rel is not None
+
+
+_NO_BIAS = _Bias()
+
+
+def _tile_mask(masks: dict, i: int, t: _Tile, hkv: int, dtype, bias: _Bias):
+    """The kernel's mask of tile ``i``: the plan's (or None), or one with the biases."""
+    return _bias_mask(t, hkv, masks.get(i), dtype, bias) if bias.any else masks.get(i)
+
+
+def _forward(q, k, v, plan: BlockSparsePlan, scale: float, pos=None, window=None, bias: _Bias = _NO_BIAS):
     """``q [Hq, T, D]``, ``k, v [Hkv, T, D]`` -> ``out`` like ``q``, ``lse [rep, Hkv, T]``.
 
     ``out`` has ``q``'s memory layout; ``lse`` the kernel's accumulation dtype (float32, or
@@ -290,9 +337,10 @@ def _forward(q, k, v, plan: BlockSparsePlan, scale: float, pos=None, window=None
     lse = q.new_empty(rep, hkv, T, dtype=acc)
     for i, t in enumerate(plan.tiles):
         rows = slice(t.start, t.stop)
+        m = _tile_mask(masks, i, t, hkv, q.dtype, bias)
         o, l = _flash(
-            _fold(q4[:, :, rows]), _keys(k4, t), _keys(v4, t), 0.0, t.causal and rep == 1,
-            attn_mask=masks.get(i), scale=scale,
+            _fold(q4[:, :, rows]), _keys(k4, t), _keys(v4, t), 0.0, t.causal and rep == 1 and not bias.any,
+            attn_mask=m, scale=scale,
         )  # fmt: skip
         o, l = _unfold(o, rep), _unfold(l, rep)
         if i in hidden:  # the window hides all of this tile's keys from some rows: they add nothing
@@ -307,7 +355,9 @@ def _forward(q, k, v, plan: BlockSparsePlan, scale: float, pos=None, window=None
     return out.to(q.dtype), lse
 
 
-def _backward(do, q, k, v, out, lse, plan: BlockSparsePlan, scale: float, pos=None, window=None):
+def _backward(
+    do, q, k, v, out, lse, plan: BlockSparsePlan, scale: float, pos=None, window=None, bias: _Bias = _NO_BIAS
+):
     """Gradients of ``_forward``, accumulated over tiles in ``lse.dtype``, in the inputs' layouts."""
     hkv = k.shape[0]
     q4, k4, v4, do4, out4 = _grouped(q, hkv), k[None], v[None], _grouped(do, hkv), _grouped(out, hkv)
@@ -319,10 +369,11 @@ def _backward(do, q, k, v, out, lse, plan: BlockSparsePlan, scale: float, pos=No
     dq4 = _grouped(dq, hkv)
     for i, t in enumerate(plan.tiles):
         rows = slice(t.start, t.stop)
+        m = _tile_mask(masks, i, t, hkv, q.dtype, bias)
         dqt, dkt, dvt = _flash_backward(
             _fold(do4[:, :, rows]), _fold(q4[:, :, rows]), _keys(k4, t), _keys(v4, t),
-            _fold(out4[:, :, rows]), _fold(lse[:, :, rows]), 0.0, t.causal and rep == 1,
-            attn_mask=masks.get(i), scale=scale,
+            _fold(out4[:, :, rows]), _fold(lse[:, :, rows]), 0.0, t.causal and rep == 1 and not bias.any,
+            attn_mask=m, scale=scale,
         )  # fmt: skip
         dqt = _unfold(dqt, rep)
         if i < plan.num_local:
@@ -334,6 +385,29 @@ def _backward(do, q, k, v, out, lse, plan: BlockSparsePlan, scale: float, pos=No
     return dq, dk, dv
 
 
+def _rel_bias_grad(do, q, k, v, out, lse, plan: BlockSparsePlan, scale: float, pos, window, bias: _Bias):
+    """Gradient of Inkling's ``rel [Hq, T, E]``: per tile, the scores' gradient
+    ``ds = p * (do . v - rowsum(do * out))`` (``p`` recomputed from the merged ``lse``), added at each
+    pair's (query, path distance). The CPU kernel's backward does not return ``ds``."""
+    hkv = k.shape[0]
+    acc = lse.dtype
+    q4, do4 = _grouped(q.to(acc), hkv), _grouped(do.to(acc), hkv)
+    k4, v4 = k.to(acc)[None], v.to(acc)[None]
+    rep = q4.shape[0]
+    delta = _grouped((do.to(acc) * out.to(acc)).sum(-1), hkv)  # [rep, Hkv, T]
+    masks = plan.kernel_masks(q.dtype, rep, pos, window)
+    grad = torch.zeros(bias.rel.shape, dtype=acc)
+    for i, t in enumerate(plan.tiles):
+        rows = slice(t.start, t.stop)
+        m = _unfold(_bias_mask(t, hkv, masks.get(i), q.dtype, bias).to(acc), rep)  # [rep, Hkv, rows, n]
+        s = (q4[:, :, rows] @ _keys(k4, t)[0].transpose(-1, -2)) * scale + m
+        p = torch.exp(s - lse[:, :, rows, None])
+        ds = p * (do4[:, :, rows] @ _keys(v4, t)[0].transpose(-1, -2) - delta[:, :, rows, None])
+        keys = slice(t.key_start, t.key_stop) if t.index is None else t.index
+        rel_bias_tile_grad(grad, ds.transpose(0, 1).flatten(0, 1), bias.pos, rows, keys)
+    return grad.to(bias.rel.dtype)
+
+
 def _per_head(x: torch.Tensor) -> torch.Tensor:
     """Inverse of ``_grouped``: ``[rep, Hkv, T]`` -> ``[Hq, T]`` (query head ``kv * rep + r``)."""
     return x.transpose(0, 1).flatten(0, 1)
@@ -341,26 +415,31 @@ def _per_head(x: torch.Tensor) -> torch.Tensor:
 
 class _BlockSparseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan: BlockSparsePlan, scale: float, pos, window, sinks):
-        out, lse = _forward(q, k, v, plan, scale, pos, window)
+    def forward(ctx, q, k, v, plan: BlockSparsePlan, scale: float, pos, window, sinks, alibi, rel, rel_pos):
+        bias = _Bias(alibi, rel, rel_pos)
+        out, lse = _forward(q, k, v, plan, scale, pos, window, bias)
         if sinks is not None:  # rescale by the sink's share; the backward then runs with out', lse'
             hkv = k.shape[0]
             sunk, new_lse = add_sinks(out, _per_head(lse), sinks)
             out.copy_(sunk)
             lse = _grouped(new_lse, hkv)
-        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks, rel)
         ctx.plan, ctx.scale, ctx.pos, ctx.window = plan, scale, pos, window
+        ctx.alibi, ctx.rel_pos = alibi, rel_pos
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do):
-        q, k, v, out, lse, sinks = ctx.saved_tensors
-        dq, dk, dv = _backward(do, q, k, v, out, lse, ctx.plan, ctx.scale, ctx.pos, ctx.window)
-        ds = None
+        q, k, v, out, lse, sinks, rel = ctx.saved_tensors
+        bias = _Bias(ctx.alibi, rel, ctx.rel_pos)
+        dq, dk, dv = _backward(do, q, k, v, out, lse, ctx.plan, ctx.scale, ctx.pos, ctx.window, bias)
+        ds = drel = None
         if sinks is not None and ctx.needs_input_grad[7]:
             ds = sink_grad(do, out, _per_head(lse), sinks)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, ds
+        if rel is not None and ctx.needs_input_grad[9]:
+            drel = _rel_bias_grad(do, q, k, v, out, lse, ctx.plan, ctx.scale, ctx.pos, ctx.window, bias)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, ds, None, drel, None
 
 
 def blocksparse_attention(
@@ -374,6 +453,8 @@ def blocksparse_attention(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    alibi: torch.Tensor | None = None,
+    rel_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Tree attention that computes (nearly) only the pairs the tree allows, with autograd. CPU only.
 
@@ -383,7 +464,12 @@ def blocksparse_attention(
     smaller masks fewer pairs but makes more kernel calls (64 measured best,
     benchmarks/attention_cpu.py). float64, float32, bfloat16 (accumulated in float32).
     ``window``: sliding window along each path (an extra mask on the tiles that cross it).
-    ``sinks [Hq]``: GPT-OSS's per-head sink logits (see :mod:`.sinks`), forward and gradient.
+    ``sinks [Hq]`` or ``[Hq, T]``: sink logits per head (GPT-OSS) or per head and query (Inkling2)
+    (see :mod:`.sinks`), forward and gradient.
+    ``alibi [Hq, T]``: ALiBi's bias at each token's path position (:mod:`.alibi`), added to each
+    tile's mask (one ``[Hq, rows, keys]`` tile at a time).
+    ``rel_bias [Hq, T, E]``: Inkling's bias per query and path distance (:mod:`.relbias`), added to
+    each tile's mask the same way; its gradient recomputes each tile's probabilities.
     ``softcap`` is not supported (the CPU flash kernel has no score hook).
     """
     if softcap is not None:
@@ -393,7 +479,13 @@ def blocksparse_attention(
         )
     check_inputs("blocksparse_attention", q, k, v, mask)
     if sinks is not None:
-        check_sinks("blocksparse_attention", sinks, q.shape[0])
+        check_sinks("blocksparse_attention", sinks, q.shape[0], q.shape[1])
+    if alibi is not None:
+        check_alibi("blocksparse_attention", alibi, q.shape[0], q.shape[1])
+    rel_pos = None
+    if rel_bias is not None:
+        check_rel_bias("blocksparse_attention", rel_bias, q.shape[0], q.shape[1], mask.position_ids)
+        rel_pos = mask.position_ids.detach().to("cpu", torch.int64)
     if q.device.type != "cpu":
         raise ValueError(f"blocksparse_attention runs on CPU, got {q.device}; use flex or triton")
     if q.shape[1] == 0:
@@ -401,4 +493,4 @@ def blocksparse_attention(
     pos = mask.window_positions(window)
     pos = None if pos is None else pos.detach().to("cpu", torch.int64)
     plan = mask.cached(("blocksparse", block), lambda: build_plan(mask.subtree_end, block))
-    return _BlockSparseAttention.apply(q, k, v, plan, scale, pos, window, sinks)
+    return _BlockSparseAttention.apply(q, k, v, plan, scale, pos, window, sinks, alibi, rel_bias, rel_pos)

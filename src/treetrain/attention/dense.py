@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from treetrain.attention.alibi import alibi_scores, check_alibi
 from treetrain.attention.mask import TreeMask, check_inputs, dense_tree_mask
+from treetrain.attention.relbias import check_rel_bias, rel_bias_scores
 from treetrain.attention.sinks import check_sinks
 
 
@@ -19,32 +21,49 @@ def dense_attention(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    alibi: torch.Tensor | None = None,
+    rel_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Tree attention with an explicit mask.
 
     Shapes: ``q [Hq, T, D]``, ``k, v [Hkv, T, D]`` with ``Hq % Hkv == 0`` (GQA); returns ``[Hq, T, D]``.
     ``window``: sliding window along each path (``pos[q] - pos[k] < window``, see ``mask.py``).
     ``softcap``: Gemma 2's attention logit soft-capping, ``softcap * tanh(scores / softcap)``.
-    ``sinks [Hq]``: GPT-OSS's per-head sink logits, one more softmax column with a zero value (as HF's
-    eager attention: the column joins the softmax and is dropped after it).
+    ``sinks [Hq]`` or ``[Hq, T]``: sink logits per head (GPT-OSS) or per head and query (Inkling2),
+    one more softmax column with a zero value (as HF's eager attention: the column joins the softmax
+    and is dropped after it).
+    ``alibi [Hq, T]``: ALiBi's per-head bias at each token's path position; the scores get
+    ``alibi[h, k] - alibi[h, q]`` (see ``alibi.py``).
+    ``rel_bias [Hq, T, E]``: a learned bias per query and path distance (Inkling); the scores get
+    ``rel_bias[h, q, pos[q] - pos[k]]`` below distance ``E`` (see ``relbias.py``).
     """
     check_inputs("dense_attention", q, k, v, mask)
     if sinks is not None:
-        check_sinks("dense_attention", sinks, q.shape[0])
+        check_sinks("dense_attention", sinks, q.shape[0], q.shape[1])
+    if alibi is not None:
+        check_alibi("dense_attention", alibi, q.shape[0], q.shape[1])
+    if rel_bias is not None:
+        check_rel_bias("dense_attention", rel_bias, q.shape[0], q.shape[1], mask.position_ids)
     pos = mask.window_positions(window)
     dense = mask.cached(("dense", window), lambda: dense_tree_mask(mask.subtree_end, pos, window))
     rep = q.shape[0] // k.shape[0]
     if rep > 1:
         k = k.repeat_interleave(rep, dim=0)
         v = v.repeat_interleave(rep, dim=0)
-    if softcap is not None or sinks is not None:  # SDPA has neither: the scores in full, as HF's eager
+    if any(x is not None for x in (softcap, sinks, alibi, rel_bias)):  # the scores in full, as HF's eager
         scores = (q @ k.transpose(-1, -2)) * scale
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
+        if alibi is not None:
+            bias = alibi_scores(alibi.to(torch.promote_types(scores.dtype, torch.float32)))
+            scores = scores + bias.to(scores.dtype)
+        if rel_bias is not None:
+            scores = scores + rel_bias_scores(rel_bias, mask.position_ids).to(scores.dtype)
         scores = scores.masked_fill(~dense, float("-inf"))
         if sinks is None:
             return torch.softmax(scores, dim=-1) @ v
-        sink = sinks.to(scores.dtype)[:, None, None].expand(-1, scores.shape[1], 1)
+        sink = sinks.to(scores.dtype)
+        sink = (sink[:, None, None] if sink.dim() == 1 else sink[:, :, None]).expand(-1, scores.shape[1], 1)
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
         return probs @ v
     # 4-D inputs: with 3-D ones SDPA takes a slow path that builds the T x T score matrix

@@ -12,7 +12,9 @@ import warnings
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
+from treetrain.attention.alibi import check_alibi
 from treetrain.attention.mask import TreeMask, block_classes, check_inputs
+from treetrain.attention.relbias import check_rel_bias
 from treetrain.attention.sinks import add_sinks, check_sinks
 
 FLEX_BLOCK = 128
@@ -75,6 +77,33 @@ def _softcap_mod(softcap: float):
     return score_mod
 
 
+def _alibi_mod(alibi: torch.Tensor, inner=None):
+    """``score + alibi[h, kv] - alibi[h, q]`` (after ``inner``, the softcap, if any): ALiBi along the
+    path (:mod:`.alibi`), a ``score_mod`` closing over ``[Hq, T]`` only."""
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        if inner is not None:
+            score = inner(score, b, h, q_idx, kv_idx)
+        return score + (alibi[h, kv_idx] - alibi[h, q_idx]).to(score.dtype)
+
+    return score_mod
+
+
+def _rel_bias_mod(rel_bias: torch.Tensor, pos: torch.Tensor, inner=None):
+    """``score + rel_bias[h, q, pos[q] - pos[kv]]`` below distance ``E`` (after ``inner``, if any): a
+    ``score_mod`` closing over ``[Hq, T, E]`` and ``[T]``; flex differentiates the captured table."""
+    extent = rel_bias.shape[2]
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        if inner is not None:
+            score = inner(score, b, h, q_idx, kv_idx)
+        d = pos[q_idx] - pos[kv_idx]
+        bias = rel_bias[h, q_idx, d.clamp(0, extent - 1)]
+        return score + torch.where((d >= 0) & (d < extent), bias, torch.zeros_like(bias)).to(score.dtype)
+
+    return score_mod
+
+
 def flex_tree_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -85,24 +114,36 @@ def flex_tree_attention(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    alibi: torch.Tensor | None = None,
+    rel_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``q [Hq, T, D]``, ``k, v [Hkv, T, D]`` -> ``[Hq, T, D]``. CPU: forward only (no flex backward).
 
     ``window``: sliding window along each path; ``softcap``: Gemma 2's logit soft-capping (a
     ``score_mod`` on the scaled scores); ``sinks [Hq]``: GPT-OSS's sink logits, applied from the
-    kernel's log-sum-exp (:mod:`.sinks`; the gradient flows through flex's differentiable lse).
+    kernel's log-sum-exp (:mod:`.sinks`; the gradient flows through flex's differentiable lse), or
+    ``[Hq, T]``: Inkling2's per-query sinks;
+    ``alibi [Hq, T]``: ALiBi's bias at each token's path position (:mod:`.alibi`), a ``score_mod``;
+    ``rel_bias [Hq, T, E]``: Inkling's bias per query and path distance (:mod:`.relbias`), a
+    ``score_mod`` reading the table (its gradient: flex's captured-buffer gradient).
     """
     check_inputs("flex_tree_attention", q, k, v, mask)
     pos = mask.window_positions(window)
     bm = mask.cached(("flex", window), lambda: tree_block_mask(mask.subtree_end, FLEX_BLOCK, pos, window))
     gqa = q.shape[0] != k.shape[0]
     score_mod = None if softcap is None else _softcap_mod(softcap)
+    if alibi is not None:
+        check_alibi("flex_tree_attention", alibi, q.shape[0], q.shape[1])
+        score_mod = _alibi_mod(alibi.to(torch.promote_types(q.dtype, torch.float32)), score_mod)
+    if rel_bias is not None:
+        check_rel_bias("flex_tree_attention", rel_bias, q.shape[0], q.shape[1], mask.position_ids)
+        score_mod = _rel_bias_mod(rel_bias.contiguous(), mask.position_ids, score_mod)
     if sinks is None:
         out = _flex(q.device)(
             q[None], k[None], v[None], score_mod=score_mod, block_mask=bm, scale=scale, enable_gqa=gqa
         )
         return out[0]
-    check_sinks("flex_tree_attention", sinks, q.shape[0])
+    check_sinks("flex_tree_attention", sinks, q.shape[0], q.shape[1])
     out, aux = _flex(q.device)(
         q[None], k[None], v[None], score_mod=score_mod, block_mask=bm, scale=scale, enable_gqa=gqa,
         return_aux=AuxRequest(lse=True),

@@ -1,5 +1,6 @@
-"""Attention sinks (GPT-OSS): one learned logit per head that joins every row's softmax with a zero
-value, as an extra key every query sees.
+"""Attention sinks: one learned logit per head (GPT-OSS), or per head and query (Inkling2, computed
+from the query's hidden state), that joins the row's softmax with a zero value, as an extra key
+every query sees.
 
 With ``lse`` the log-sum-exp of a row's scores over its visible keys and ``s`` the head's sink::
 
@@ -23,25 +24,33 @@ import torch
 __all__ = ["add_sinks", "sink_grad", "check_sinks"]
 
 
-def check_sinks(name: str, sinks: torch.Tensor, heads: int) -> None:
-    """``sinks`` must be ``[Hq]``."""
-    if sinks.shape != (heads,):
-        raise ValueError(f"{name}: sinks must be [Hq] = [{heads}], got {tuple(sinks.shape)}")
+def check_sinks(name: str, sinks: torch.Tensor, heads: int, tokens: int | None = None) -> None:
+    """``sinks`` must be ``[Hq]`` (per head) or ``[Hq, T]`` (per head and query)."""
+    if sinks.shape != (heads,) and (tokens is None or sinks.shape != (heads, tokens)):
+        per_query = "" if tokens is None else f" or [Hq, T] = [{heads}, {tokens}]"
+        raise ValueError(f"{name}: sinks must be [Hq] = [{heads}]{per_query}, got {tuple(sinks.shape)}")
+
+
+def _rows(sinks: torch.Tensor) -> torch.Tensor:
+    """``[H]`` or ``[H, T]`` -> broadcastable against ``[H, T]``."""
+    return sinks[:, None] if sinks.dim() == 1 else sinks
 
 
 def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``out [H, T, D]``, ``lse [H, T]`` (natural log), ``sinks [H]`` -> ``(out_sink, lse')``.
+    """``out [H, T, D]``, ``lse [H, T]`` (natural log), ``sinks [H]`` or ``[H, T]`` -> ``(out_sink, lse')``.
 
     ``out_sink`` has ``out``'s dtype; ``lse'`` has ``lse``'s.
     """
-    new_lse = torch.logaddexp(lse, sinks.to(lse.dtype)[:, None])
+    new_lse = torch.logaddexp(lse, _rows(sinks).to(lse.dtype))
     return (out * torch.exp(lse - new_lse)[..., None].to(out.dtype)).to(out.dtype), new_lse
 
 
 def sink_grad(
     do: torch.Tensor, out_sink: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor
 ) -> torch.Tensor:
-    """Gradient of the sinks ``[H]``: ``do, out_sink [H, T, D]``, ``lse [H, T]`` (with the sink)."""
+    """Gradient of the sinks (``[H]`` or ``[H, T]``, as given): ``do, out_sink [H, T, D]``,
+    ``lse [H, T]`` (with the sink)."""
     acc = lse.dtype
     delta = (do.to(acc) * out_sink.to(acc)).sum(-1)  # [H, T]
-    return -(torch.exp(sinks.to(acc)[:, None] - lse) * delta).sum(-1).to(sinks.dtype)
+    per_row = -(torch.exp(_rows(sinks).to(acc) - lse) * delta)
+    return (per_row.sum(-1) if sinks.dim() == 1 else per_row).to(sinks.dtype)

@@ -19,6 +19,7 @@ import os
 
 import torch
 
+from treetrain.attention.alibi import check_alibi
 from treetrain.attention.mask import TreeMask, block_bounds, check_inputs
 from treetrain.attention.sinks import add_sinks, check_sinks, sink_grad
 
@@ -79,15 +80,18 @@ def _store_rows(ptr, idx, x, T, D: tl.constexpr, BLOCK_D: tl.constexpr):
 
 @_jit
 def _fwd_tile(
-    acc, m_i, l_i, q, K, V, SEND, POS, q_pos, WINDOW, offs_m, k0, T, qk_scale,
+    acc, m_i, l_i, q, K, V, SEND, POS, q_pos, WINDOW, AB, q_ab, offs_m, k0, T, qk_scale,
     D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-    MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):  # fmt: skip
-    """One online-softmax step over keys ``[k0, k0+BLOCK_N)``. acc: [BLOCK_M, BLOCK_D] fp32."""
+    """One online-softmax step over keys ``[k0, k0+BLOCK_N)``. acc: [BLOCK_M, BLOCK_D] fp32.
+    ``AB``: this head's ALiBi bias ``[T]`` (log2 units), ``q_ab`` the rows' own."""
     offs_n = k0 + tl.arange(0, BLOCK_N)
     k = _load_rows(K, offs_n, T, D, BLOCK_D)
     v = _load_rows(V, offs_n, T, D, BLOCK_D)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    if HAS_ALIBI:
+        s += tl.load(AB + offs_n, mask=offs_n < T, other=0.0)[None, :] - q_ab[:, None]
     if MASKED:
         k_end = tl.load(SEND + offs_n, mask=offs_n < T, other=0)  # keys past T: hidden from all
         vis = _visible(offs_m[:, None], offs_n[None, :], k_end[None, :])
@@ -106,12 +110,13 @@ def _fwd_tile(
 
 @_jit
 def _fwd_kernel(
-    Q, K, V, SEND, POS, WINDOW, KMIN, KMAX, O, LSE, T, qk_scale,
+    Q, K, V, SEND, POS, WINDOW, AB, KMIN, KMAX, O, LSE, T, qk_scale,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):  # fmt: skip
     """Grid (cdiv(T, BLOCK_M), Hq). Writes O [Hq, T, D] and LSE [Hq, T] (log2 units, +inf if empty).
-    With ``HAS_WINDOW`` every visited tile is masked (the window is checked per pair)."""
+    With ``HAS_WINDOW`` every visited tile is masked (the window is checked per pair). With
+    ``HAS_ALIBI`` every score gets ``AB[h, k] - AB[h, q]`` (``AB [Hq, T]``, log2 units)."""
     q0 = tl.program_id(0) * BLOCK_M
     h = tl.program_id(1).to(tl.int64)
     Q += h * T * D
@@ -121,6 +126,8 @@ def _fwd_kernel(
     offs_m = q0 + tl.arange(0, BLOCK_M)
     q = _load_rows(Q, offs_m, T, D, BLOCK_D)
     q_pos = tl.load(POS + offs_m, mask=offs_m < T, other=0) if HAS_WINDOW else offs_m
+    AB += h * T
+    q_ab = tl.load(AB + offs_m, mask=offs_m < T, other=0.0) if HAS_ALIBI else q_pos
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -130,18 +137,18 @@ def _fwd_kernel(
             k0 = kb * BLOCK_N
             if HAS_WINDOW:
                 acc, m_i, l_i = _fwd_tile(
-                    acc, m_i, l_i, q, K, V, SEND, POS, q_pos, WINDOW, offs_m, k0, T, qk_scale,
-                    D, BLOCK_N, BLOCK_D, PRECISION, True, True,
+                    acc, m_i, l_i, q, K, V, SEND, POS, q_pos, WINDOW, AB, q_ab, offs_m, k0, T, qk_scale,
+                    D, BLOCK_N, BLOCK_D, PRECISION, True, True, HAS_ALIBI,
                 )  # fmt: skip
             elif _is_full(q0, k0, tl.load(KMIN + kb), BLOCK_M, BLOCK_N):
                 acc, m_i, l_i = _fwd_tile(
-                    acc, m_i, l_i, q, K, V, SEND, POS, q_pos, WINDOW, offs_m, k0, T, qk_scale,
-                    D, BLOCK_N, BLOCK_D, PRECISION, False, False,
+                    acc, m_i, l_i, q, K, V, SEND, POS, q_pos, WINDOW, AB, q_ab, offs_m, k0, T, qk_scale,
+                    D, BLOCK_N, BLOCK_D, PRECISION, False, False, HAS_ALIBI,
                 )  # fmt: skip
             else:
                 acc, m_i, l_i = _fwd_tile(
-                    acc, m_i, l_i, q, K, V, SEND, POS, q_pos, WINDOW, offs_m, k0, T, qk_scale,
-                    D, BLOCK_N, BLOCK_D, PRECISION, True, False,
+                    acc, m_i, l_i, q, K, V, SEND, POS, q_pos, WINDOW, AB, q_ab, offs_m, k0, T, qk_scale,
+                    D, BLOCK_N, BLOCK_D, PRECISION, True, False, HAS_ALIBI,
                 )  # fmt: skip
 
     nonempty = l_i > 0
@@ -163,9 +170,9 @@ def _bwd_delta_kernel(O, DO, DELTA, T, D: tl.constexpr, BLOCK_M: tl.constexpr, B
 
 @_jit
 def _bwd_dkdv_tile(
-    dk, dv, k, v, k_end, k_pos, POS, WINDOW, Q, DO, LSE, DELTA, offs_n, q0, T, qk_scale,
+    dk, dv, k, v, k_end, k_pos, POS, WINDOW, AB, k_ab, Q, DO, LSE, DELTA, offs_n, q0, T, qk_scale,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-    MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):  # fmt: skip
     """Accumulate queries ``[q0, q0+BLOCK_M)`` into dk, dv [BLOCK_N, BLOCK_D] (transposed tiles)."""
     offs_m = q0 + tl.arange(0, BLOCK_M)
@@ -174,6 +181,8 @@ def _bwd_dkdv_tile(
     lse = tl.load(LSE + offs_m, mask=offs_m < T, other=0.0)
     delta = tl.load(DELTA + offs_m, mask=offs_m < T, other=0.0)
     s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
+    if HAS_ALIBI:
+        s_t += k_ab[:, None] - tl.load(AB + offs_m, mask=offs_m < T, other=0.0)[None, :]
     if MASKED:
         vis = _visible(offs_m[None, :], offs_n[:, None], k_end[:, None])
         if HAS_WINDOW:
@@ -190,9 +199,9 @@ def _bwd_dkdv_tile(
 
 @_jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, SEND, POS, WINDOW, KMIN, KMAX, DK, DV, T, qk_scale, sm_scale,
+    Q, K, V, DO, LSE, DELTA, SEND, POS, WINDOW, AB, KMIN, KMAX, DK, DV, T, qk_scale, sm_scale,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):  # fmt: skip
     """Grid (cdiv(T, BLOCK_N), Hkv). One program owns a key block of one KV head and sums over the
     GROUP query heads sharing it, so dk, dv need no atomics."""
@@ -212,21 +221,23 @@ def _bwd_dkdv_kernel(
     for g in range(GROUP):
         h = h_kv * GROUP + g
         Qh, DOh, LSEh, DELTAh = Q + h * T * D, DO + h * T * D, LSE + h * T, DELTA + h * T
+        ABh = AB + h * T
+        k_ab = tl.load(ABh + offs_n, mask=offs_n < T, other=0.0) if HAS_ALIBI else k_pos
         for q0 in range((k0 // BLOCK_M) * BLOCK_M, k_max, BLOCK_M):
             if HAS_WINDOW:
                 dk, dv = _bwd_dkdv_tile(
-                    dk, dv, k, v, k_end, k_pos, POS, WINDOW, Qh, DOh, LSEh, DELTAh, offs_n, q0, T, qk_scale,
-                    D, BLOCK_M, BLOCK_D, PRECISION, True, True,
+                    dk, dv, k, v, k_end, k_pos, POS, WINDOW, ABh, k_ab, Qh, DOh, LSEh, DELTAh, offs_n, q0, T,
+                    qk_scale, D, BLOCK_M, BLOCK_D, PRECISION, True, True, HAS_ALIBI,
                 )  # fmt: skip
             elif _is_full(q0, k0, k_min, BLOCK_M, BLOCK_N):
                 dk, dv = _bwd_dkdv_tile(
-                    dk, dv, k, v, k_end, k_pos, POS, WINDOW, Qh, DOh, LSEh, DELTAh, offs_n, q0, T, qk_scale,
-                    D, BLOCK_M, BLOCK_D, PRECISION, False, False,
+                    dk, dv, k, v, k_end, k_pos, POS, WINDOW, ABh, k_ab, Qh, DOh, LSEh, DELTAh, offs_n, q0, T,
+                    qk_scale, D, BLOCK_M, BLOCK_D, PRECISION, False, False, HAS_ALIBI,
                 )  # fmt: skip
             else:
                 dk, dv = _bwd_dkdv_tile(
-                    dk, dv, k, v, k_end, k_pos, POS, WINDOW, Qh, DOh, LSEh, DELTAh, offs_n, q0, T, qk_scale,
-                    D, BLOCK_M, BLOCK_D, PRECISION, True, False,
+                    dk, dv, k, v, k_end, k_pos, POS, WINDOW, ABh, k_ab, Qh, DOh, LSEh, DELTAh, offs_n, q0, T,
+                    qk_scale, D, BLOCK_M, BLOCK_D, PRECISION, True, False, HAS_ALIBI,
                 )  # fmt: skip
     _store_rows(DK + h_kv * T * D, offs_n, dk * sm_scale, T, D, BLOCK_D)
     _store_rows(DV + h_kv * T * D, offs_n, dv, T, D, BLOCK_D)
@@ -234,15 +245,17 @@ def _bwd_dkdv_kernel(
 
 @_jit
 def _bwd_dq_tile(
-    dq, q, do, lse, delta, K, V, SEND, POS, q_pos, WINDOW, offs_m, k0, T, qk_scale,
+    dq, q, do, lse, delta, K, V, SEND, POS, q_pos, WINDOW, AB, q_ab, offs_m, k0, T, qk_scale,
     D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-    MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):  # fmt: skip
     """Accumulate keys ``[k0, k0+BLOCK_N)`` into dq [BLOCK_M, BLOCK_D]."""
     offs_n = k0 + tl.arange(0, BLOCK_N)
     k = _load_rows(K, offs_n, T, D, BLOCK_D)
     v = _load_rows(V, offs_n, T, D, BLOCK_D)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    if HAS_ALIBI:
+        s += tl.load(AB + offs_n, mask=offs_n < T, other=0.0)[None, :] - q_ab[:, None]
     if MASKED:
         k_end = tl.load(SEND + offs_n, mask=offs_n < T, other=0)
         vis = _visible(offs_m[:, None], offs_n[None, :], k_end[None, :])
@@ -259,9 +272,9 @@ def _bwd_dq_tile(
 
 @_jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, SEND, POS, WINDOW, KMIN, KMAX, DQ, T, qk_scale, sm_scale,
+    Q, K, V, DO, LSE, DELTA, SEND, POS, WINDOW, AB, KMIN, KMAX, DQ, T, qk_scale, sm_scale,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):  # fmt: skip
     """Grid (cdiv(T, BLOCK_M), Hq). Same key-block walk as the forward."""
     q0 = tl.program_id(0) * BLOCK_M
@@ -274,6 +287,8 @@ def _bwd_dq_kernel(
     lse = tl.load(LSE + h * T + offs_m, mask=offs_m < T, other=0.0)
     delta = tl.load(DELTA + h * T + offs_m, mask=offs_m < T, other=0.0)
     q_pos = tl.load(POS + offs_m, mask=offs_m < T, other=0) if HAS_WINDOW else offs_m
+    AB += h * T
+    q_ab = tl.load(AB + offs_m, mask=offs_m < T, other=0.0) if HAS_ALIBI else q_pos
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for kb in range(0, tl.cdiv(tl.minimum(q0 + BLOCK_M, T), BLOCK_N)):
@@ -281,18 +296,18 @@ def _bwd_dq_kernel(
             k0 = kb * BLOCK_N
             if HAS_WINDOW:
                 dq = _bwd_dq_tile(
-                    dq, q, do, lse, delta, K, V, SEND, POS, q_pos, WINDOW, offs_m, k0, T, qk_scale,
-                    D, BLOCK_N, BLOCK_D, PRECISION, True, True,
+                    dq, q, do, lse, delta, K, V, SEND, POS, q_pos, WINDOW, AB, q_ab, offs_m, k0, T, qk_scale,
+                    D, BLOCK_N, BLOCK_D, PRECISION, True, True, HAS_ALIBI,
                 )  # fmt: skip
             elif _is_full(q0, k0, tl.load(KMIN + kb), BLOCK_M, BLOCK_N):
                 dq = _bwd_dq_tile(
-                    dq, q, do, lse, delta, K, V, SEND, POS, q_pos, WINDOW, offs_m, k0, T, qk_scale,
-                    D, BLOCK_N, BLOCK_D, PRECISION, False, False,
+                    dq, q, do, lse, delta, K, V, SEND, POS, q_pos, WINDOW, AB, q_ab, offs_m, k0, T, qk_scale,
+                    D, BLOCK_N, BLOCK_D, PRECISION, False, False, HAS_ALIBI,
                 )  # fmt: skip
             else:
                 dq = _bwd_dq_tile(
-                    dq, q, do, lse, delta, K, V, SEND, POS, q_pos, WINDOW, offs_m, k0, T, qk_scale,
-                    D, BLOCK_N, BLOCK_D, PRECISION, True, False,
+                    dq, q, do, lse, delta, K, V, SEND, POS, q_pos, WINDOW, AB, q_ab, offs_m, k0, T, qk_scale,
+                    D, BLOCK_N, BLOCK_D, PRECISION, True, False, HAS_ALIBI,
                 )  # fmt: skip
     _store_rows(DQ + h * T * D, offs_m, dq * sm_scale, T, D, BLOCK_D)
 
@@ -331,10 +346,13 @@ def _config(q: torch.Tensor) -> tuple[int, int, int]:
     return _CUDA_CONFIGS[q.dtype == torch.float32, q.shape[-1] > 64]
 
 
-def _launch_args(q: torch.Tensor, k: torch.Tensor, block_m: int, block_n: int, window=None) -> dict:
+def _launch_args(
+    q: torch.Tensor, k: torch.Tensor, block_m: int, block_n: int, window=None, alibi: bool = False
+) -> dict:
     D = q.shape[-1]
     return dict(
         HAS_WINDOW=window is not None,
+        HAS_ALIBI=alibi,
         GROUP=q.shape[0] // k.shape[0],
         D=D,
         BLOCK_M=block_m,
@@ -347,32 +365,35 @@ def _launch_args(q: torch.Tensor, k: torch.Tensor, block_m: int, block_n: int, w
 
 class _TreeAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask: TreeMask, scale: float, block_m: int, block_n: int, window, sinks):
+    def forward(ctx, q, k, v, mask: TreeMask, scale: float, block_m: int, block_n: int, window, sinks, alibi):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         end = mask.subtree_end.contiguous()
+        # ALiBi's bias in the scores' log2 units, fp32 (unread without alibi)
+        ab = end if alibi is None else (alibi.to(torch.float32) * _LOG2E).contiguous()
         pos = end if window is None else mask.window_positions(window).contiguous()  # unread if no window
         w = 0 if window is None else int(window)
         k_min, k_max = _block_bounds(mask, block_n)
         Hq, T, _ = q.shape
         o = torch.empty_like(q)
         lse = torch.empty(Hq, T, device=q.device, dtype=torch.float32)
-        args = _launch_args(q, k, block_m, block_n, window)
+        args = _launch_args(q, k, block_m, block_n, window, alibi is not None)
         grid = (triton.cdiv(T, block_m), Hq)
-        _fwd_kernel[grid](q, k, v, end, pos, w, k_min, k_max, o, lse, T, scale * _LOG2E, **args)
+        _fwd_kernel[grid](q, k, v, end, pos, w, ab, k_min, k_max, o, lse, T, scale * _LOG2E, **args)
         if sinks is not None:  # rescale by the sink's share; the backward kernels then see the sink's
             sunk, new_lse = add_sinks(o, lse / _LOG2E, sinks)  # probabilities through o' and lse'
             o.copy_(sunk)
             lse = new_lse * _LOG2E
-        ctx.save_for_backward(q, k, v, o, lse, end, pos, k_min, k_max, sinks)
+        ctx.save_for_backward(q, k, v, o, lse, end, pos, ab, k_min, k_max, sinks)
         ctx.scale, ctx.block_m, ctx.block_n, ctx.window = scale, block_m, block_n, window
+        ctx.alibi = alibi is not None
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse, end, pos, k_min, k_max, sinks = ctx.saved_tensors
+        q, k, v, o, lse, end, pos, ab, k_min, k_max, sinks = ctx.saved_tensors
         do = do.contiguous()
         (Hq, T, _), Hkv = q.shape, k.shape[0]
-        args = _launch_args(q, k, ctx.block_m, ctx.block_n, ctx.window)
+        args = _launch_args(q, k, ctx.block_m, ctx.block_n, ctx.window, ctx.alibi)
         w = 0 if ctx.window is None else int(ctx.window)
         qk_scale = ctx.scale * _LOG2E
 
@@ -383,16 +404,16 @@ class _TreeAttention(torch.autograd.Function):
         )
         dk, dv = torch.empty_like(k), torch.empty_like(v)
         _bwd_dkdv_kernel[(triton.cdiv(T, ctx.block_n), Hkv)](
-            q, k, v, do, lse, delta, end, pos, w, k_min, k_max, dk, dv, T, qk_scale, ctx.scale, **args
+            q, k, v, do, lse, delta, end, pos, w, ab, k_min, k_max, dk, dv, T, qk_scale, ctx.scale, **args
         )
         dq = torch.empty_like(q)
         _bwd_dq_kernel[(m_blocks, Hq)](
-            q, k, v, do, lse, delta, end, pos, w, k_min, k_max, dq, T, qk_scale, ctx.scale, **args
+            q, k, v, do, lse, delta, end, pos, w, ab, k_min, k_max, dq, T, qk_scale, ctx.scale, **args
         )
         ds = None
         if sinks is not None and ctx.needs_input_grad[8]:
             ds = sink_grad(do, o, lse / _LOG2E, sinks)
-        return dq, dk, dv, None, None, None, None, None, ds
+        return dq, dk, dv, None, None, None, None, None, ds, None
 
 
 def triton_tree_attention(
@@ -407,6 +428,7 @@ def triton_tree_attention(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    alibi: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Tree attention through the fused Triton kernels, differentiable in ``q``, ``k``, ``v``.
 
@@ -414,8 +436,11 @@ def triton_tree_attention(
     fp32 / fp16 / bf16 inputs, fp32 accumulation. ``block_m`` / ``block_n`` (powers of two >= 16) are
     the query / key tile sizes (defaults: ``_CUDA_CONFIGS`` on CUDA, 32 under the interpreter).
     ``window``: sliding window along each path (``pos[q] - pos[k] < window``; every visited tile is
-    then masked). ``sinks [Hq]``: GPT-OSS's sink logits (:mod:`.sinks`), forward and gradient.
-    ``softcap`` is not supported.
+    then masked). ``sinks [Hq]`` or ``[Hq, T]``: sink logits per head (GPT-OSS) or per head and query
+    (Inkling2) (:mod:`.sinks`), forward and gradient.
+    ``alibi [Hq, T]``: ALiBi's bias at each token's path position (:mod:`.alibi`): one more ``[BLOCK_N]``
+    load per tile. ``softcap`` and Inkling's ``rel_bias`` are not supported (refused by name through
+    ``attention.FEATURES`` before a model calls it).
     """
     if softcap is not None:
         raise ValueError(
@@ -424,7 +449,9 @@ def triton_tree_attention(
         )
     check_inputs("triton_tree_attention", q, k, v, mask)
     if sinks is not None:
-        check_sinks("triton_tree_attention", sinks, q.shape[0])
+        check_sinks("triton_tree_attention", sinks, q.shape[0], q.shape[1])
+    if alibi is not None:
+        check_alibi("triton_tree_attention", alibi, q.shape[0], q.shape[1])
     if triton is None:
         raise RuntimeError("the triton attention backend needs the triton package")
     default_m, default_n, _ = _config(q)
@@ -432,4 +459,4 @@ def triton_tree_attention(
     for b in (block_m, block_n):
         if b < 16 or b & (b - 1):
             raise ValueError(f"triton_tree_attention: block sizes must be powers of two >= 16, got {b}")
-    return _TreeAttention.apply(q, k, v, mask, scale, block_m, block_n, window, sinks)
+    return _TreeAttention.apply(q, k, v, mask, scale, block_m, block_n, window, sinks, alibi)

@@ -48,7 +48,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="table sources: map treetrain fields to columns (default: treetrain's and TRL's names)",
     )
     p.add_argument(
-        "--tokenizer", default=None, help='messages format: a local tokenizer dir, or "qwen" (default none)'
+        "--tokenizer",
+        default=None,
+        help='messages format: a local tokenizer dir, or "qwen"; --show prints text with it (default: '
+        "--model's tokenizer if its directory has one, else none)",
     )
     p.add_argument(
         "--capacity", type=int, default=None, help="token budget: also report partition ERR (default off)"
@@ -64,7 +67,20 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         f"{QWEN3_VOCAB:,}: Qwen3's, that of train's default model)",
     )
     p.add_argument("--group-rows", default="consecutive", choices=GROUPINGS, help=GROUP_ROWS_HELP)
-    p.add_argument("--show", type=int, default=0, help="draw the first N trees as text (default 0)")
+    p.add_argument(
+        "--show",
+        type=int,
+        default=0,
+        help="draw the first N trees, one node a line: decoded text with a tokenizer, else token ids "
+        "(default 0)",
+    )
+    p.add_argument(
+        "--show-chars",
+        type=int,
+        default=100,
+        help="with a tokenizer, --show prints each node's text on one line, its middle elided past "
+        "this many characters; 0: the whole text (default 100)",
+    )
     p.add_argument(
         "--plot",
         default=None,
@@ -97,27 +113,64 @@ def _rows_line(counts) -> list[tuple[str, str]]:
     return [("rows (merged by equal prompt)", f"{rows} -> {counts.samples} trees")]
 
 
-def _read(path, args, vocab_size: int, vocab_name: str) -> tuple[list, object]:
-    """Every tree of ``path`` and the pass's counts; an out-of-vocabulary token id is an error, as in
-    ``train``."""
+def _read(path, tokenizer, args, vocab_size: int, vocab_name: str) -> tuple[list, object]:
+    """Every tree of ``path`` and the pass's counts. Every bad record is listed (file:line, field), as
+    ``train`` lists them; an out-of-vocabulary token id is an error, as in ``train``."""
     from treetrain.data import reader
+    from treetrain.data.fields import DataError
+    from treetrain.train.guards import _report
 
     stream = reader.iter_trees(
         path,
         format=args.fmt,
-        tokenizer=args.tokenizer,
+        tokenizer=tokenizer,
         columns=args.columns,
         vocab_size=vocab_size,
         group_rows=args.group_rows,
+        on_error="collect",
     )
+    trees = [tree for tree, _ in stream]
     try:
-        return [tree for tree, _ in stream], stream.counts
-    except ValueError as e:
-        if "outside the vocabulary" not in str(e):
+        _report(Path(path), stream)
+    except DataError as e:
+        if not any("outside the vocabulary" in str(x) for x in stream.errors):
             raise
-        raise ValueError(
-            f"{e}; the vocabulary checked is {vocab_name}: pass --model DIR or --vocab-size N for another's"
-        ) from None
+        hint = f"the vocabulary checked is {vocab_name}: pass --model DIR or --vocab-size N for another's"
+        raise DataError(f"{e.reason}\n  ({hint})", file=e.file) from None
+    return trees, stream.counts
+
+
+def render_text(tree, tokenizer, chars: int = 100) -> str:
+    """``tree`` drawn as decoded text, one node a line (its token count, the text quoted with
+    newlines as ``\\n``, the middle elided past ``chars`` characters); ``chars=0``: every node's whole
+    text on the lines below it, each prefixed with ``|``. Paths ending at a node are named.
+
+    Example (``chars=0``)::
+
+        - 7 tokens
+          | <|im_start|>user\\nhi<|im_end|>
+          - 3 tokens  [path 0]
+            | hello
+    """
+    import json
+
+    ends: dict[int, list[int]] = {}
+    for p, leaf in enumerate(tree.path_leaf):
+        ends.setdefault(int(leaf), []).append(p)
+    lines = [repr(tree)]
+    for n in range(tree.num_nodes):
+        ids = tree.tokens[tree.node_start[n] : tree.node_end[n]].tolist()
+        text, pad = tokenizer.decode(ids), "  " * int(tree.node_depth[n])
+        tail = f"  [path {', '.join(map(str, ends[n]))}]" if n in ends else ""
+        if chars:
+            quoted = json.dumps(text, ensure_ascii=False)
+            if len(quoted) > chars:
+                quoted = f"{quoted[: chars * 2 // 3]} ... {quoted[-(chars // 3) :]}"
+            lines.append(f"{pad}- {len(ids)} tokens: {quoted}{tail}")
+        else:
+            lines.append(f"{pad}- {len(ids)} tokens{tail}")
+            lines += [f"{pad}  | {line}".rstrip() for line in text.removesuffix("\n").split("\n")]
+    return "\n".join(lines)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -136,7 +189,10 @@ def main(args: argparse.Namespace) -> int:
         what = "a JSONL (or Parquet/Arrow/datasets) file of trees"
         raise ValueError(f"--data {path}: no such data file; pass {what}, or omit it for the sample")
     if args.model is not None and not (Path(args.model) / "config.json").is_file():
-        raise ValueError(f"--model {args.model}: not a model directory (no config.json)")
+        from treetrain.train.build import hub_id_hint
+
+        hint = hub_id_hint("--model", args.model)
+        raise ValueError(f"--model {args.model}: not a model directory (no config.json){hint}")
     if args.vocab_size is not None and args.vocab_size < 1:
         raise ValueError(f"--vocab-size: must be a positive integer, got {args.vocab_size}")
     cost, cost_name, vocab_size = _cost(args.model)
@@ -144,7 +200,14 @@ def main(args: argparse.Namespace) -> int:
         vocab_name = f"--vocab-size {args.vocab_size}"
     else:
         vocab_name = f"--model {args.model}'s" if args.model else "Qwen3's (train's default model)"
-    trees, counts = _read(path, args, args.vocab_size or vocab_size, vocab_name)
+    from treetrain.train.build import model_tokenizer
+
+    tokenizer = model_tokenizer(args.model, args.tokenizer)  # --model DIR's own, as train uses it
+    if tokenizer is not None:
+        from treetrain.data.chat import load_tokenizer
+
+        tokenizer = load_tokenizer(tokenizer)
+    trees, counts = _read(path, tokenizer, args, args.vocab_size or vocab_size, vocab_name)
     if not trees:
         raise ValueError(f"{path}: no samples")
     tokens = sum(t.num_tokens for t in trees)
@@ -182,7 +245,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"{k:<{width}}  {v}")
     for t in trees[: args.show]:
         print()
-        print(t.render())
+        print(render_text(t, tokenizer, args.show_chars) if tokenizer is not None else t.render())
     if args.plot:
         from treetrain.bench.treeplot import plot_trees
 

@@ -2,8 +2,10 @@
 
 :mod:`.flat` (a padded batch of rows -> one tree forward -> per-token log-probs in the caller's
 layout), :mod:`.wrapped` (the same through a model's accelerate/DDP/PEFT wrappers), :mod:`.trl`
-(``TreeGRPOTrainer``, ``TreeRLOOTrainer``) and :mod:`.trl_preference` (``TreeDPOTrainer``,
-``TreeRewardTrainer``): TRL's trainers with tree forwards, need ``pip install treetrain[trl]``.
+(``TreeGRPOTrainer``, ``TreeRLOOTrainer``, ``TreeDPOTrainer``, ``TreeRewardTrainer``, all imported from
+``treetrain.integrations.trl``): TRL's trainers with tree forwards, need ``pip install treetrain[trl]``;
+:mod:`.verl` (``strategy=treetrain``: verl's FSDP2 engine with tree micro-batches, with
+:mod:`.verl_rows` and :mod:`.verl_cpu`), needs ``pip install treetrain[verl]``.
 
 May import: everything up to train (trees .. train).
 """

@@ -22,18 +22,23 @@ Turn it on with one setting per role (the reference follows the actor)::
     actor_rollout_ref.actor.strategy=treetrain
     critic.strategy=treetrain
 
-With data parallelism also set ``actor_rollout_ref.actor.use_prefix_grouper=True``: in verl 0.9.1 its only
-effect is that ``trainer.balance_batch`` keeps a prompt's samples together on one rank (else they are
-spread over ranks by length and each rank's tree shares little). See ``docs/guides/verl.md``.
+Every layout verl hands an engine runs: the V0 trainer's no-padding batch, the V1 trainer's fully
+nested one, and ``use_remove_padding=False`` (verl's engine then pads; the tree has nothing to pad).
+With data parallelism, verl's V1 trainer spreads a prompt's samples over ranks by length (it reads
+neither ``use_prefix_grouper`` nor ``trainer.balance_batch``); each rank's tree shares what its rows
+share. See ``docs/guides/verl.md``.
 
 ``pip install "treetrain[verl]"`` registers the engines through verl's ``verl.plugins`` entry point,
 loaded by ``import verl`` in every process (driver and Ray workers). Where entry points are turned off
 (``VERL_USE_EXTERNAL_PLUGINS=none``), load it by name:
-``VERL_USE_EXTERNAL_MODULES=treetrain.integrations.verl``.
+``VERL_USE_EXTERNAL_MODULES=treetrain.integrations.verl``. Importing this module first registers a
+``cpu`` platform in verl's platform registry (:mod:`treetrain.integrations.verl_cpu`), before verl's
+engine module reads the platform; ``VERL_PLATFORM=cpu`` chooses it.
 
 Not supported (a ``ValueError`` names the feature): vision/multimodal inputs, 3-D (mrope) positions,
-Ulysses sequence parallelism, LoRA, QAT, Liger kernels, fused kernels, top-k distillation,
-``calculate_sum_pi_squared``, FSDP1, and the Megatron/VeOmni/TorchTitan backends (this engine is FSDP2).
+Ulysses sequence parallelism (``ulysses_sequence_parallel_size > 1``), LoRA, QAT, Liger kernels,
+fused kernels, top-k distillation, ``calculate_sum_pi_squared``, FSDP1, and the
+Megatron/VeOmni/TorchTitan backends (this engine is FSDP2).
 """
 
 from __future__ import annotations
@@ -49,16 +54,25 @@ import verl
 from tensordict import TensorDict
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
-from verl.utils import tensordict_utils as tu
-from verl.utils.device import get_device_id, get_device_name
-from verl.workers.engine.base import EngineRegistry
-from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
-from verl.workers.engine.utils import detach_tree, postprocess_batch_func, prepare_micro_batches
 
-from treetrain.integrations.verl_rows import RowTree, balanced_parts, split_rows
-from treetrain.logprobs import LOGITS_KEEP_BYTES, target_logprobs
-from treetrain.models.head import LMHead, lm_head
-from treetrain.models.hf import prepare_model, tree_forward
+from treetrain.integrations.verl_cpu import register_cpu_platform
+
+# before verl's engine modules, which fix the process's platform when imported (VERL_PLATFORM=cpu picks it)
+register_cpu_platform()
+
+from verl.utils import tensordict_utils as tu  # noqa: E402
+from verl.utils.device import get_device_id, get_device_name  # noqa: E402
+from verl.workers.engine.base import EngineRegistry  # noqa: E402
+from verl.workers.engine.fsdp.transformer_impl import (  # noqa: E402
+    FSDPEngineWithLMHead,
+    FSDPEngineWithValueHead,
+)
+from verl.workers.engine.utils import detach_tree, postprocess_batch_func, prepare_micro_batches  # noqa: E402
+
+from treetrain.integrations.verl_rows import RowTree, balanced_parts, split_rows  # noqa: E402
+from treetrain.logprobs import LOGITS_KEEP_BYTES, target_logprobs  # noqa: E402
+from treetrain.models.head import LMHead, lm_head  # noqa: E402
+from treetrain.models.hf import prepare_model, tree_forward  # noqa: E402
 
 __all__ = ["BACKEND", "TESTED_VERL", "TreeEngineWithLMHead", "TreeEngineWithValueHead"]
 

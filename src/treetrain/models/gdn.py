@@ -1,258 +1,44 @@
-"""Gated DeltaNet along a packed tree: the causal conv1d and the gated delta rule, routed so every
-token sees exactly the history of its own root-to-token path.
+"""Gated DeltaNet (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) along a packed tree: the layer's forward and
+its gated delta rule.
 
-Two facts carry the whole construction:
+The layer forward (:func:`tree_gdn_forward`) reuses the module's own projections, norm and output
+layer, and replaces only the two sequence mixers: the causal conv1d (a gather along each token's
+path, :mod:`treetrain.models.pathconv`) and the chunked gated delta rule.
 
-- The short causal conv reads the last ``k`` *inputs* along a token's path, which do not depend on
-  any recurrent state: it runs for all ``T`` tokens at once, as a gather of each token's ``k - 1``
-  path predecessors (``PackedTree.prev`` chained; a parent shorter than ``k - 1`` is reached
-  through, into the grandparents).
-- The delta rule's state after a node is the state its children start from. Nodes at the same
-  level are independent given their parents, so the recurrence runs level by level, the nodes of
-  a level batched into one call (or a few, by length), each node starting from its parent's
-  final state.
+The delta rule's state after a node is the state its children start from: the rule runs level by
+level through :func:`treetrain.models.scan.tree_scan`, the nodes of a level batched into one call
+(or a few, by length), each node starting from its parent's final state. Padding a node to its
+group's longest appends steps with ``q = k = v = 0``, ``beta = 0`` and ``g = 0``:
+``S <- exp(0) * S (I - 0) + 0 = S``, so a padded node's final state is its last real step's (the
+chunked kernel pads to its chunk size the same way).
 
 Example, paths ``[A B C D]``, ``[A B E F]``, ``[A G H]`` (nodes ``[A] [B] [C D] [E F] [G H]``)::
 
-    DFS index           0  1  2  3  4  5  6  7
-    token               A  B  C  D  E  F  G  H
-    prev               -1  0  1  2  1  4  0  6
-    conv window, k = 3  (T = 8 marks "before the path start", read as zeros)
-      E (4):  [0 1 4] = A B E        G (6):  [8 0 6] = _ A G
     levels: 0: [A]    1: [G H] [B]    2: [C D] [E F]
       level 2, padded [2 nodes, 2 steps]: [[2 3] [4 5]], both start from B's final state
-
-A level whose node lengths differ widely is split into a few groups of similar length (one call
-each), so padding stays within about 2x. Padding a node to its group's longest appends steps with
-``q = k = v = 0``, ``beta = 0`` and ``g = 0``: ``S <- exp(0) * S (I - 0) + 0 = S``, so a padded
-node's final state is its last real step's (the chunked kernel pads to its chunk size the same
-way).
 """
 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from collections.abc import Callable
 
-import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+
+from treetrain.models.pathconv import path_window, tree_causal_conv1d
+from treetrain.models.scan import TreeLevels, tree_levels, tree_scan
+from treetrain.trees.packing import PackedTree
 
 __all__ = [
-    "TreeLevels",
-    "build_levels",
-    "conv_window_index",
-    "length_groups",
-    "tree_causal_conv1d",
+    "GDN_LAYOUTS",
     "tree_gated_delta_rule",
     "tree_gated_delta_rule_nodewise",
+    "tree_gdn_forward",
+    "use_fla",
 ]
-
-
-# ---- the level schedule -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Level:
-    """The ``n`` nodes of one tree level, in the order their final states are stacked.
-
-    groups: per length group, ``token_index [n_g, L_g]`` int64: the DFS index of each node's
-      steps, ``T`` (a zero row) past its end. Nodes of similar length share a group so padding stays
-      bounded; each group is one kernel call.
-    parent_row ``[n]`` int64: row of each node's parent among the previous level's nodes (level 0:
-      zeros, unused).
-    cu_seqlens ``[n + 1]``, flat_index ``[sum lengths]`` int64: the unpadded (varlen) layout.
-    """
-
-    groups: tuple[torch.Tensor, ...]
-    parent_row: torch.Tensor
-    cu_seqlens: torch.Tensor
-    flat_index: torch.Tensor
-
-
-@dataclass(frozen=True)
-class TreeLevels:
-    """Level-by-level schedule of a packed forest, shared by every recurrent layer of a forward.
-
-    padded_row ``[T]``: row of each DFS token in the groups' padded outputs, flattened and
-    concatenated (level by level, group by group); varlen_row ``[T]``: the same, unpadded.
-    """
-
-    levels: tuple[Level, ...]
-    padded_row: torch.Tensor
-    varlen_row: torch.Tensor
-    num_tokens: int
-
-    @property
-    def num_padded(self) -> int:
-        """Tokens the padded (PyTorch) path computes, padding included."""
-        return sum(g.numel() for lv in self.levels for g in lv.groups)
-
-
-def node_depth(parent: np.ndarray) -> np.ndarray:
-    """Level of every node (roots 0) from ``parent [N]`` (``-1`` for roots) by pointer jumping.
-
-    O(N log depth) vectorized steps: ``depth`` accumulates the hops to the current ``anc``,
-    and ``anc`` jumps to its own ancestor, doubling the distance each round.
-    """
-    depth = (parent >= 0).astype(np.int64)
-    anc = parent.copy()
-    while (live := anc >= 0).any():
-        a = anc[live]
-        depth[live] += depth[a]
-        anc[live] = anc[a]
-    return depth
-
-
-def length_groups(lengths: np.ndarray, slack: int | None) -> list[int]:
-    """Split nodes sorted by decreasing length into runs that pad cheaply; returns the run sizes.
-
-    A node joins the current run (padded to the run's longest, ``L``) if that at most doubles it
-    (``2 * n >= L``), or if the run stays within ``slack`` padded tokens (small calls cost more in
-    overhead than in padding). So padding is at most 2x outside runs of ``slack`` tokens, and a
-    level takes about ``log2(longest / shortest)`` calls. ``slack=None``: one run.
-    Example: lengths ``[500, 3, 2, 1, 1]``, slack 64 -> ``[1, 4]`` (5 rows of 500 would be 2500).
-    """
-    if slack is None or lengths.size == 0:
-        return [int(lengths.size)]
-    sizes, count, longest = [], 0, 0
-    for n in lengths.tolist():
-        if count and 2 * n < longest and (count + 1) * longest > slack:
-            sizes.append(count)
-            count = 0
-        if count == 0:
-            longest = n
-        count += 1
-    sizes.append(count)
-    return sizes
-
-
-def build_levels(
-    node_start: torch.Tensor,
-    node_end: torch.Tensor,
-    node_parent: torch.Tensor,
-    device=None,
-    pad_slack: int | None = 256,
-) -> TreeLevels:
-    """The level schedule from ``PackedTree.node_start / node_end / node_parent`` (``[N]`` each).
-
-    Within a level, nodes are ordered by decreasing length and split by :func:`length_groups`.
-    Example (the module docstring's tree): ``node_start = [0 1 2 4 6]``, ``node_end = [1 2 4 6 8]``,
-    ``node_parent = [-1 0 1 1 0]`` -> one group per level: ``[[0]]``, ``[[6 7] [1 8]]`` (G H, then
-    B), ``[[2 3] [4 5]]`` with ``parent_row = [1 1]`` (B is row 1 of level 1).
-    """
-    start = node_start.detach().cpu().numpy().astype(np.int64)
-    end = node_end.detach().cpu().numpy().astype(np.int64)
-    parent = node_parent.detach().cpu().numpy().astype(np.int64)
-    device = node_start.device if device is None else device
-    as_t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
-    T = int(end.max()) if end.size else 0
-    depth = node_depth(parent)
-    lengths = end - start
-    row_in_level = np.zeros(start.size, dtype=np.int64)
-    padded_row = np.empty(T, dtype=np.int64)
-    varlen_row = np.empty(T, dtype=np.int64)
-    levels = []
-    padded_off = varlen_off = 0
-    for d in range(int(depth.max()) + 1 if depth.size else 0):
-        nodes = np.flatnonzero(depth == d)
-        nodes = nodes[np.argsort(-lengths[nodes], kind="stable")]  # longest first, then DFS order
-        row_in_level[nodes] = np.arange(nodes.size)
-        lens = lengths[nodes]
-        groups, first = [], 0
-        for size in length_groups(lens, pad_slack):
-            sel = slice(first, first + size)
-            steps = np.arange(max(int(lens[sel].max()), 1))
-            index = np.where(steps < lens[sel, None], start[nodes[sel], None] + steps, T)
-            real = index < T
-            padded_row[index[real]] = padded_off + np.flatnonzero(real.ravel())
-            padded_off += index.size
-            groups.append(as_t(index))
-            first += size
-        flat_index = np.concatenate([np.arange(s, e) for s, e in zip(start[nodes], end[nodes])])
-        varlen_row[flat_index] = varlen_off + np.arange(flat_index.size)
-        varlen_off += flat_index.size
-        parent_row = row_in_level[np.maximum(parent[nodes], 0)] if d else np.zeros(nodes.size, np.int64)
-        levels.append(
-            Level(
-                groups=tuple(groups),
-                parent_row=as_t(parent_row),
-                cu_seqlens=as_t(np.concatenate([[0], np.cumsum(lens)])),
-                flat_index=as_t(flat_index),
-            )
-        )
-    return TreeLevels(
-        levels=tuple(levels), padded_row=as_t(padded_row), varlen_row=as_t(varlen_row), num_tokens=T
-    )
-
-
-# ---- the causal conv1d along paths --------------------------------------------------------------
-
-
-def conv_window_index(prev: torch.Tensor, width: int) -> torch.Tensor:
-    """``[T, width]``: column ``width - 1`` is the token itself, column ``j`` its ``(width - 1 - j)``-th
-    predecessor along its path; ``T`` where the path has no such token (read as a zero input).
-
-    ``prev [T]`` is ``PackedTree.prev`` (``-1`` at a root's first token). Example (module docstring),
-    ``width = 3``: row 4 (E) is ``[0 1 4]``, row 6 (G) is ``[8 0 6]``.
-    """
-    T = prev.numel()
-    cols = [torch.arange(T, device=prev.device)]
-    for _ in range(width - 1):
-        last = cols[-1]
-        nxt = prev.index_select(0, last.clamp(max=T - 1))
-        cols.append(torch.where((last < T) & (nxt >= 0), nxt, T))
-    return torch.stack(cols[::-1], dim=1)
-
-
-class _TreeConv1d(torch.autograd.Function):
-    """``out[t, c] = bias[c] + sum_j weight[c, j] * x[index[t, j], c]`` (``x[T] = 0``).
-
-    Saves only ``x`` and the index (not the ``[T, width, C]`` windows); backward re-gathers one
-    column at a time.
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, index):
-        xp = torch.cat([x, x.new_zeros(1, x.shape[1])])
-        out = x.new_zeros(x.shape) if bias is None else bias.expand_as(x).clone()
-        for j in range(weight.shape[1]):
-            out += xp.index_select(0, index[:, j]) * weight[:, j]
-        ctx.save_for_backward(x, weight, index)
-        ctx.has_bias = bias is not None
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        x, weight, index = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        gx = x.new_zeros(x.shape[0] + 1, x.shape[1]) if need_x else None
-        gw = torch.empty_like(weight) if need_w else None
-        xp = torch.cat([x, x.new_zeros(1, x.shape[1])]) if need_w else None
-        for j in range(weight.shape[1]):
-            if need_x:
-                gx.index_add_(0, index[:, j], g * weight[:, j])
-            if need_w:
-                gw[:, j] = (g * xp.index_select(0, index[:, j])).sum(0)
-        gb = g.sum(0) if (need_b and ctx.has_bias) else None
-        return (gx[:-1] if need_x else None), gw, gb, None
-
-
-def tree_causal_conv1d(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, window: torch.Tensor
-) -> torch.Tensor:
-    """Depthwise causal conv along each token's path, before the activation.
-
-    x ``[T, C]`` (DFS order), weight ``[C, width]`` (``nn.Conv1d.weight[:, 0]``), bias ``[C]`` or
-    None, window ``[T, width]`` from :func:`conv_window_index` -> ``[T, C]``. On a single path it is
-    ``F.conv1d(x.T[None], weight[:, None], bias, padding=width - 1, groups=C)[..., :T]``.
-    """
-    if weight.shape[1] != window.shape[1]:
-        raise ValueError(f"conv width {weight.shape[1]} does not match the window index {window.shape[1]}")
-    return _TreeConv1d.apply(x, weight, bias, window)
-
-
-# ---- the gated delta rule along the tree --------------------------------------------------------
 
 
 def _torch_rule():
@@ -273,10 +59,6 @@ def _fla_rule():
 def use_fla(x: torch.Tensor) -> bool:
     """FLA on CUDA for half types (its chunk kernel rejects float32); the PyTorch rule otherwise."""
     return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and _fla_rule() is not None
-
-
-def _pad_row(x: torch.Tensor) -> torch.Tensor:
-    return torch.cat([x, x.new_zeros(1, *x.shape[1:])])
 
 
 def tree_gated_delta_rule(
@@ -305,24 +87,16 @@ def tree_gated_delta_rule(
     if kernel != "torch":
         raise ValueError(f"kernel {kernel!r}: choose 'torch' or 'fla'")
     rule = _torch_rule()
-    qp, kp, vp, gp, bp = (_pad_row(x) for x in (q, k, v, g, beta))
-    outs, state = [], None
-    for d, lv in enumerate(levels.levels):
-        init = state.index_select(0, lv.parent_row) if d else None
-        states, first = [], 0
-        for idx in lv.groups:
-            n, L = idx.shape
-            out, st = rule(
-                qp[idx], kp[idx], vp[idx], g=gp[idx], beta=bp[idx],
-                chunk_size=min(max_chunk, L),  # a group of 1-token nodes is not padded to 64
-                initial_state=None if init is None else init[first : first + n],
-                output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm,
-            )  # fmt: skip
-            outs.append(out.flatten(0, 1))
-            states.append(st)
-            first += n
-        state = torch.cat(states) if len(states) > 1 else states[0]
-    return torch.cat(outs).index_select(0, levels.padded_row)
+
+    def scan(xs, init, valid):
+        qg, kg, vg, gg, bg = xs
+        return rule(
+            qg, kg, vg, g=gg, beta=bg,
+            chunk_size=min(max_chunk, qg.shape[1]),  # a group of 1-token nodes is not padded to 64
+            initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm,
+        )  # fmt: skip
+
+    return tree_scan((q, k, v, g, beta), levels, scan)
 
 
 def _tree_rule_fla(q, k, v, g, beta, levels: TreeLevels, use_qk_l2norm: bool) -> torch.Tensor:
@@ -376,8 +150,81 @@ def tree_gated_delta_rule_nodewise(
     return torch.cat(outs)
 
 
-def path_conv1d_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """One path's causal depthwise conv as transformers computes it: x ``[L, C]`` -> ``[L, C]``."""
-    L, C = x.shape
-    w = weight.shape[1]
-    return F.conv1d(x.T[None], weight[:, None], bias, padding=w - 1, groups=C)[0, :, :L].T
+# ---- the layer ----------------------------------------------------------------------------------
+
+# Projections: module, hidden [T, H] -> mixed_qkv [T, 2 Hk Dk + Hv Dv], z [T, Hv, Dv], b, a [T, Hv]
+Projections = Callable[[nn.Module, torch.Tensor], tuple[torch.Tensor, ...]]
+
+
+def _project_qwen3_5(m: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Qwen3.5 layout: separate ``in_proj_qkv / in_proj_z / in_proj_b / in_proj_a``."""
+    return m.in_proj_qkv(x), m.in_proj_z(x).unflatten(-1, (-1, m.head_v_dim)), m.in_proj_b(x), m.in_proj_a(x)
+
+
+def _project_qwen3_next(m: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Qwen3-Next layout: fused, head-grouped ``in_proj_qkvz / in_proj_ba``, untangled by the
+    module's own ``fix_query_key_value_ordering`` (which wants a batch dim)."""
+    q, k, v, z, b, a = m.fix_query_key_value_ordering(m.in_proj_qkvz(x[None]), m.in_proj_ba(x[None]))
+    mixed = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1)
+    return mixed[0], z[0], b[0], a[0]
+
+
+def _project_olmo_hybrid(m: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """OLMo Hybrid layout: separate ``q_proj / k_proj / v_proj``, the gate ``g_proj`` as ``z``,
+    ``b_proj / a_proj`` (its ``o_norm / o_proj`` and ``allow_neg_eigval``: see :func:`tree_gdn_forward`)."""
+    mixed = torch.cat([m.q_proj(x), m.k_proj(x), m.v_proj(x)], dim=-1)
+    return mixed, m.g_proj(x).unflatten(-1, (-1, m.head_v_dim)), m.b_proj(x), m.a_proj(x)
+
+
+# exact class name -> its projections (checked against transformers 5.x)
+GDN_LAYOUTS: dict[str, Projections] = {
+    "Qwen3_5GatedDeltaNet": _project_qwen3_5,
+    "Qwen3_5MoeGatedDeltaNet": _project_qwen3_5,
+    "Qwen3NextGatedDeltaNet": _project_qwen3_next,
+    "LaraMiniGatedDeltaNet": _project_qwen3_5,
+    "Qwen4ExpTextGatedDeltaNet": _project_qwen3_5,
+    "OlmoHybridGatedDeltaNet": _project_olmo_hybrid,
+}
+
+
+def _layout(module: nn.Module) -> Projections:
+    """The projections of a GDN layer; looks through subclasses (FSDP2 wraps a module's class in a
+    ``FSDP<Name>`` subclass)."""
+    for c in type(module).__mro__:
+        if c.__name__ in GDN_LAYOUTS:
+            return GDN_LAYOUTS[c.__name__]
+    raise ValueError(f"{type(module).__name__} is not a Gated DeltaNet layout: {sorted(GDN_LAYOUTS)}")
+
+
+def tree_gdn_forward(
+    module: nn.Module, hidden_states: torch.Tensor, packed: PackedTree, tree_mask=None
+) -> torch.Tensor:
+    """A Gated DeltaNet layer over a packed forest: ``[1, T, hidden] -> [1, T, hidden]``.
+
+    ``tree_mask`` (a ``TreeMask``, optional) caches the level schedule and the conv windows for
+    the other layers of the same forward.
+    """
+    project = _layout(module)
+    T = packed.num_tokens
+    x, dev = hidden_states[0], hidden_states.device
+    mixed, z, b, a = project(module, x)
+
+    w = module.conv1d.weight[:, 0]  # [C, width]
+    conv = tree_causal_conv1d(
+        mixed.to(w.dtype), w, module.conv1d.bias, path_window(packed, w.shape[1], tree_mask, dev)
+    )
+    if module.activation is not None:
+        conv = ACT2FN[module.activation](conv)
+    conv = conv.to(x.dtype)
+    q, k, v = conv.split([module.key_dim, module.key_dim, module.value_dim], dim=-1)
+    q, k = q.unflatten(-1, (-1, module.head_k_dim)), k.unflatten(-1, (-1, module.head_k_dim))
+    v = v.unflatten(-1, (-1, module.head_v_dim))
+
+    beta = b.sigmoid()
+    if getattr(module, "allow_neg_eigval", False):  # OLMo Hybrid: beta in [0, 2]
+        beta = beta * 2.0
+    g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)  # as the layer: float32
+    core = tree_gated_delta_rule(q, k, v, g, beta, tree_levels(packed, tree_mask, dev))  # [T, Hv, Dv]
+    norm, out = (module.norm, module.out_proj) if hasattr(module, "norm") else (module.o_norm, module.o_proj)
+    core = norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
+    return out(core.reshape(1, T, -1))

@@ -19,6 +19,11 @@ HyperCLOVA X                              ``logit_scale = config.logits_scaling`
 Falcon-H1                                 ``logit_scale = model.model.lm_head_multiplier``
 MiniCPM3                                  ``hidden_scale = 1 / config.logits_scaling``
 Gemma 2/3/3n, VaultGemma, NanoChat        ``softcap = config.final_logit_softcapping``
+RecurrentGemma                            ``softcap = config.logits_soft_cap``
+xLSTM                                     ``softcap = config.output_logit_soft_cap``
+Inkling                                   ``hidden_scale = 1 / config.logits_mup_width_multiplier``;
+                                          ``vocab = config.unpadded_vocab_size`` (the rows kept)
+Inkling2, Inkling2-Loop                   ``softcap = config.final_logit_softcapping``
 ========================================  ============================================================
 
 Any other architecture on the allow-list (:mod:`treetrain.models.support`) has the plain
@@ -93,6 +98,16 @@ def _hidden_divided_by_logits_scaling(model: nn.Module) -> dict:
     return {"hidden_scale": 1.0 / float(_cfg(model).logits_scaling)}
 
 
+def _inkling(model: nn.Module) -> dict:
+    cfg = _cfg(model)
+    out = {"hidden_scale": 1.0 / float(cfg.logits_mup_width_multiplier)}
+    rows = cfg.unpadded_vocab_size
+    if rows is not None and rows < model.lm_head.weight.shape[0]:  # the model drops the logits past it
+        out["weight"] = model.lm_head.weight[:rows]
+        out["bias"] = None if model.lm_head.bias is None else model.lm_head.bias[:rows]
+    return out
+
+
 def _final_softcap(model: nn.Module) -> dict:
     return {"softcap": getattr(_cfg(model), "final_logit_softcapping", None) or None}
 
@@ -117,6 +132,11 @@ _TRANSFORMS: dict[str, Callable[[nn.Module], dict]] = {
     "Gemma3nForCausalLM": _final_softcap,
     "VaultGemmaForCausalLM": _final_softcap,
     "NanoChatForCausalLM": _final_softcap,
+    "RecurrentGemmaForCausalLM": lambda model: {"softcap": float(_cfg(model).logits_soft_cap)},
+    "xLSTMForCausalLM": lambda model: {"softcap": _cfg(model).output_logit_soft_cap},
+    "InklingForCausalLM": _inkling,
+    "Inkling2ForCausalLM": _final_softcap,
+    "Inkling2LoopForCausalLM": _final_softcap,
 }
 
 
@@ -139,4 +159,4 @@ def lm_head(model: nn.Module) -> LMHead:
     head = model.get_output_embeddings()
     if not isinstance(head, nn.Linear):
         raise ValueError(f"output head must be an nn.Linear, got {type(head).__name__}")
-    return LMHead(head.weight, head.bias, **_transforms(model))
+    return LMHead(**{"weight": head.weight, "bias": head.bias, **_transforms(model)})

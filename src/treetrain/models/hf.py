@@ -22,8 +22,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from treetrain.attention import check_features, default_backend, get_backend
+from treetrain.attention import FEATURES, check_features, default_backend, get_backend
 from treetrain.attention.mask import TreeMask
+from treetrain.models.inkling import attention_features
 from treetrain.models.support import check_model
 from treetrain.trees.packing import PackedTree
 
@@ -38,6 +39,10 @@ def _tree_attention(module, query, key, value, attention_mask, scaling=None, dro
     sinks = kwargs.get("s_aux")  # GPT-OSS: per-head sink logits [Hq]
     if mask is None and (softcap is not None or sinks is not None):  # SDPA has neither: HF's eager
         return _eager_attention(query, key, value, attention_mask, scaling, softcap, sinks), None
+    if mask is None and kwargs.get("sinks") is not None:  # Inkling2's per-query sinks: the model's eager
+        additive = _additive_mask(attention_mask, query, key)
+        eager = _models_eager(module)
+        return eager(module, query, key, value, additive, dropout=dropout, scaling=scaling, **kwargs)
     if mask is None:  # an ordinary (non-tree) call of a prepared model: plain SDPA
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -46,6 +51,12 @@ def _tree_attention(module, query, key, value, attention_mask, scaling=None, dro
         )
     if dropout:
         raise ValueError(f"attention dropout ({dropout}) is not supported with tree attention; set it to 0")
+    for extra in ("position_bias", "sinks"):  # computed by the caller from packed-sequence indices
+        if kwargs.get(extra) is not None:
+            raise ValueError(
+                f"{type(module).__name__} passes {extra} to tree attention, which would drop it: its "
+                "attention needs a tree forward of its own (models.inkling, models.alibi)"
+            )
     if query.shape[0] != 1:
         raise ValueError(f"tree attention takes batch size 1 (a packed forest), got {query.shape[0]}")
     if scaling is None:
@@ -73,6 +84,30 @@ def _tree_attention(module, query, key, value, attention_mask, scaling=None, dro
     check_features(mask.backend, extra)
     out = get_backend(mask.backend)(query[0], key[0], value[0], mask, scaling, **extra)
     return out.transpose(0, 1).unsqueeze(0), None
+
+
+def _additive_mask(attention_mask, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """The mask an eager attention adds to its scores (0 / -inf): from SDPA's boolean mask (True =
+    attend), or causal where SDPA's mask was skipped (None)."""
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
+        return attention_mask
+    if attention_mask is None:
+        tq, tk = query.shape[-2], key.shape[-2]
+        attention_mask = torch.ones(tq, tk, dtype=torch.bool, device=query.device).tril(tk - tq)
+    return torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+        ~attention_mask, float("-inf")
+    )
+
+
+def _models_eager(module: nn.Module):
+    """The ``eager_attention_forward`` of the transformers module that defines ``module``'s class."""
+    import sys
+
+    for c in type(module).__mro__:  # through FSDP2's FSDP<Name> subclass
+        fn = getattr(sys.modules.get(c.__module__), "eager_attention_forward", None)
+        if fn is not None:
+            return fn
+    raise ValueError(f"{type(module).__name__} passes sinks, but its module has no eager attention to run")
 
 
 def _one_sequence(mask: TreeMask) -> bool:
@@ -150,18 +185,23 @@ def prepare_model(model: nn.Module) -> nn.Module:
     register()
     if model.config._attn_implementation != ATTN_NAME:
         model.set_attn_implementation(ATTN_NAME)
+    from treetrain.models.alibi import patch_own_attention
     from treetrain.models.recurrent import patch_recurrent_layers
 
     patch_recurrent_layers(model)
+    patch_own_attention(model)  # ALiBi decoders (BLOOM, MPT, Falcon): their own attention classes
     return model
 
 
 def auto_backend(model: nn.Module, device: torch.device) -> str:
-    """The device's default backend, or one that supports the model's attention softcap (Gemma 2):
-    ``dense`` on CPU, ``flex`` on CUDA, where the default (blocksparse, triton) has no softcap."""
+    """The device's default backend, or one that supports the model's attention softcap (Gemma 2)
+    or relative bias (Inkling): ``dense`` on CPU, ``flex`` on CUDA, where the default (blocksparse,
+    triton) lacks it."""
     name = default_backend(device)
     softcap = getattr(model.config.get_text_config(), "attn_logit_softcapping", None)
     if softcap and name in ("blocksparse", "triton"):
+        return "flex" if torch.device(device).type == "cuda" else "dense"
+    if attention_features(model) - FEATURES[name]:  # Inkling's relative bias: not in triton
         return "flex" if torch.device(device).type == "cuda" else "dense"
     return name
 

@@ -18,6 +18,7 @@ import re
 from torch import nn
 
 from treetrain.models.head import unwrap
+from treetrain.models.recurrent import ROUTES, route
 
 __all__ = ["EXACT", "REFUSED", "STATEFUL", "check_model", "refusal"]
 
@@ -59,13 +60,51 @@ EXACT: dict[str, str] = {t: "" for t in _PLAIN} | {
     "qwen3_next": "Gated DeltaNet layers routed along the tree (models.recurrent); MoE",
     "qwen3_5_text": "Gated DeltaNet layers routed along the tree (models.recurrent)",
     "qwen3_5_moe_text": "Gated DeltaNet layers routed along the tree (models.recurrent); MoE",
+    "lara_mini": "Gated DeltaNet layers routed along the tree; sliding window; MoE",
+    "olmo_hybrid": "Gated DeltaNet layers (beta in [0, 2]) routed along the tree",
+    "kimi_linear": "KDA (per-channel decay delta rule) layers routed along the tree; latent attention; MoE",
+    "bailing_hybrid": "KDA layers routed along the tree; latent attention; grouped MoE",
+    "lfm2": "short convolutions along each path (models.shortconv)",
+    "lfm2_moe": "short convolutions along each path; MoE",
+    "lfm3": "short convolutions along each path; sliding window; attention output gate",
+}
+_SSM = "routed along the tree (models.recurrent)"
+EXACT |= {
+    "mamba": f"Mamba (selective scan) mixers {_SSM}",
+    "falcon_mamba": f"Mamba mixers with RMS norms on dt, B, C {_SSM}",
+    "jamba": f"Mamba mixers with dt/B/C norms {_SSM}; attention; MoE",
+    "zamba": f"multi-head Mamba mixers {_SSM}; shared attention blocks",
+    "mamba2": f"Mamba2 (SSD) mixers {_SSM}; grouped B/C and norm",
+    "bamba": f"Mamba2 mixers {_SSM}; attention",
+    "falcon_h1": f"Mamba2 mixers {_SSM} (ssm multipliers, mup vector); parallel attention; head multiplier",
+    "granitemoehybrid": f"Mamba2 mixers {_SSM}; attention; multipliers; head / logits_scaling; MoE",
+    "nemotron_h": f"Mamba2 mixers {_SSM}; attention; MoE",
+    "zamba2": f"Mamba2 mixers {_SSM}; shared hybrid attention blocks",
+}
+EXACT |= {
+    "bloom": "ALiBi along each path (models.alibi: its own attention class); pretraining_tp slices",
+    "mpt": "ALiBi along each path (models.alibi: its own attention class); clip_qkv, softmax_scale",
+    "minimax": "lightning attention routed along the tree (models.lightning); MoE",
+    "xlstm": "mLSTM layers routed along the tree (models.xlstm); head: output_logit_soft_cap",
+    "rwkv": "time-mix (WKV recurrence) and channel-mix token shifts routed along the tree (models.rwkv)",
+    "recurrent_gemma": "RG-LRU and its conv1d routed along the tree (models.rglru); head: logits softcap",
+    "falcon": "ALiBi along each path or rotary (models.alibi: its own attention class); multi-query, GQA",
+}
+_INKLING = (
+    "short convolutions along each path and a learned bias per query and path distance (models.inkling); "
+)
+EXACT |= {
+    "inkling_text": _INKLING + "log scaling at path positions; sliding window; MoE; head: hidden / "
+    "logits_mup_width_multiplier, unpadded vocab",
+    "inkling2_text": _INKLING + "dynamic key/value convolutions; per-query sinks; L2 clips; block "
+    "attention residuals; sliding window; MoE; head: final logit softcap",
+    "inkling2_loop_text": _INKLING + "dynamic key/value convolutions; per-query sinks; looped layers with "
+    "message gates; block attention residuals; sliding window; MoE; head: final logit softcap",
 }
 
 _ENCODER = "an encoder (BERT family) run as a decoder: its attention and mask are its own, not the tree's"
 _ENC_DEC = "the decoder of an encoder-decoder model (cross-attention, its own mask handling)"
 _MULTIMODAL = "a multimodal model: load its text-only causal LM instead"
-_MAMBA = "Mamba/Mamba2 layers carry state along the sequence; they are not routed along the tree yet"
-_LINEAR = "linear-attention / convolution layers carry state along the sequence; not routed along the tree"
 # model type -> why it is refused (a type on neither list is refused as not verified)
 REFUSED: dict[str, str] = {
     **dict.fromkeys(
@@ -91,22 +130,11 @@ REFUSED: dict[str, str] = {
         ),
         _MULTIMODAL,
     ),
-    **dict.fromkeys(
-        _words(
-            """mamba mamba2 falcon_mamba falcon_h1 bamba jamba granitemoehybrid nemotron_h zamba zamba2"""
-        ),
-        _MAMBA,
-    ),
-    **dict.fromkeys(
-        _words(
-            """minimax lfm2 lfm2_moe lfm3 kimi_linear bailing_hybrid lara_mini olmo_hybrid inkling_text
-            inkling2_text inkling2_loop_text rwkv xlstm recurrent_gemma"""
-        ),
-        _LINEAR,
-    ),
-    "bloom": "ALiBi position bias computed outside the attention interface",
-    "mpt": "ALiBi position bias computed outside the attention interface (log-probs differ by 1.3)",
-    "falcon": "ALiBi / its own attention path",
+    "qwen4_exp_text": "QSA indexed attention: each query attends its own top-k pooled blocks of "
+    "indexer_compress_ratio consecutive path positions plus the incomplete tail, a per-query key subset "
+    "the tree mask (one query interval per key) cannot express and that HF's indexer reads only from a "
+    "dense [T, T] mask (well defined along paths: a block is fixed by its last token, so one straddling a "
+    "branch point is a distinct block per branch; not implemented)",
     "phimoe": "sliding-window run differs from HF's (0.09 on the model-zoo test); not understood yet",
     "deepseek_v2": "gradients agree only to 5e-8 at float64 (float32 internals not found yet): not verified",
     "diffllama": "gradients agree only to 1e-7 at float64 (float32 internals not found yet): not verified",
@@ -118,37 +146,39 @@ REFUSED: dict[str, str] = {
     "xglm": "builds its own 4-D mask and rejects the tree's",
 }
 
-# layer class name pattern -> what the layer carries (checked along the class's MRO)
+# layer class name pattern (searched in the class name, so FSDP2's FSDP<Name> matches) -> what it carries
 STATEFUL: dict[str, str] = {
     r"Mamba\w*Mixer|MambaLayer|BambaMixer|FalconH1Mixer": "a Mamba/Mamba2 state-space recurrence",
     r"GatedDeltaNet|DeltaAttention": "a Gated DeltaNet recurrence",
     r"LinearAttention|LightningAttention": "a linear-attention recurrence",
     r"ShortConv": "a short causal convolution over the previous tokens",
-    r"Rwkv": "an RWKV recurrence",
-    r"xLSTM|mLSTM|sLSTM": "an xLSTM recurrence",
+    r"Rwkv(SelfAttention|FeedForward)": "an RWKV recurrence (time-mix) or token shift (channel-mix)",
+    r"xLSTMLayer|xLSTMBackend|mLSTM|sLSTM": "an xLSTM (mLSTM) recurrence",
     r"Rglru|RecurrentBlock": "an RG-LRU recurrence",
 }
 _STATEFUL = [(re.compile(p), what) for p, what in STATEFUL.items()]
-
-# stateful layers treetrain routes along the tree (models.recurrent), by exact class name
-ROUTED = frozenset({"Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet"})
+# classes a pattern above matches by name that carry no state along the sequence
+NOT_STATEFUL = {
+    "OlmoHybridLinearAttentionDecoderLayer": "a decoder layer; its OlmoHybridGatedDeltaNet is checked itself",
+    "KimiLinearAttention": "Kimi Linear's full (latent) softmax attention",
+}
 
 _DOCS = "docs/architectures.md lists what runs exactly and why the rest is refused"
 
 
-def _names(module: nn.Module) -> list[str]:
-    return [c.__name__ for c in type(module).__mro__]
-
-
 def _stateful_layer(model: nn.Module) -> tuple[str, str] | None:
-    """``(class name, what it carries)`` of the first state-carrying layer without tree routing."""
+    """``(class name, what it carries)`` of the first state-carrying layer without tree routing (a
+    layer inside a routed one, e.g. RecurrentGemma's RG-LRU in its recurrent block, is routed with it)."""
+    inside_routed = {id(m) for r in model.modules() if route(r) is not None for m in r.modules()}
     for module in model.modules():
-        names = _names(module)
-        if any(n in ROUTED for n in names):
+        if id(module) in inside_routed:
             continue
+        if any(c.__name__ in NOT_STATEFUL for c in type(module).__mro__):
+            continue
+        name = type(module).__name__
         for pattern, what in _STATEFUL:
-            if pattern.search(names[0]):
-                return names[0], what
+            if pattern.search(name):
+                return name, what
     return None
 
 
@@ -160,7 +190,7 @@ def refusal(model: nn.Module) -> str | None:
         name, what = layer
         return (
             f"recurrent layer {name} ({what}) has no tree routing: its state would leak across "
-            f"branches of the tree. Routed: {', '.join(sorted(ROUTED))}; {_DOCS}"
+            f"branches of the tree. Routed: {', '.join(sorted(ROUTES))}; {_DOCS}"
         )
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)

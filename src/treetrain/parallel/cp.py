@@ -185,20 +185,20 @@ def cp_attention(
 def cp_recurrent_forward(
     module: nn.Module, hidden_states: torch.Tensor, packed: PackedTree, mask: TreeMask
 ) -> torch.Tensor:
-    """A Gated DeltaNet layer under CP: ``[1, n, hidden]`` (this rank's chunk) -> ``[1, n, hidden]``.
+    """A routed recurrent layer under CP: ``[1, n, hidden]`` (this rank's chunk) -> ``[1, n, hidden]``.
 
     The layer's inputs are gathered with autograd and the tree-routed layer
-    (``models.recurrent.tree_gdn_forward``) runs over the whole tree on every rank; each rank keeps
+    (``models.recurrent.tree_layer_forward``) runs over the whole tree on every rank; each rank keeps
     its chunk. So every node starts from its parent's recurrent state and conv window wherever the
     parent lives, exactly; the cost is that recurrent layers are replicated, not split (their
     inputs' gradients are summed over ranks by the gather's backward, their parameters' gradients
     come from each rank's own chunk, so the group's sum is exact).
     """
-    from treetrain.models.recurrent import tree_gdn_forward
+    from treetrain.models.recurrent import tree_layer_forward
 
     chunk: CPChunk = mask.cache["cp"]
     full = _GatherChunks.apply(hidden_states, chunk)  # [1, T, hidden]
-    return tree_gdn_forward(module, full, packed, mask)[:, chunk.start : chunk.end]
+    return tree_layer_forward(module, full, packed, mask)[:, chunk.start : chunk.end]
 
 
 def make_chunk(packed: PackedTree, group: dist.ProcessGroup | None, per_token: float = 0.0) -> CPChunk:

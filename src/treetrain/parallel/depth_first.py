@@ -62,12 +62,13 @@ def weighted_token_loss(weights: torch.Tensor) -> TokenLoss:
 
 
 def _check(model: nn.Module) -> None:
-    from treetrain.models.recurrent import _layout
+    from treetrain.models.recurrent import route
 
-    if any(_layout(m) is not None for m in model.modules()):
+    layer = next((type(m).__name__ for m in model.modules() if route(m) is not None), None)
+    if layer is not None:
         raise ValueError(
             "depth-first execution supports attention-only models for now: this model has recurrent "
-            "(Gated DeltaNet) layers; train it packed or partitioned"
+            f"layers ({layer}); train it packed or partitioned"
         )
 
 

@@ -262,14 +262,16 @@ def prefetched(batches: Iterator[StepBatch], depth: int) -> Iterable[StepBatch]:
     return prefetch(batches, depth)
 
 
-def total_steps(cfg: TrainConfig, vocab_size: int) -> tuple[int, int | None]:
+def total_steps(cfg: TrainConfig, vocab_size: int, file_trees: int | None = None) -> tuple[int, int | None]:
     """(optimizer steps, trees the run reads: ``epochs`` x the file's trees, or None for no limit).
 
-    With ``--epochs`` the last step may hold fewer than ``batch_trees`` trees.
+    With ``--epochs`` the last step may hold fewer than ``batch_trees`` trees. ``file_trees``: the
+    data file's trees when already counted (else a validating pass counts them).
     """
     if cfg.steps is not None:
         return cfg.steps, None
     if cfg.epochs is not None:
-        trees = max(1, math.ceil(cfg.epochs * count_trees(cfg, vocab_size)))
+        n = file_trees if file_trees is not None else count_trees(cfg, vocab_size)
+        trees = max(1, math.ceil(cfg.epochs * n))
         return math.ceil(trees / cfg.batch_trees), trees
     return DEFAULT_STEPS, None

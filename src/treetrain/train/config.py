@@ -86,13 +86,16 @@ class TrainConfig:
     min_lr_ratio: float = 0.0  # final lr / peak lr for cosine and linear decay
     grad_clip: float | None = 1.0  # max global grad norm; None or 0: no clipping
     # run
-    output: str = "runs/train"
+    output: str | None = None  # None: runs/train, or runs/train-N when that holds an earlier run (rundir)
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (bfloat16 autocast on CUDA, float32 on CPU) | float32 | bfloat16 | float64
     activation_checkpointing: bool = False
     prefetch: int = 2  # batches prepared ahead in a background thread; 0: inline
     checkpoint_every: int = 0  # optimizer steps between resumable checkpoints; 0: only the final model
+    keep_checkpoints: int = 2  # the newest N checkpoints are kept, older ones deleted
+    eval_data: str | None = None  # held-out data file: the objective's loss on it, logged as eval/...
+    eval_every: int = 0  # optimizer steps between evaluations on eval_data; 0: after the last step only
     resume: bool = False  # continue from the latest checkpoint in output/checkpoints
     overwrite: bool = False  # replace an earlier run's files in output (other files are kept)
     trust_remote_code: bool = False  # let --model / --tokenizer directories run their own Python code
@@ -125,10 +128,42 @@ FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(Tr
 # ---- merging sources ---------------------------------------------------------------------------
 
 
+# what other trainers (HF Trainer and TRL, torchtune, axolotl) call an option: hints for unknown keys
+OTHER_NAMES = {
+    "learning_rate": "lr", "max_steps": "steps", "num_train_epochs": "epochs",
+    "output_dir": "output", "model_name_or_path": "model", "dataset": "data", "train_file": "data",
+    "per_device_train_batch_size": "batch_trees", "batch_size": "batch_trees",
+    "lr_scheduler_type": "schedule", "lr_scheduler": "schedule", "num_warmup_steps": "warmup_steps",
+    "max_grad_norm": "grad_clip", "clip_grad_norm": "grad_clip", "gradient_clipping": "grad_clip",
+    "gradient_checkpointing": "activation_checkpointing", "enable_activation_checkpointing":
+    "activation_checkpointing", "save_steps": "checkpoint_every", "save_total_limit": "keep_checkpoints",
+    "eval_steps": "eval_every", "eval_dataset": "eval_data", "eval_file": "eval_data",
+    "resume_from_checkpoint": "resume", "tokenizer_name_or_path": "tokenizer", "torch_dtype": "dtype",
+    "bf16": "dtype", "lora_rank": "lora_r", "lora_target_modules": "lora_targets",
+    "ref_model_name_or_path": "ref_model",
+}  # fmt: skip
+
+
+def _loss_option_names() -> set[str]:
+    """The objectives' own options (``loss.*``): a top-level key among them belongs under ``loss``."""
+    import dataclasses as dc
+
+    from treetrain.objectives.policy_config import Objective
+    from treetrain.objectives.preference import PreferenceObjective
+
+    return {f.name for cls in (Objective, PreferenceObjective) for f in dc.fields(cls)} - {"name"}
+
+
 def _unknown(key: str, source: str) -> ValueError:
-    near = difflib.get_close_matches(key, FIELDS, n=1)
-    hint = f" (did you mean {near[0]!r}?)" if near else ""
-    return ValueError(f"{source}: unknown option {key!r}{hint}; known options: {', '.join(FIELDS)}")
+    """The unknown option named, with the nearest one (or the one another trainer's name means)."""
+    near = OTHER_NAMES.get(key) or next(iter(difflib.get_close_matches(key, FIELDS, n=1)), None)
+    if near is not None:
+        hint = f"did you mean {near!r}?"
+    elif key in _loss_option_names():
+        hint = f"an objective option: put it under loss, as loss: {{{key}: ...}} or --set loss.{key}=..."
+    else:
+        hint = "treetrain train --help lists every option; flag --some-name is option some_name"
+    return ValueError(f"{source}: unknown option {key!r} ({hint})")
 
 
 def merge(cfg: TrainConfig, values: Mapping[str, Any], source: str) -> TrainConfig:
@@ -256,7 +291,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for name in ("data", "data_format", "tokenizer", "model", "attention", "ref_model", "advantages"):
         if getattr(c, name) is not None:
             setattr(c, name, _coerce(name, getattr(c, name), str))
-    for name in ("objective", "reference", "packing", "schedule", "output", "device", "dtype"):
+    for name in ("output", "eval_data"):
+        if getattr(c, name) is not None:
+            setattr(c, name, _coerce(name, getattr(c, name), str))
+    for name in ("objective", "reference", "packing", "schedule", "device", "dtype"):
         setattr(c, name, _coerce(name, getattr(c, name), str))
     for name in ("skip_oversized", "activation_checkpointing", "resume", "plot", "progress", *_SAFETY_BOOLS):
         setattr(c, name, _coerce(name, getattr(c, name), bool))
@@ -264,6 +302,12 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         setattr(c, name, _coerce(name, getattr(c, name), bool))
     for name in ("capacity", "batch_trees", "warmup_steps", "seed", "prefetch", "checkpoint_every"):
         setattr(c, name, _coerce(name, getattr(c, name), int))
+    c.keep_checkpoints = _coerce("keep_checkpoints", c.keep_checkpoints, int)
+    _positive("keep_checkpoints", c.keep_checkpoints)
+    c.eval_every = _coerce("eval_every", c.eval_every, int)
+    _positive("eval_every", c.eval_every, allow_zero=True)
+    if c.eval_every and c.eval_data is None:
+        raise ValueError(f"--eval-every {c.eval_every}: there is nothing to evaluate; pass --eval-data FILE")
     c.max_line_bytes = _coerce("max_line_bytes", c.max_line_bytes, int)
     _positive("max_line_bytes", c.max_line_bytes)
     c.cp = _coerce("cp", c.cp, int)

@@ -132,7 +132,11 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--grad-clip", type=float, help=f"max global grad norm, 0: off (default {d.grad_clip})")
     g = p.add_argument_group("run")
-    g.add_argument("--output", help=f"output directory (default {d.output})")
+    g.add_argument(
+        "--output",
+        help="output directory (default runs/train, or runs/train-2, -3, ... when it holds an earlier "
+        "run: a new one each run; with --resume, the newest of them)",
+    )
     g.add_argument("--seed", type=int, help=f"random seed (default {d.seed})")
     g.add_argument("--device", help="auto | cpu | cuda | cuda:N (default auto)")
     g.add_argument(
@@ -163,7 +167,22 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--checkpoint-every", type=int, help="steps between resumable checkpoints, 0: off (default 0)"
     )
+    g.add_argument(
+        "--keep-checkpoints",
+        type=int,
+        help=f"keep the newest N checkpoints, delete older ones (default {d.keep_checkpoints})",
+    )
     _bool_flag(g, "resume", "continue from the latest checkpoint under OUTPUT/checkpoints (default off)")
+    g.add_argument(
+        "--eval-data",
+        help="held-out data file (any --data format): the objective's loss on it (and reward metrics), "
+        "logged as eval/... (default: none)",
+    )
+    g.add_argument(
+        "--eval-every",
+        type=int,
+        help="steps between evaluations on --eval-data, 0: after the last step only (default 0)",
+    )
     _bool_flag(g, "plot", "write OUTPUT/training.png: loss and throughput per step (default off)")
     _bool_flag(g, "progress", "show the progress bar (default on)")
     g.add_argument(

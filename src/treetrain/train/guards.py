@@ -33,6 +33,7 @@ __all__ = [
 RUN_CONTROL = {
     "resume", "output", "progress", "plot", "checkpoint_every", "prefetch",
     "allow_data_change", "lazy_validate", "verbose", "device", "attention",
+    "keep_checkpoints", "eval_data", "eval_every",
 }  # fmt: skip
 _PROGRESS_BYTES = 64 * 2**20  # show a validation progress bar for files larger than this
 
@@ -205,7 +206,8 @@ def save_or_explain(out: Path, step: int, model, optimizer, scheduler, trees_con
         "config": cfg.to_dict(),
     }
     try:
-        return checkpoint.save_checkpoint(out, step, model, optimizer, scheduler, state)
+        keep = getattr(cfg, "keep_checkpoints", 2)
+        return checkpoint.save_checkpoint(out, step, model, optimizer, scheduler, state, keep=keep)
     except (OSError, CheckpointException, RuntimeError) as exc:
         e = _os_error(exc, out)
         if e is None:

@@ -29,7 +29,9 @@ it composes pieces built elsewhere, along the data flow:
 - :mod:`treetrain.train.kit`: what the objective's extra models get from the run (FSDP2, AdamW,
   checkpoint state, export);
 - :mod:`treetrain.train.step`: one optimizer step (:func:`train_step`);
-- :mod:`treetrain.train.outputs`: metrics lines, the summary table, the plot.
+- :mod:`treetrain.train.outputs`: metrics lines, the summary table, the plot;
+- :mod:`treetrain.train.console`: the start banner and a line per step;
+- :mod:`treetrain.train.evaluate`: ``--eval-data``, the objective's loss on held-out trees.
 
 The names of those modules stay importable from here (``from treetrain.train.loop import build_model``).
 """
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import sys
 import time
@@ -56,6 +59,7 @@ from treetrain.train.batches import (
     StepBatch,
     _per_tree_budget,
     _reader_options,
+    _tokenizer,
     data_path,
     make_batches,
     make_microbatches,
@@ -69,6 +73,7 @@ from treetrain.train.build import (
     configure_model,
     default_model_config,
     lr_factor,
+    model_tokenizer,
     resolve_device,
     resolve_dtype,
     schedule_note,
@@ -122,6 +127,8 @@ class Run:
     trees_done: int = 0
     total_trees: int | None = None  # the run's last tree (``--epochs``); None: ``steps`` decide
     cp: Any = None  # parallel.cp.CPLayout (dp x cp mesh); set by setup
+    eval_batch: StepBatch | None = None  # --eval-data, packed once (treetrain.train.evaluate)
+    quiet: bool = False  # no banner, no step lines (the Python API's quiet=True)
 
 
 @dataclass
@@ -133,16 +140,18 @@ class TrainResult:
     records: list[dict[str, Any]]
 
 
-def setup(cfg: TrainConfig) -> Run:
+def setup(cfg: TrainConfig, quiet: bool = False) -> Run:
     """Model, objective, reference model, optimizer, schedule; resumed from the latest checkpoint
-    under ``OUTPUT/checkpoints`` with ``resume``."""
-    from treetrain.train import checkpoint, guards
+    under ``OUTPUT/checkpoints`` with ``resume``. Without ``output``: a new run directory
+    (:func:`treetrain.train.rundir.default_output`); without ``tokenizer``: the ``--model``
+    directory's, if it has one. Prints the start banner unless ``quiet``."""
+    from treetrain.train import checkpoint, guards, rundir
 
     info = distributed.init_distributed("cpu" if cfg.device == "cpu" else "auto")
     device = info.device if info.distributed else resolve_device(cfg.device)
     param_dtype, autocast_dtype = resolve_dtype(cfg.dtype, device)
-    out = Path(cfg.output)
-    from treetrain.train import rundir
+    out = Path(cfg.output) if cfg.output is not None else rundir.default_output(cfg.resume)
+    cfg = dataclasses.replace(cfg, output=str(out), tokenizer=model_tokenizer(cfg.model, cfg.tokenizer))
 
     rundir.check_output(out, resume=cfg.resume, overwrite=cfg.overwrite)  # before any work or write
     distributed.barrier()
@@ -177,13 +186,19 @@ def setup(cfg: TrainConfig) -> Run:
     if objective.trained():  # DCP's state of several optimizers allows no empty group (LoRA's no-decay)
         drop_empty_groups(optimizer)
     vocab_size = model.config.get_text_config().vocab_size
-    if not cfg.lazy_validate and cfg.epochs is None:  # --epochs counts the trees in a validating pass
+    counts = None  # the whole file read and checked before step 1 (--epochs counts its trees so)
+    if not cfg.lazy_validate or cfg.epochs is not None:
         options = _reader_options(_per_tree_budget(cfg), vocab_size)
-        guards.validate_data(data_path(cfg), options, cfg.progress and info.is_main)
-    steps, total_trees = total_steps(cfg, vocab_size)
+        counts = guards.validate_data(data_path(cfg), options, cfg.progress and info.is_main)
+    steps, total_trees = total_steps(cfg, vocab_size, counts.samples if counts is not None else None)
     scheduler = build_scheduler(optimizer, cfg, steps)
-    run = Run(cfg, device, autocast_dtype, model, objective, optimizer, scheduler, steps, out)
+    run = Run(cfg, device, autocast_dtype, model, objective, optimizer, scheduler, steps, out, quiet=quiet)
     run.total_trees = total_trees
+    eval_counts = None
+    if cfg.eval_data is not None:
+        from treetrain.train.evaluate import eval_batch
+
+        run.eval_batch, eval_counts = eval_batch(cfg, vocab_size, objective, cfg.progress and info.is_main)
     from treetrain.parallel.cp import init_cp
 
     run.cp = init_cp(cfg.cp)
@@ -199,6 +214,12 @@ def setup(cfg: TrainConfig) -> Run:
         note = schedule_note(data_state.get("config"), cfg, steps, run.start_step, lr)
         if note and info.is_main:
             print(f"treetrain train: resuming {latest.name}: {note}", file=sys.stderr)
+    if info.is_main and not quiet:
+        from treetrain.train.console import banner
+
+        dtypes = {"param_dtype": param_dtype, "autocast": autocast_dtype}
+        sizes = {"steps": steps, "start_step": run.start_step, "counts": counts, "eval_counts": eval_counts}
+        print(banner(cfg, model, device=device, data=data_path(cfg), **dtypes, **sizes), flush=True)
     return run
 
 
@@ -208,6 +229,8 @@ def run_loop(run: Run, metrics_path: Path) -> list[dict[str, Any]]:
     from tqdm.auto import tqdm
 
     from treetrain.train import checkpoint
+    from treetrain.train.console import step_line
+    from treetrain.train.evaluate import eval_due, eval_step
     from treetrain.train.signals import Preempted, StopOnSignal
 
     cfg, device = run.cfg, run.device
@@ -273,10 +296,17 @@ def run_loop(run: Run, metrics_path: Path) -> list[dict[str, Any]]:
             seconds = time.perf_counter() - t0
             run.scheduler.step()
             record = step_record(step, metrics, lr, batch, seconds, peak_memory_mib(device))
+            if run.eval_batch is not None and eval_due(cfg, step, run.steps):
+                record |= eval_step(
+                    run.model, run.eval_batch, run.objective, autocast_dtype=run.autocast_dtype,
+                    backend=cfg.attention, cp=cp,
+                )  # fmt: skip
             records.append(record)
             if fh is not None:
                 log_metrics(fh, record)
                 trackers.log(record)
+                if not run.quiet:
+                    bar.write(step_line(record, run.steps), file=sys.stdout)
             bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}")
             bar.update(1)
             stopping = stop.should_stop()
@@ -315,7 +345,8 @@ def train(cfg: TrainConfig | dict[str, Any], *, quiet: bool = False) -> TrainRes
 def _train(cfg: TrainConfig, quiet: bool) -> TrainResult:
     from treetrain.train.checkpoint import export_pretrained
 
-    run = setup(cfg)
+    run = setup(cfg, quiet)
+    cfg = run.cfg  # with the output directory and tokenizer it resolved
     metrics_path = run.out / "metrics.jsonl"
     t0 = time.perf_counter()
     records = run_loop(run, metrics_path)
@@ -325,13 +356,23 @@ def _train(cfg: TrainConfig, quiet: bool) -> TrainResult:
     else:
         final = export_pretrained(run.model, run.out / "final")
     is_main = distributed.init_distributed().is_main
+    if cfg.tokenizer is not None and is_main:  # beside the model: AutoTokenizer and chat template load
+        _tokenizer(cfg.tokenizer, cfg.trust_remote_code).save_pretrained(final)
     plot = plot_metrics(records, run.out / "training.png") if cfg.plot and records and is_main else None
     outputs = {"metrics": metrics_path, "model": final} | ({"plot": plot} if plot else {})
     outputs |= export_extras(run.objective, run.out)  # a critic: OUTPUT/final_critic (transformers)
     if not quiet and is_main:
         print(f"treetrain train: done, outputs in {run.out.resolve()}/")
-        print(summary_table(records, cfg, outputs, wall))
+        print(summary_table(records, cfg, outputs, wall, whole_run=_whole_run(metrics_path, run.start_step)))
     return TrainResult(output=run.out, metrics=metrics_path, final=final, plot=plot, records=records)
+
+
+def _whole_run(metrics_path: Path, start_step: int) -> list[dict[str, Any]] | None:
+    """A resumed run's ``metrics.jsonl`` records from step 1 (None when this run started at step 0)."""
+    if not start_step or not metrics_path.is_file():
+        return None
+    lines = metrics_path.read_text().splitlines()
+    return [json.loads(ln) for ln in lines if ln.strip()]
 
 
 # ---- command line ------------------------------------------------------------------------------

@@ -119,33 +119,74 @@ def log_metrics(fh: TextIO, record: dict[str, Any]) -> None:
 
 
 def summary_table(
-    records: list[dict[str, Any]], cfg: TrainConfig, outputs: dict[str, Path], wall: float
+    records: list[dict[str, Any]],
+    cfg: TrainConfig,
+    outputs: dict[str, Path],
+    wall: float,
+    whole_run: list[dict[str, Any]] | None = None,
 ) -> str:
-    """The end-of-run table."""
+    """The end-of-run table; every row says what it counts. ``records``: this run's steps (after
+    ``--resume``, the steps after the checkpoint); ``whole_run``: after a resume, every step's record
+    from step 1 (``metrics.jsonl``), for the loss over the whole run.
+
+    Token rows (over this run's steps): path tokens (what the per-path baseline computes), tree
+    tokens (each record's distinct tokens; POR = 1 - tree / path) and computed tokens (what the
+    micro-batches ran; ERR = (path - computed) / (path - tree), the share of the POR saving that
+    partitioning kept: at most 100% unless micro-batches merged records sharing a prefix, as DPO's
+    do, which is said instead).
+    """
     if not records:
         return "no optimizer steps were run"
+    first, last = records[0], records[-1]
+    span = f"step {last['step']}" if first is last else f"steps {first['step']}-{last['step']}"
     path_tok = sum(r["tokens"] for r in records)
     tree_tok = sum(r["tree_tokens"] for r in records)
     comp_tok = sum(r["computed_tokens"] for r in records)
     step_time = sum(r["step_time_s"] for r in records)
-    possible = path_tok - tree_tok
+    resumed = whole_run is not None and whole_run and whole_run[0]["step"] < first["step"]
+    steps = f"{last['step']}  (this run: {span}, {wall:.1f} s wall"
+    steps += f"; resumed after step {first['step'] - 1})" if first["step"] > 1 else ")"
     rows = [
-        ("steps", f"{records[-1]['step']}  ({len(records)} this run, {wall:.1f} s wall)"),
+        ("steps", steps),
         ("packing / objective", f"{cfg.packing} / {cfg.objective}"),
-        ("loss first -> last", f"{records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}"),
-        ("path tokens", f"{path_tok:,}  (what the per-path baseline computes)"),
-        ("tree tokens", f"{tree_tok:,}  (POR {1 - tree_tok / path_tok:.1%})"),
-        (
-            "computed tokens",
-            f"{comp_tok:,}  (ERR {(path_tok - comp_tok) / possible if possible else 1.0:.1%})",
-        ),
-        ("path tokens / s", f"{path_tok / step_time:,.0f}" if step_time > 0 else "-"),
+        ("loss", _first_last(whole_run if resumed else records, "loss", "whole run" if resumed else "")),
+    ]
+    if resumed:
+        rows.append(("", _first_last(records, "loss", "this run")))
+    por, reuse = 1 - tree_tok / path_tok, _reuse(path_tok, tree_tok, comp_tok)
+    rate = f"{path_tok / step_time:,.0f}  over the step time of {span}" if step_time > 0 else "-"
+    rows += [
+        ("path tokens", f"{path_tok:,}  what the per-path baseline computes ({span}: every path's length)"),
+        ("tree tokens", f"{tree_tok:,}  distinct tokens of each record's tree (POR {por:.1%})"),
+        ("computed tokens", f"{comp_tok:,}  what the micro-batches ran ({reuse})"),
+        ("path tokens / s", rate),
         ("peak memory", f"{max(r['peak_memory'] for r in records):,.0f} MiB"),
     ]
     rows += _reward_rows(records)
+    rows += _eval_rows(records)
     rows += [(f"{name} ->", str(path)) for name, path in outputs.items()]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def _first_last(records: list[dict[str, Any]], key: str, label: str = "", fmt: str = ".4f") -> str:
+    """``11.9479 (step 1) -> 11.8441 (step 3)`` over the records that have ``key``."""
+    have = [r for r in records if key in r]
+    a, b = have[0], have[-1]
+    text = f"{a[key]:{fmt}} (step {a['step']})"
+    if b is not a:
+        text += f" -> {b[key]:{fmt}} (step {b['step']})"
+    return f"{text}, {label}" if label else text
+
+
+def _reuse(path_tok: int, tree_tok: int, comp_tok: int) -> str:
+    """ERR as a share of the possible saving; a saving beyond it (records merged) said as such."""
+    saved = f"{1 - comp_tok / path_tok:.1%} of path tokens saved"
+    if comp_tok < tree_tok:
+        return f"{saved}: fewer than tree tokens, as records that share a prefix ran as one tree"
+    possible = path_tok - tree_tok
+    err = (path_tok - comp_tok) / possible if possible else 1.0
+    return f"ERR {err:.1%}: the share of the POR saving realized; {saved}"
 
 
 def _reward_rows(records: list[dict[str, Any]]) -> list[tuple[str, str]]:
@@ -153,10 +194,9 @@ def _reward_rows(records: list[dict[str, Any]]) -> list[tuple[str, str]]:
     rewarded = [r for r in records if "reward_mean" in r]
     if not rewarded:
         return []
-    first, last = rewarded[0], rewarded[-1]
     rows = [
-        ("reward mean first -> last", f"{first['reward_mean']:.4g} -> {last['reward_mean']:.4g}"),
-        ("reward std first -> last", f"{first['reward_std']:.4g} -> {last['reward_std']:.4g}"),
+        ("reward mean", _first_last(rewarded, "reward_mean", fmt=".4g")),
+        ("reward std", _first_last(rewarded, "reward_std", fmt=".4g")),
         (
             "reward min / max",
             f"{min(r['reward_min'] for r in rewarded):.4g} / {max(r['reward_max'] for r in rewarded):.4g}",
@@ -165,6 +205,15 @@ def _reward_rows(records: list[dict[str, Any]]) -> list[tuple[str, str]]:
     zero = [r["zero_adv_groups"] for r in rewarded if "zero_adv_groups" in r]
     if zero:
         rows.append(("zero-advantage groups", f"{sum(zero) / len(zero):.1%} of groups (mean over steps)"))
+    return rows
+
+
+def _eval_rows(records: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """``eval loss`` (and the eval reward mean) at the first and last evaluation of this run."""
+    rows = []
+    for key in ("eval/loss", "eval/reward_mean"):
+        if any(key in r for r in records):
+            rows.append((key.replace("/", " "), _first_last(records, key, "held-out --eval-data")))
     return rows
 
 

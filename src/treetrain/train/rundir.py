@@ -5,7 +5,8 @@ A run writes only these entries of ``D`` (:data:`RUN_FILES`, :data:`RUN_DIRS`)::
 
     config.json  metrics.jsonl  training.png   files
     checkpoints/latest, checkpoints/step_N/    its checkpoints (checkpoint.py)
-    final/config.json, final/*.safetensors ... the exported model (save_pretrained)
+    final/config.json, final/*.safetensors ... the exported model (save_pretrained), its tokenizer
+                                               (tokenizer.json, chat template, ...) or a LoRA adapter
 
 :func:`check_output` decides, before any work, whether a run may write into ``D``::
 
@@ -19,6 +20,10 @@ replace its final model). A run that stopped before its first step left only ``c
 an empty ``metrics.jsonl``): a new run replaces them without ``--overwrite``. :func:`clear_run`
 (``--overwrite``) deletes only the run's own entries; a file of another program where the run
 writes one (say an HF ``config.json``) is always refused.
+
+Without ``--output`` (:func:`default_output`) a run never meets an earlier one: it writes to
+``runs/train``, or to ``runs/train-N`` one past the newest of them that holds a run; ``--resume``
+without ``--output`` continues the newest.
 """
 
 from __future__ import annotations
@@ -28,12 +33,26 @@ import re
 import shutil
 from pathlib import Path
 
-__all__ = ["RUN_DIRS", "RUN_FILES", "check_output", "clear_run", "run_entries"]
+__all__ = [
+    "DEFAULT_OUTPUT",
+    "RUN_DIRS",
+    "RUN_FILES",
+    "check_output",
+    "clear_run",
+    "default_output",
+    "run_entries",
+]
+
+DEFAULT_OUTPUT = Path("runs/train")
 
 RUN_FILES = ("config.json", "metrics.jsonl", "metrics.jsonl.tmp", "training.png")
 RUN_DIRS = ("checkpoints", "final")
 _CHECKPOINT_RE = re.compile(r"^(latest|latest\.tmp|step_\d+|step_\d+\..*tmp)$")
-_FINAL_RE = re.compile(r"^(config\.json|generation_config\.json|.*\.safetensors(\.index\.json)?)$")
+_FINAL_RE = re.compile(
+    r"^(config\.json|generation_config\.json|.*\.safetensors(\.index\.json)?|adapter_config\.json"
+    r"|tokenizer\.json|tokenizer_config\.json|chat_template\.(jinja|json)|special_tokens_map\.json"
+    r"|added_tokens\.json|vocab\.json|merges\.txt|tokenizer\.model)$"
+)
 _CONFIG_KEYS = {"objective", "packing", "batch_trees", "output"}  # treetrain's config.json has these
 
 
@@ -84,6 +103,37 @@ def _listing(paths: list[Path], out: Path, n: int = 5) -> str:
     return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
+def _numbered(base: Path) -> list[tuple[int, Path]]:
+    """``base`` (as 1) and its siblings ``base-N`` that exist, by N."""
+    found = [(1, base)] if base.exists() else []
+    if base.parent.is_dir():
+        pattern = re.compile(rf"^{re.escape(base.name)}-(\d+)$")
+        found += [(int(m[1]), p) for p in base.parent.iterdir() if (m := pattern.match(p.name))]
+    return sorted(found)
+
+
+def default_output(resume: bool, base: Path = DEFAULT_OUTPUT) -> Path:
+    """The output directory of a run given no ``--output``: ``base`` (``runs/train``) if it holds
+    no run, else ``base-N`` one past the newest (highest N) of them, or that newest one itself when it
+    holds no results (a run that stopped before its first step). ``resume``: the newest that exists.
+    Reads only; every rank computes the same directory.
+
+    Example: with ``runs/train`` and ``runs/train-2`` holding runs, a new run writes to
+    ``runs/train-3`` and ``--resume`` continues ``runs/train-2``.
+    """
+    found = _numbered(base)
+    if not found:
+        return base
+    n, newest = found[-1]
+    if resume:
+        return newest
+    try:
+        check_output(newest, resume=False, overwrite=False)
+        return newest  # empty, or a run that never stepped: replaced, as with --output
+    except ValueError:
+        return base.with_name(f"{base.name}-{n + 1}")
+
+
 def check_output(out: str | Path, *, resume: bool, overwrite: bool) -> None:
     """Raise ``ValueError`` (naming ``--resume`` / ``--overwrite``) unless a run may write into
     ``out`` (see the module's table). Reads only; every rank may call it."""
@@ -120,10 +170,16 @@ def check_output(out: str | Path, *, resume: bool, overwrite: bool) -> None:
     # a run that stopped before its first step (bad data, a typo) left only its config: replaced
     results = [p for p in ours if p != out / "config.json" and not (p.is_file() and p.stat().st_size == 0)]
     if results and not overwrite:
+        last = latest_checkpoint(out)
+        resume_hint = (
+            f"pass --resume to continue it from its latest checkpoint ({last.name}), "
+            if last is not None
+            else "it has no checkpoint to continue from (it ran without --checkpoint-every); "
+        )
         raise ValueError(
-            f"--output {out}: holds an earlier run ({_listing(results, out)}); pass --resume to continue it "
-            "from its latest checkpoint, or --overwrite to replace its files (other files there are kept), "
-            "or choose another --output"
+            f"--output {out}: holds an earlier run ({_listing(results, out)}); {resume_hint}pass --overwrite "
+            "to replace its files (other files there are kept), or choose another --output (without "
+            "--output each run gets a new directory: runs/train, runs/train-2, ...)"
         )
     if others and not overwrite:
         raise ValueError(

@@ -32,7 +32,7 @@ from trl.kernels import ChunkedLogProbFunction
 from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE, FusedCausalLMOutput
 
 from treetrain.integrations.flat import FlatBatch
-from treetrain.integrations.trl import causal_lm, check_trl, refuse_untreeable, router_aux_loss
+from treetrain.integrations.trl.shared import causal_lm, check_trl, refuse_untreeable, router_aux_loss
 from treetrain.integrations.wrapped import REQUEST_KWARG, WrappedScores, install_tree_scoring
 from treetrain.models.hf import tree_forward
 from treetrain.models.moe import record_router_logits
