@@ -126,11 +126,12 @@ def test_target_logprobs_gradients_small_chunks():
 
 def test_float32_entropy_with_large_logits_is_float32_accurate():
     """Logits far from 0 (a real model's: SmolLM2-135M's reach 43, log-sum-exp ~34, entropy ~0.6)
-    must not cost digits: the entropy as ``lse - E_p[z]`` lost them (3e-3 per token there, 1e-3 on a
-    GRPO batch's mean entropy, in float32). Here the logits sit near 40-54 over 8,192 classes and the
-    entropy is ~2: ``lse - E_p[z]`` is off by 1.2e-3 in float32, ``-sum p log p`` by 6e-6. The bound
-    2e-5: each float32 logit already carries |z| x eps ~ 54 x 6e-8 ~ 3e-6 of rounding, and the
-    entropy a few of those; the gradient ``-p (log p + H)`` likewise, relative to its largest entry."""
+    must not cost digits. The entropy as ``lse - E_p[z]`` with an einsum dot product lost them in
+    float32 (3e-3 per token there, 1e-3 on a GRPO batch's mean entropy); so does ``-sum p log p``
+    through einsum (3e-4 per token). Here the logits sit near 40-54 over 8,192 classes and the
+    entropy is ~2: the old form is off by 1.2e-3, ``-(p * log p).sum()`` by 2e-6. The bound 2e-5:
+    each float32 logit already carries |z| x eps ~ 54 x 6e-8 ~ 3e-6 of rounding, and the entropy a
+    few of those; the gradient ``-p (log p + H)`` likewise, relative to its largest entry."""
     torch.manual_seed(0)
     head = torch.nn.Linear(16, 8192, bias=True, dtype=torch.float64)
     with torch.no_grad():
