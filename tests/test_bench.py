@@ -20,6 +20,21 @@ def test_synthetic_trees_have_the_requested_por():
         group_tree(0.99, paths=4, length=100, vocab=50)
 
 
+def test_sample_by_kind_keeps_the_smallest_tree_of_each_kind():
+    import argparse
+
+    from treetrain.bench.command import _cases
+
+    args = argparse.Namespace(por=[], turns=0, one_path=0, sample=True, sample_by_kind=True, sample_trees=1)
+    cases = _cases(args, vocab=151_936)
+    # the bundled sample's smallest per-turn tree: airline-16 (16 paths, 16,045 path tokens); smallest
+    # group tree: airline-12 (6 paths, 6,137); their shapes kept by the renumbering
+    assert [(name, [(t.num_paths, t.num_path_tokens) for t in trees]) for name, trees in cases] == [
+        ("sample per-turn (1 trees)", [(16, 16045)]),
+        ("sample group (1 trees)", [(6, 6137)]),
+    ]
+
+
 @pytest.mark.slow
 def test_bench_cli_small(tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"

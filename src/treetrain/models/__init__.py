@@ -12,8 +12,9 @@ Falcon), whose attention is their own, with the bias at each token's path positi
 records router logits for the aux loss; :mod:`.lora` wraps a model with PEFT adapters; :mod:`.head`
 derives the exact LM head (logit scales, final softcap) every scoring path uses; :mod:`.classes`
 looks a module up in a table keyed by class name, through FSDP2's subclasses; :mod:`.support`
-accepts only verified architectures and
-refuses the rest (and every unrouted recurrent layer) by name.
+accepts only verified architectures and refuses the rest (and every unrouted recurrent layer) by name;
+:mod:`.pretrained` resolves a model known by name (``smollm2-135m-instruct``, from the package index)
+to a cached local directory.
 
-May import: trees, attention.
+May import: trees, data, attention.
 """

@@ -22,6 +22,9 @@ from treetrain.trees.packing import PackedTree, pack
 from treetrain.trees.tree import TrajectoryTree
 
 SAMPLE = "agent-dialogues"  # the bundled sample ``treetrain train`` uses by default
+# a model known by name (treetrain.models.pretrained) has its own vocabulary, not the Qwen ids of SAMPLE:
+# the messages sample, rendered with the model's own tokenizer
+PRETRAINED_SAMPLE = "agent-dialogues-messages"
 
 
 @dataclass
@@ -61,11 +64,12 @@ class StepBatch:
 
 
 def data_path(cfg: TrainConfig) -> Path:
-    """``--data``, or the bundled sample."""
+    """``--data``, or the bundled sample (the messages sample for a ``--model`` known by name)."""
     if cfg.data is None:
         from treetrain.data.reader import sample_path
+        from treetrain.models.pretrained import PRETRAINED
 
-        return Path(sample_path(SAMPLE))
+        return Path(sample_path(PRETRAINED_SAMPLE if cfg.model in PRETRAINED else SAMPLE))
     path = Path(cfg.data)
     if path.is_dir() and not is_table_source(path):
         raise ValueError(
@@ -87,7 +91,7 @@ def _reader_options(cfg: TrainConfig, vocab_size: int) -> dict[str, Any]:
         "vocab_size": vocab_size,
         "capacity": cfg.capacity,
         "skip_oversized": cfg.skip_oversized,
-        "tokenizer": _tokenizer(cfg.tokenizer, cfg.trust_remote_code) if cfg.tokenizer else None,
+        "tokenizer": _tokenizer(name, cfg.trust_remote_code) if (name := _tokenizer_name(cfg)) else None,
         "max_line_bytes": cfg.max_line_bytes,
         "columns": cfg.columns,
         "group_rows": cfg.group_rows,
@@ -98,6 +102,16 @@ def _per_tree_budget(cfg: TrainConfig) -> TrainConfig:
     """``cfg`` with the token budget of one packed tree: ``--capacity`` is per rank, and ``--cp N``
     ranks share each tree."""
     return dataclasses.replace(cfg, capacity=cfg.capacity * cfg.cp) if cfg.cp > 1 else cfg
+
+
+def _tokenizer_name(cfg: TrainConfig) -> str | None:
+    """``--tokenizer`` (a directory, ``qwen``, or a model name of ``treetrain.models.pretrained``), or
+    for a ``--model`` known by name its own tokenizer; None: none."""
+    from treetrain.models.pretrained import PRETRAINED, resolve_model
+
+    if cfg.tokenizer:
+        return resolve_model(cfg.tokenizer)
+    return resolve_model(cfg.model) if cfg.model in PRETRAINED else None
 
 
 @functools.lru_cache(maxsize=2)

