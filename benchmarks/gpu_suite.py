@@ -64,7 +64,7 @@ import torch  # noqa: E402
 from benchmarks.gpu import correctness, end_to_end, kernels, report, verl_trainer  # noqa: E402
 from benchmarks.gpu.runner import EXIT_INCOMPLETE, Part, load_records, print_plan, run_part  # noqa: E402
 from benchmarks.gpu.sizes import BUDGETS, Sizes, dry_run_sizes, gpu_sizes  # noqa: E402
-from treetrain.bench.command import hardware_slug  # noqa: E402
+from treetrain.bench.report import hardware_slug  # noqa: E402
 
 PARTS = ("correctness", "kernels", "e2e", "verl", "report")
 

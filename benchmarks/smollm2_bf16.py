@@ -33,14 +33,15 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import hardware, machine_before, result_path  # noqa: E402
-from treetrain.objectives.policy_config import Objective  # noqa: E402
 
 from treetrain.data.reader import sample_path  # noqa: E402
 from treetrain.data.records import parse_record  # noqa: E402
 from treetrain.logprobs import path_logprobs  # noqa: E402
 from treetrain.models.hf import prepare_model  # noqa: E402
 from treetrain.models.pretrained import resolve_model  # noqa: E402
-from treetrain.objectives.policy import compute_loss, loss_normalizer  # noqa: E402
+from treetrain.objectives.policy.aggregation import loss_normalizer
+from treetrain.objectives.policy.config import Objective  # noqa: E402
+from treetrain.objectives.policy.loss import compute_loss  # noqa: E402
 from treetrain.trees.packing import pack  # noqa: E402
 
 RECORD = "airline-00/per-turn"

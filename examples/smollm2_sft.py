@@ -29,13 +29,14 @@ from pathlib import Path
 
 import torch
 import transformers
-from treetrain.objectives.policy_config import Objective
 
 from treetrain.data.reader import sample_path
 from treetrain.data.records import parse_record
 from treetrain.models.hf import prepare_model
 from treetrain.models.pretrained import resolve_model
-from treetrain.objectives.policy import compute_loss, loss_normalizer
+from treetrain.objectives.policy.aggregation import loss_normalizer
+from treetrain.objectives.policy.config import Objective
+from treetrain.objectives.policy.loss import compute_loss
 from treetrain.train.config import TrainConfig
 from treetrain.train.loop import train
 from treetrain.trees.packing import pack

@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from treetrain.data.chat import _default_cache_dir  # the cache root the offline Qwen tokenizer uses
+from treetrain.data.qwen import _default_cache_dir  # the cache root the offline Qwen tokenizer uses
 
 __all__ = ["PRETRAINED", "TOOL_TEMPLATE", "Pretrained", "convert_gguf", "pretrained_dir", "resolve_model"]
 
