@@ -204,7 +204,6 @@ def test_float64_as_shipped(model_type):
     assert lp < 1e-6 and grad < 1e-5, (lp, grad)
 
 
-
 @pytest.mark.parametrize("model_type", ["mamba", "mamba2"])
 def test_float32_within_reference_rounding(model_type):
     """float32: against the float64 truth, the tree's log-probs are at most twice as far off as

@@ -151,6 +151,33 @@ def balanced_chunk(length: int, max_chunk: int) -> int:
     return max(1, -(-length // chunks))
 
 
+def chunked_rule_scan(
+    rule: Callable, max_chunk: int, *, use_qk_l2norm: bool = True, piece_chunks: int | None = None
+) -> Scan:
+    """The scan of a transformers chunked delta rule (Gated DeltaNet's
+    ``torch_chunk_gated_delta_rule``, KDA's ``chunk_kimi_delta_attention``: one signature).
+
+    ``xs`` = ``(q, k, v, g, beta)``, each ``[n, L, H, ...]``; chunks of
+    ``balanced_chunk(L, max_chunk)``. ``piece_chunks``: call the rule on pieces of that many chunks,
+    each from the previous piece's final state (the same chunks, so the same math); None: one call.
+    Example: ``L = 110``, ``max_chunk = 64``, ``piece_chunks = 1``: two calls of one 55-step chunk.
+    """
+
+    def scan(xs, init, valid):
+        chunk = balanced_chunk(xs[0].shape[1], max_chunk)  # 110 steps: 2 chunks of 55, not 2 of 64
+        pieces = [xs] if piece_chunks is None else zip(*(x.split(chunk * piece_chunks, dim=1) for x in xs))
+        outs, state = [], init
+        for qg, kg, vg, gg, bg in pieces:
+            out, state = rule(
+                qg, kg, vg, g=gg, beta=bg, chunk_size=chunk, initial_state=state, output_final_state=True,
+                use_qk_l2norm_in_kernel=use_qk_l2norm,
+            )  # fmt: skip
+            outs.append(out)
+        return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), state
+
+    return scan
+
+
 def build_levels(
     node_start: torch.Tensor,
     node_end: torch.Tensor,
