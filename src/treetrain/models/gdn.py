@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from treetrain.models.classes import class_entry
+from treetrain.models.classes import required_class
 from treetrain.models.pathconv import path_window, tree_causal_conv1d
 from treetrain.models.scan import TreeLevels, chunked_rule_scan, tree_levels, tree_scan, tree_scan_varlen
 from treetrain.trees.packing import PackedTree
@@ -239,10 +239,7 @@ GDN_LAYOUTS: dict[str, Projections] = {
 def _layout(module: nn.Module) -> Projections:
     """The projections of a GDN layer; looks through subclasses (FSDP2 wraps a module's class in a
     ``FSDP<Name>`` subclass)."""
-    project = class_entry(module, GDN_LAYOUTS)
-    if project is not None:
-        return project
-    raise ValueError(f"{type(module).__name__} is not a Gated DeltaNet layout: {sorted(GDN_LAYOUTS)}")
+    return GDN_LAYOUTS[required_class(module, GDN_LAYOUTS, "Gated DeltaNet layout").__name__]
 
 
 def tree_gdn_forward(

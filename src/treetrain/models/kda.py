@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from treetrain.models.classes import own_class
+from treetrain.models.classes import required_class
 from treetrain.models.pathconv import path_window, tree_causal_conv1d
 from treetrain.models.scan import TreeLevels, chunked_rule_scan, tree_levels, tree_scan
 from treetrain.trees.packing import PackedTree
@@ -48,10 +48,8 @@ KDA_LAYOUTS: dict[str, OutputGate] = {
 
 def _layout(module: nn.Module) -> tuple[type, OutputGate]:
     """The KDA class (through FSDP2's ``FSDP<Name>`` subclass) and its output gate."""
-    c = own_class(module, KDA_LAYOUTS)
-    if c is not None:
-        return c, KDA_LAYOUTS[c.__name__]
-    raise ValueError(f"{type(module).__name__} is not a KDA layout: {sorted(KDA_LAYOUTS)}")
+    c = required_class(module, KDA_LAYOUTS, "KDA layout")
+    return c, KDA_LAYOUTS[c.__name__]
 
 
 def _torch_rule(cls: type) -> Callable:
