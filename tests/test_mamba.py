@@ -227,6 +227,13 @@ def test_float32_within_reference_rounding(model_type):
 # ---- how the tree reaches the mixers ------------------------------------------------------------
 
 
+def test_a_layer_of_no_known_class_is_refused_by_name():
+    with pytest.raises(ValueError, match="Linear is not a Mamba mixer: .*MambaMixer"):
+        mamba._layout(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="Linear is not a Mamba2 mixer: .*Mamba2Mixer"):
+        mamba2._layer_class(torch.nn.Linear(2, 2))
+
+
 def test_every_layer_class_is_routed():
     assert set(mamba2.MAMBA2_LAYERS) | set(mamba.MAMBA_LAYOUTS) <= set(ROUTES)
     for model_type in MAMBA1_TYPES + MAMBA2_TYPES:
