@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import os
 import sys
 import tempfile
@@ -78,10 +77,10 @@ from common import (  # noqa: E402
     block_rule_line,
     estimate_line,
     flop_audit_table,
-    hardware,
     judge,
     machine_before,
     noise_section,
+    provenance,
     result_path,
     timed,
     use_allocator,
@@ -314,6 +313,20 @@ class Case:
         self.nograd = {m: nograd(m) for m in ("trl", "tree")}
 
 
+def add_verdicts_and_peaks(row: dict, untrusted: list[str], checks: dict, case, dev, memory: bool) -> None:
+    """``row["untrusted"]``: ``untrusted`` plus the verdict on each efficiency ``checks`` names (key ->
+    what it compares) that ``row`` holds; ``row["peak"]``: each mode's peak MiB (``memory``), else {}."""
+    for key, what in checks.items():
+        if key in row:
+            untrusted += [f"{what}: {x}" for x in noise.verdict({}, efficiency=row[key])]
+    row["untrusted"] = untrusted
+    row["peak"] = {}
+    if memory:
+        from treetrain.bench.measure import peak_bytes
+
+        row["peak"] = {m: peak_bytes(case.steps[m], dev) / 2**20 for m in ("trl", "per_path", "tree")}
+
+
 def run_case(case: Case, repeats, generation=False, shipped=True, memory=True) -> dict:
     """``repeats`` rounds of every mode interleaved (order alternating) after a warm-up round, each
     step followed by the no-grad scoring of TRL and the tree; then one step of each for its peak
@@ -359,15 +372,7 @@ def run_case(case: Case, repeats, generation=False, shipped=True, memory=True) -
         row["efficiency_shipped"] = row["speedup_shipped"] / b["bound_shipped"]
     checks = {"efficiency_trl": "vs TRL", "efficiency": "vs per-path", "efficiency_nograd": "no-grad vs TRL"}
     checks["efficiency_shipped"] = "vs TRL as shipped"
-    for key, what in checks.items():
-        if key in row:
-            untrusted += [f"{what}: {x}" for x in noise.verdict({}, efficiency=row[key])]
-    row["untrusted"] = untrusted
-    row["peak"] = {}
-    if memory:
-        from treetrain.bench.measure import peak_bytes
-
-        row["peak"] = {m: peak_bytes(case.steps[m], dev) / 2**20 for m in ("trl", "per_path", "tree")}
+    add_verdicts_and_peaks(row, untrusted, checks, case, dev, memory)
     row["generate"] = generation_time(case.model, case.ids, case.P, case.C, dev) if generation else None
     return row
 
@@ -552,12 +557,7 @@ def main(argv=None) -> list[dict]:
                 )
                 print(table(rows[-1:], head=False), end="", flush=True)
             del trainer
-    device_name = torch.cuda.get_device_name() if args.device == "cuda" else hardware()
-    stamp = (
-        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {device_name}, torch "
-        f"{torch.__version__}, command: `python benchmarks/{Path(__file__).name} "
-        f"{' '.join(argv if argv is not None else sys.argv[1:])}`; {block_rule_line()}\n\n"
-    )
+    stamp = f"{provenance(__file__, argv, args.device)}; {block_rule_line()}\n\n"
     if args.flops:
         text = f"# GRPO scoring + backward: FLOPs executed vs the bound's model ({args.model}, {dtype})\n\n"
         text += stamp + flop_audit_table(audit, "the optimizer, and the tree's index bookkeeping")

@@ -45,7 +45,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 import tempfile
@@ -61,10 +60,10 @@ from common import (  # noqa: E402
     block_rule_line,
     estimate_line,
     flop_audit_table,
-    hardware,
     judge,
     machine_before,
     noise_section,
+    provenance,
     result_path,
     timed,
     use_allocator,
@@ -73,6 +72,7 @@ from trl_grpo import (  # noqa: E402
     LOGITS_KEEP_BYTES,
     MODELS,
     RATES,
+    add_verdicts_and_peaks,
     make_batch,
     online_trainer,
     qwen3,
@@ -302,15 +302,7 @@ def run_case(case: Case, repeats: int, shipped=True, memory=True) -> dict:
         "efficiency": "vs per-path",
         "efficiency_shipped": "vs TRL as shipped",
     }
-    for key, what in checks.items():
-        if key in row:
-            untrusted += [f"{what}: {x}" for x in noise.verdict({}, efficiency=row[key])]
-    row["untrusted"] = untrusted
-    row["peak"] = {}
-    if memory:
-        from treetrain.bench.measure import peak_bytes
-
-        row["peak"] = {m: peak_bytes(case.steps[m], dev) / 2**20 for m in ("trl", "per_path", "tree")}
+    add_verdicts_and_peaks(row, untrusted, checks, case, dev, memory)
     return row
 
 
@@ -452,12 +444,7 @@ def main(argv=None) -> list[dict]:
                     continue
                 rows.append(run_case(case, args.repeats, not args.no_shipped, not args.no_memory))
                 print(table(rows[-1:]).splitlines()[-1], flush=True)
-    device_name = torch.cuda.get_device_name() if args.device == "cuda" else hardware()
-    stamp = (
-        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {device_name}, torch "
-        f"{torch.__version__}, command: `python benchmarks/{Path(__file__).name} "
-        f"{' '.join(argv if argv is not None else sys.argv[1:])}`; {block_rule_line()}\n\n"
-    )
+    stamp = f"{provenance(__file__, argv, args.device)}; {block_rule_line()}\n\n"
     if args.flops:
         text = (
             f"# TRL trainers vs their tree drop-ins: FLOPs executed vs the bound's model ({args.model})\n\n"

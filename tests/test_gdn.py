@@ -8,6 +8,7 @@ and every parameter gradient of a random linear function of the log-probs.
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ from treetrain.models.support import check_model
 from treetrain.trees.packing import pack
 from treetrain.trees.tree import TrajectoryTree
 
-from .hybrid_models import HYBRID_ARCHS, float64_everywhere, tiny_hybrid_model
+from .hybrid_models import HYBRID_ARCHS, float32_runs, float64_everywhere, tiny_hybrid_model
 from .reference import grads, random_coeffs, reference_copy, reference_logprobs, rel_err
 from .strategies import tree_paths
 
@@ -265,19 +266,11 @@ def test_float64_random_trees_more(arch, paths):
 def test_float32_within_reference_rounding(arch):
     """float32: the tree's error against the float64 truth is within 2x of the per-path reference's
     own (log-probs and every gradient, A_log and dt_bias included), in every GDN layout."""
-    paths = ONE_TOKEN + GROUP
-    coeffs = random_coeffs(paths, 0)
-
-    def run(model, fn):
-        lps = fn(model, paths)
-        sum(((c.to(lp.dtype) * lp).sum() for c, lp in zip(coeffs, lps))).backward()
-        return torch.cat(lps), grads(model)
-
-    with float64_everywhere():
-        truth_lp, truth_g = run(tiny_hybrid_model(arch), reference_logprobs)
-    model32 = tiny_hybrid_model(arch, dtype=torch.float32)
-    ref_lp, ref_g = run(reference_copy(model32), reference_logprobs)
-    tree_lp, tree_g = run(model32, lambda m, p: path_logprobs(m, p, backend="dense"))
+    (truth_lp, truth_g), (ref_lp, ref_g), (tree_lp, tree_g) = float32_runs(
+        functools.partial(tiny_hybrid_model, arch),
+        ONE_TOKEN + GROUP,
+        lambda m, p: path_logprobs(m, p, backend="dense"),
+    )
     ref_e, tree_e = rel_err(ref_lp, truth_lp), rel_err(tree_lp, truth_lp)
     # Both round at ~6e-8 per op, in different orders. Within 2x of the reference's own error, or
     # both at float32 rounding: FLOOR (1e-6, ~8 float32 ulps relative) absorbs parameters whose

@@ -204,7 +204,6 @@ def test_float64_as_shipped(model_type):
     assert lp < 1e-6 and grad < 1e-5, (lp, grad)
 
 
-
 @pytest.mark.parametrize("model_type", ["mamba", "mamba2"])
 def test_float32_within_reference_rounding(model_type):
     """float32: against the float64 truth, the tree's log-probs are at most twice as far off as
@@ -226,6 +225,13 @@ def test_float32_within_reference_rounding(model_type):
 
 
 # ---- how the tree reaches the mixers ------------------------------------------------------------
+
+
+def test_a_layer_of_no_known_class_is_refused_by_name():
+    with pytest.raises(ValueError, match="Linear is not a Mamba mixer: .*MambaMixer"):
+        mamba._layout(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="Linear is not a Mamba2 mixer: .*Mamba2Mixer"):
+        mamba2._layer_class(torch.nn.Linear(2, 2))
 
 
 def test_every_layer_class_is_routed():

@@ -117,7 +117,7 @@ def _read(path, tokenizer, args, vocab_size: int, vocab_name: str) -> tuple[list
     ``train`` lists them; an out-of-vocabulary token id is an error, as in ``train``."""
     from treetrain.data import reader
     from treetrain.data.fields import DataError
-    from treetrain.train.guards import _report
+    from treetrain.train.guards import check_read
 
     stream = reader.iter_trees(
         path,
@@ -130,7 +130,7 @@ def _read(path, tokenizer, args, vocab_size: int, vocab_name: str) -> tuple[list
     )
     trees = [tree for tree, _ in stream]
     try:
-        _report(Path(path), stream)
+        check_read(Path(path), stream)
     except DataError as e:
         if not any("outside the vocabulary" in str(x) for x in stream.errors):
             raise
@@ -207,8 +207,6 @@ def main(args: argparse.Namespace) -> int:
 
         tokenizer = load_tokenizer(tokenizer)
     trees, counts = _read(path, tokenizer, args, args.vocab_size or vocab_size, vocab_name)
-    if not trees:
-        raise ValueError(f"{path}: no samples")
     tokens, base = counts.tree_tokens, counts.path_tokens
     rows = [
         ("file", str(path)),

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import TypeVar
 
-__all__ = ["class_entry", "own_class"]
+__all__ = ["class_entry", "own_class", "required_class"]
 
 V = TypeVar("V")
 
@@ -24,3 +24,11 @@ def class_entry(obj: object, table: Mapping[str, V]) -> V | None:
     """``table``'s entry for ``obj``'s class or the first base class it names, else None."""
     c = own_class(obj, table)
     return None if c is None else table[c.__name__]
+
+
+def required_class(obj: object, names: Collection[str], what: str) -> type:
+    """``own_class(obj, names)``, or a ``ValueError``: ``"Foo is not a {what}: A, B"``."""
+    c = own_class(obj, names)
+    if c is None:
+        raise ValueError(f"{type(obj).__name__} is not a {what}: {', '.join(sorted(names))}")
+    return c

@@ -28,8 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
+from treetrain.models.classes import required_class
 from treetrain.models.pathconv import path_window, tree_causal_conv1d
-from treetrain.models.scan import TreeLevels, balanced_chunk, tree_levels, tree_scan, tree_scan_varlen
+from treetrain.models.scan import TreeLevels, chunked_rule_scan, tree_levels, tree_scan, tree_scan_varlen
 from treetrain.trees.packing import PackedTree
 
 __all__ = [
@@ -144,15 +145,7 @@ def tree_gated_delta_rule(
     if kernel != "torch":
         raise ValueError(f"kernel {kernel!r}: choose 'torch' or 'fla'")
     rule = native_chunk_rule if q.dtype == torch.float64 else _torch_rule()
-
-    def scan(xs, init, valid):
-        qg, kg, vg, gg, bg = xs
-        return rule(
-            qg, kg, vg, g=gg, beta=bg,
-            chunk_size=balanced_chunk(qg.shape[1], max_chunk),  # 110 steps: 2 x 55, not 2 x 64
-            initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm,
-        )  # fmt: skip
-
+    scan = chunked_rule_scan(rule, max_chunk, use_qk_l2norm=use_qk_l2norm)
     return tree_scan((q, k, v, g, beta), levels, scan)
 
 
@@ -246,10 +239,7 @@ GDN_LAYOUTS: dict[str, Projections] = {
 def _layout(module: nn.Module) -> Projections:
     """The projections of a GDN layer; looks through subclasses (FSDP2 wraps a module's class in a
     ``FSDP<Name>`` subclass)."""
-    for c in type(module).__mro__:
-        if c.__name__ in GDN_LAYOUTS:
-            return GDN_LAYOUTS[c.__name__]
-    raise ValueError(f"{type(module).__name__} is not a Gated DeltaNet layout: {sorted(GDN_LAYOUTS)}")
+    return GDN_LAYOUTS[required_class(module, GDN_LAYOUTS, "Gated DeltaNet layout").__name__]
 
 
 def tree_gdn_forward(

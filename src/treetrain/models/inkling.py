@@ -47,6 +47,7 @@ from torch import nn
 
 from treetrain.attention import check_features, get_backend
 from treetrain.attention.mask import TreeMask
+from treetrain.models.classes import own_class
 from treetrain.models.pathconv import path_window, tree_causal_conv1d
 from treetrain.models.scan import TreeArgs
 from treetrain.trees.packing import PackedTree
@@ -240,8 +241,7 @@ _FEATURES = {"InklingAttention": {"rel_bias"}}
 
 def attention_features(model: nn.Module) -> set[str]:
     """The attention features an Inkling model needs of a backend (empty for any other model)."""
-    names = {c.__name__ for m in model.modules() for c in type(m).__mro__}
     needs: set[str] = set()
-    for name in names & set(ATTENTIONS):
-        needs |= _FEATURES.get(name, {"rel_bias", "sinks"})
+    for c in {own_class(m, ATTENTIONS) for m in model.modules()} - {None}:
+        needs |= _FEATURES.get(c.__name__, {"rel_bias", "sinks"})
     return needs

@@ -29,9 +29,9 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from treetrain.models.classes import own_class
+from treetrain.models.classes import required_class
 from treetrain.models.pathconv import path_window, tree_causal_conv1d
-from treetrain.models.scan import TreeLevels, balanced_chunk, tree_levels, tree_scan
+from treetrain.models.scan import TreeLevels, chunked_rule_scan, tree_levels, tree_scan
 from treetrain.trees.packing import PackedTree
 
 __all__ = ["KDA_LAYOUTS", "tree_kda_forward", "tree_kda_rule"]
@@ -48,10 +48,8 @@ KDA_LAYOUTS: dict[str, OutputGate] = {
 
 def _layout(module: nn.Module) -> tuple[type, OutputGate]:
     """The KDA class (through FSDP2's ``FSDP<Name>`` subclass) and its output gate."""
-    c = own_class(module, KDA_LAYOUTS)
-    if c is not None:
-        return c, KDA_LAYOUTS[c.__name__]
-    raise ValueError(f"{type(module).__name__} is not a KDA layout: {sorted(KDA_LAYOUTS)}")
+    c = required_class(module, KDA_LAYOUTS, "KDA layout")
+    return c, KDA_LAYOUTS[c.__name__]
 
 
 def _torch_rule(cls: type) -> Callable:
@@ -83,18 +81,7 @@ def tree_kda_rule(
     fills a zero tensor of the whole mask, so one call costs O(chunks^2). Fwd+bwd of 1024 tokens,
     4 heads of 64, one thread: 1011 ms in one call, 267 ms in pieces of 2 chunks.
     """
-
-    def scan(xs, init, valid):
-        chunk = balanced_chunk(xs[0].shape[1], max_chunk)  # 110 steps: 2 chunks of 55, not 2 of 64
-        outs, state = [], init
-        for qg, kg, vg, gg, bg in zip(*(x.split(chunk * piece_chunks, dim=1) for x in xs)):
-            out, state = rule(
-                qg, kg, vg, g=gg, beta=bg, chunk_size=chunk, initial_state=state, output_final_state=True,
-                use_qk_l2norm_in_kernel=True,
-            )  # fmt: skip
-            outs.append(out)
-        return torch.cat(outs, dim=1), state
-
+    scan = chunked_rule_scan(rule, max_chunk, piece_chunks=piece_chunks)
     return tree_scan((q, k, v, g, beta), levels, scan)
 
 

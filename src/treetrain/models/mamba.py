@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from treetrain.models.classes import class_entry
+from treetrain.models.classes import required_class
 from treetrain.models.pathconv import path_window, tree_causal_conv1d
 from treetrain.models.scan import TreeLevels, tree_levels, tree_scan
 from treetrain.trees.packing import PackedTree
@@ -137,10 +137,7 @@ MAMBA_LAYOUTS: dict[str, tuple[Callable, Params]] = {
 
 def _layout(module: nn.Module) -> tuple[Callable, Params]:
     """The layout of a Mamba layer; looks through subclasses (FSDP2's ``FSDP<Name>``)."""
-    layout = class_entry(module, MAMBA_LAYOUTS)
-    if layout is not None:
-        return layout
-    raise ValueError(f"{type(module).__name__} is not a Mamba mixer: {', '.join(MAMBA_LAYOUTS)}")
+    return MAMBA_LAYOUTS[required_class(module, MAMBA_LAYOUTS, "Mamba mixer").__name__]
 
 
 def tree_mamba_forward(

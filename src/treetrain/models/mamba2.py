@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from treetrain.models.classes import own_class
+from treetrain.models.classes import required_class
 from treetrain.models.pathconv import path_window, tree_causal_conv1d
 from treetrain.models.scan import TreeLevels, balanced_chunk, tree_levels, tree_scan
 from treetrain.trees.packing import PackedTree
@@ -55,10 +55,7 @@ MAMBA2_LAYERS = (
 
 def _layer_class(module: nn.Module) -> type:
     """The transformers class of a routed layer; looks through subclasses (FSDP2's ``FSDP<Name>``)."""
-    c = own_class(module, MAMBA2_LAYERS)
-    if c is not None:
-        return c
-    raise ValueError(f"{type(module).__name__} is not a Mamba2 mixer: {', '.join(MAMBA2_LAYERS)}")
+    return required_class(module, MAMBA2_LAYERS, "Mamba2 mixer")
 
 
 def chunk_scan_of(module: nn.Module, device: torch.device) -> tuple[Callable, bool]:

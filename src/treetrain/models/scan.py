@@ -47,7 +47,10 @@ __all__ = [
     "TreeLevels",
     "balanced_chunk",
     "build_levels",
+    "cat_states",
+    "chunked_rule_scan",
     "length_groups",
+    "map_state",
     "merge_chains",
     "run_levels",
     "schedule",
@@ -151,6 +154,33 @@ def balanced_chunk(length: int, max_chunk: int) -> int:
     return max(1, -(-length // chunks))
 
 
+def chunked_rule_scan(
+    rule: Callable, max_chunk: int, *, use_qk_l2norm: bool = True, piece_chunks: int | None = None
+) -> Scan:
+    """The scan of a transformers chunked delta rule (Gated DeltaNet's
+    ``torch_chunk_gated_delta_rule``, KDA's ``chunk_kimi_delta_attention``: one signature).
+
+    ``xs`` = ``(q, k, v, g, beta)``, each ``[n, L, H, ...]``; chunks of
+    ``balanced_chunk(L, max_chunk)``. ``piece_chunks``: call the rule on pieces of that many chunks,
+    each from the previous piece's final state (the same chunks, so the same math); None: one call.
+    Example: ``L = 110``, ``max_chunk = 64``, ``piece_chunks = 1``: two calls of one 55-step chunk.
+    """
+
+    def scan(xs, init, valid):
+        chunk = balanced_chunk(xs[0].shape[1], max_chunk)  # 110 steps: 2 chunks of 55, not 2 of 64
+        pieces = [xs] if piece_chunks is None else zip(*(x.split(chunk * piece_chunks, dim=1) for x in xs))
+        outs, state = [], init
+        for qg, kg, vg, gg, bg in pieces:
+            out, state = rule(
+                qg, kg, vg, g=gg, beta=bg, chunk_size=chunk, initial_state=state, output_final_state=True,
+                use_qk_l2norm_in_kernel=use_qk_l2norm,
+            )  # fmt: skip
+            outs.append(out)
+        return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), state
+
+    return scan
+
+
 def build_levels(
     node_start: torch.Tensor,
     node_end: torch.Tensor,
@@ -233,11 +263,13 @@ def _pad_row(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(1, *x.shape[1:])])
 
 
-def _map(state: State, fn: Callable[[torch.Tensor], torch.Tensor]) -> State:
+def map_state(state: State, fn: Callable[[torch.Tensor], torch.Tensor]) -> State:
+    """``fn`` on a state's tensor, or on each tensor of a tuple state."""
     return tuple(fn(s) for s in state) if isinstance(state, tuple) else fn(state)
 
 
-def _cat(states: list[State]) -> State:
+def cat_states(states: list[State]) -> State:
+    """States of ``[n_i, ...]`` rows joined along rows (tuple states part by part)."""
     if len(states) == 1:
         return states[0]
     if isinstance(states[0], tuple):
@@ -265,7 +297,7 @@ def run_levels(
         inputs = [_pad_row(x) for x in inputs]  # row T: the zero input past a node's end
     outs, kept, state = [], [], None
     for d, lv in enumerate(levels.levels):
-        level_init = _map(state, lambda s, rows=lv.parent_row: s.index_select(0, rows)) if d else init
+        level_init = map_state(state, lambda s, rows=lv.parent_row: s.index_select(0, rows)) if d else init
         if varlen:
             out, state = scan(tuple(x[lv.flat_index] for x in inputs), level_init, lv.cu_seqlens)
             outs.append(out)
@@ -274,16 +306,18 @@ def run_levels(
             for idx in lv.groups:
                 n = idx.shape[0]
                 group_init = (
-                    None if level_init is None else _map(level_init, lambda s, a=first, b=first + n: s[a:b])
+                    None
+                    if level_init is None
+                    else map_state(level_init, lambda s, a=first, b=first + n: s[a:b])
                 )
                 out, final = scan(tuple(x[idx] for x in inputs), group_init, idx < T)
                 outs.append(out.flatten(0, 1))
                 states.append(final)
                 first += n
-            state = _cat(states)
+            state = cat_states(states)
         if keep is not None and keep[d].numel():
-            kept.append(_map(state, lambda s, rows=keep[d]: s.index_select(0, rows)))
-    return torch.cat(outs), (_cat(kept) if kept else None)
+            kept.append(map_state(state, lambda s, rows=keep[d]: s.index_select(0, rows)))
+    return torch.cat(outs), (cat_states(kept) if kept else None)
 
 
 def tree_scan(inputs: Sequence[torch.Tensor], levels: TreeLevels, scan: Scan) -> torch.Tensor:

@@ -40,7 +40,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from treetrain.models.scan import Scan, State, TreeLevels, run_levels, schedule
+from treetrain.models.scan import Scan, State, TreeLevels, cat_states, map_state, run_levels, schedule
 from treetrain.trees.packing import PackedTree
 
 __all__ = ["HaloWindow", "Link", "SegmentLevels", "build_segment_levels", "segment_view"]
@@ -134,7 +134,7 @@ class SegmentLevels:
             anchor = next((x for x in inputs if x.requires_grad), inputs[0])
             incoming = self.link.receive(op, anchor)
             if self.bound is not None:
-                init = _map(incoming, lambda s: s.index_select(0, self.slot))
+                init = map_state(incoming, lambda s: s.index_select(0, self.slot))
                 out, kept = run_levels(inputs, self.bound, scan, init, self.keep_bound, varlen)
                 parts.append(out)
                 pool.append(kept)
@@ -144,20 +144,8 @@ class SegmentLevels:
         return torch.cat(parts).index_select(0, self.varlen_row if varlen else self.padded_row)
 
     def _send(self, op: int, out: torch.Tensor, pool: list) -> torch.Tensor:
-        states = _cat([p for p in pool if p is not None])
-        return self.link.send(op, out, _map(states, lambda s: s.index_select(0, self.send_index)))
-
-
-def _map(state: State, fn: Callable[[torch.Tensor], torch.Tensor]) -> State:
-    return tuple(fn(s) for s in state) if isinstance(state, tuple) else fn(state)
-
-
-def _cat(states: list[State]) -> State:
-    if len(states) == 1:
-        return states[0]
-    if isinstance(states[0], tuple):
-        return tuple(torch.cat(parts) for parts in zip(*states))
-    return torch.cat(states)
+        states = cat_states([p for p in pool if p is not None])
+        return self.link.send(op, out, map_state(states, lambda s: s.index_select(0, self.send_index)))
 
 
 def _part(nodes: np.ndarray, start, end, parent, n: int, device, pad_slack):

@@ -18,6 +18,7 @@ from importlib.metadata import version
 
 from torch import nn
 
+from treetrain.models.classes import own_class
 from treetrain.models.head import unwrap
 from treetrain.models.recurrent import ROUTES, route
 
@@ -179,7 +180,7 @@ def _stateful_layer(model: nn.Module) -> tuple[str, str] | None:
     for module in model.modules():
         if id(module) in inside_routed:
             continue
-        if any(c.__name__ in NOT_STATEFUL for c in type(module).__mro__):
+        if own_class(module, NOT_STATEFUL) is not None:
             continue
         name = type(module).__name__
         for pattern, what in _STATEFUL:

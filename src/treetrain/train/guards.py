@@ -22,6 +22,7 @@ from typing import Any
 
 __all__ = [
     "CheckpointWriteError",
+    "check_read",
     "check_resume",
     "data_fingerprint",
     "save_or_explain",
@@ -81,7 +82,7 @@ def validate_data(path: Path, options: dict[str, Any], progress: bool = True):
     finally:
         if bar is not None:
             bar.close()
-    return _report(path, stream)
+    return check_read(path, stream)
 
 
 def _count_lines(path: Path) -> int:
@@ -93,7 +94,10 @@ def _count_lines(path: Path) -> int:
     return n
 
 
-def _report(path: Path, stream):
+def check_read(path: Path, stream):
+    """After a pass of ``stream`` (``iter_trees(path, on_error="collect")``) over ``--data path``:
+    its ``DataCounts``; raises ``DataError`` listing the bad records, or ``ValueError`` if the file
+    is empty or holds no trees (``train``'s and ``stats``' one check)."""
     stream.raise_errors()
     c = stream.counts
     if c.samples == 0:
