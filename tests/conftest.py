@@ -3,12 +3,24 @@
 Triton decides once, at its first import, whether it runs kernels in its CPU interpreter. Without
 CUDA the Triton kernel's tests need the interpreter, so it is switched on here, before any test
 module (or treetrain itself) imports triton.
+
+The suite runs in parallel processes (pytest-xdist, ``-n auto`` in pyproject's addopts; ``-n 0``
+runs it in one). Each worker then gets an equal share of the cores for torch's intra-op threads,
+and so do the processes its tests start (``OMP_NUM_THREADS``), instead of every worker taking them
+all and thrashing.
 """
 
 import os
 
-import pytest
-import torch
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if _WORKERS > 1:
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

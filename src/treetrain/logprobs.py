@@ -81,12 +81,17 @@ class _TargetLogprobs(torch.autograd.Function):
                 z = torch.tanh(z / softcap).mul_(softcap * post)
             lse = torch.logsumexp(z, dim=-1)
             logp[s : s + chunk] = z.gather(1, targets[s : s + chunk, None])[:, 0] - lse
-            if entropy:  # H = -sum_v p_v log p_v with log p = z - lse, summed by .sum (pairwise): in
-                # float32, lse - E_p[z] cancels when the logits are large and einsum's dot product
-                # accumulates worse (SmolLM2-135M: lse ~34, H ~0.3; 3e-3 and 3e-4 off per token)
-                logq = z - lse[:, None]
-                ent[s : s + chunk] = -(logq.exp().mul_(logq)).sum(-1)
-                del logq
+            if entropy:  # H = lse' + sum_v p_v (m - z_v) from logits shifted by their max m: two sums
+                # of non-negative terms (lse' = lse - m in [0, log V]), so nothing cancels; in float32
+                # lse - E_p[z] cancels when the logits are large (SmolLM2-135M: lse ~34, H ~0.3: 3e-3
+                # off per token), and -sum p log p sums terms of both signs' rounding (4 ulp on tiny
+                # models). Summed by .sum (pairwise), not einsum's dot product (3e-4 off there).
+                m = z.amax(-1, keepdim=True)
+                zs = z - m  # <= 0
+                lse_s = torch.logsumexp(zs, dim=-1, keepdim=True)  # not lse - m: lse's own rounding
+                p = (zs - lse_s).exp_()
+                ent[s : s + chunk] = lse_s[:, 0] - p.mul_(zs).sum(-1)
+                del zs, p
             if keep:
                 kept.append(z)
         ctx.save_for_backward(hidden, weight, bias, targets)
