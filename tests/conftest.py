@@ -41,3 +41,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+# modules whose tests start process groups (torchrun, mp.spawn, gloo): under xdist they all run on
+# one worker, one at a time, so two multi-rank jobs never share the 2 cores (a rank starved that way
+# timed out of gloo: "terminate called without an active exception", once per few CI runs)
+_PROCESS_MODULES = ("distributed", "faults", "parallel_cp", "integrations_wrapped", "integrations_verl")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if any(k in item.module.__name__ for k in _PROCESS_MODULES):
+            item.add_marker(pytest.mark.xdist_group("processes"))
