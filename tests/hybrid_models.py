@@ -13,7 +13,7 @@ import copy
 import torch
 import transformers
 
-from .reference import float64_casts, grads, random_coeffs, reference_logprobs
+from .reference import float64_casts, grads, random_coeffs, reference_logprobs, rel_err
 
 HYBRID_ARCHS = ("qwen3_5", "qwen3_next")
 MOE_ARCHS = ("qwen3_moe", "qwen3_next", "qwen3_5_moe")
@@ -161,3 +161,15 @@ def grad_l2_err(got: dict, want: dict) -> float:
     """Relative 2-norm error of all gradients together."""
     diff = torch.cat([(got[n].double() - want[n]).flatten() for n in want])
     return (diff.norm() / torch.cat([want[n].flatten() for n in want]).norm()).item()
+
+
+def assert_float32_within_2x(runs) -> None:
+    """The float32 bar on :func:`float32_runs`' output: the tree's error against the float64 truth
+    within 2x of HF's own per-path error, log-probs (+1e-6: both round at ~6e-8 per op) and every
+    parameter's gradient (+1e-5)."""
+    (truth_lp, truth_g), (ref_lp, ref_g), (tree_lp, tree_g) = runs
+    ref_e, tree_e = rel_err(ref_lp, truth_lp), rel_err(tree_lp, truth_lp)
+    assert tree_e <= 2 * ref_e + 1e-6, (tree_e, ref_e)
+    for n in truth_g:
+        ref_e, tree_e = rel_err(ref_g[n], truth_g[n]), rel_err(tree_g[n], truth_g[n])
+        assert tree_e <= 2 * ref_e + 1e-5, (n, tree_e, ref_e)
