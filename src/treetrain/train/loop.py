@@ -388,6 +388,11 @@ def main(args: argparse.Namespace) -> int:
 
             quiet_library_loggers()
         train(cfg)
+        # Leave together: a rank that closes its gloo pairs while a peer is still finishing (rank 0
+        # writes the tokenizer, plot and summary after the last collective) can make the peer's
+        # process group abort in teardown ("terminate called without an active exception", seen
+        # once in CI on a loaded machine).
+        distributed.barrier()
     except CheckpointError as e:  # a corrupted, tampered or unsafe checkpoint: named, no traceback
         if distributed.init_distributed().is_main:
             print(f"treetrain train: error: {e}", file=sys.stderr)
