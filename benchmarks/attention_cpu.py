@@ -18,11 +18,12 @@ Timing is the fastest of ``--repeats`` runs (noise on a shared machine only adds
 ``--threads 1`` only.
 
 ``--sweep``: the block and fanout the blocksparse backend should choose by tree shape
-(``treetrain.attention.blockrule.choose_block``, whose thresholds are provisional until this sweep
-runs on a quiet machine). Group trees across prompt length, width and branch length (1k-12k tokens),
-per-turn trees and small forests; per tree the efficiency (the causal kernel's per-pair rate x the
-allowed pairs / time) of every ``(block, fanout)`` in ``--configs``, the best, the rule's pick, and
-the before (64 / 4, the old default) and after (the rule) of that tree.
+(``treetrain.attention.blockrule.choose_block``, whose rule was set from this sweep on the quiet
+2-core EPYC, 2026-11-26: 128 / 4 for every shape). Group trees across prompt length, width and
+branch length (1k-12k tokens), per-turn trees and small forests; per tree the efficiency (the
+causal kernel's per-pair rate x the allowed pairs / time) of every ``(block, fanout)`` in
+``--configs``, the best, the rule's pick, and the before (64 / 4, the old default) and after (the
+rule) of that tree.
 
 Usage::
 
@@ -334,7 +335,7 @@ def run_sweep(args: argparse.Namespace) -> list[str]:
         "Efficiency per (block / fanout): the causal kernel's per-pair rate x allowed pairs / time, "
         "forward + backward; *segment mean*: the token-weighted mean length of the tree's chains "
         "(`blockrule.segment_mean`), what the rule reads; *rule*: `blockrule.choose_block` "
-        "(BLOCK_RULE, provisional until this sweep).\n",
+        "(BLOCK_RULE in force when the sweep ran).\n",
         sweep_table(rows, configs),
         noise_section(before, [(r["name"], r["untrusted"]) for r in rows]),
     ]

@@ -179,8 +179,7 @@ def flop_audit_table(rows: list[dict], unpriced: str) -> str:
 
 
 def block_rule_line() -> str:
-    """The CPU tree attention's block rule in force (``blockrule.BLOCK_RULE``), for result headers:
-    figures taken under a provisional rule say so."""
+    """The CPU tree attention's block rule in force (``blockrule.BLOCK_RULE``), for result headers."""
     from treetrain.attention.blockrule import BLOCK_RULE
 
     rule = ", ".join(f"segment mean >= {m}: {b} / {f}" for m, b, f in BLOCK_RULE)

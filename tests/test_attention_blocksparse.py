@@ -208,8 +208,8 @@ def test_plan_is_cached_across_layers():
     assert len(plan._additive) == 1  # one set of kernel masks per (dtype, GQA group size)
 
 
-# a 2,000-token prompt and 8 branches of 40: segment mean (2000^2 + 8 * 40^2) / 2320 ~ 1730, so the
-# rule picks its long-prompt tiles; 2,320 tokens make three levels even at block 256 / fanout 8
+# a 2,000-token prompt and 8 branches of 40: segment mean (2000^2 + 8 * 40^2) / 2320 ~ 1730, a long
+# prompt for any rule with a threshold; 2,320 tokens make several levels at every block the rule picks
 LONG_PROMPT = chains(*[40] * 8, prefix=2000)
 SHORT_BRANCHES = chains(*[24] * 12, prefix=40)  # segment mean (40^2 + 12 * 24^2) / 328 ~ 26
 
@@ -217,8 +217,7 @@ SHORT_BRANCHES = chains(*[24] * 12, prefix=40)  # segment mean (40^2 + 12 * 24^2
 def test_block_rule_picks_by_segment_mean(monkeypatch):
     assert blockrule.segment_mean(chains(10)) == 10.0
     assert blockrule.segment_mean(chains(3, 1, prefix=2)) == (4 + 9 + 1) / 6
-    assert blockrule.choose_block(LONG_PROMPT) == (256, 8)
-    assert blockrule.choose_block(SHORT_BRANCHES) == (64, 4)
+    assert blockrule.choose_block(LONG_PROMPT) == blockrule.choose_block(SHORT_BRANCHES) == (128, 4)
     # the first row whose threshold the mean reaches wins
     monkeypatch.setattr(blockrule, "BLOCK_RULE", ((100, 32, 2), (20, 16, 3), (0, 8, 4)))
     assert blockrule.choose_block(SHORT_BRANCHES) == (16, 3)
@@ -230,10 +229,10 @@ def test_chosen_block_is_used_and_cached():
     q, k, v, _ = _inputs(LONG_PROMPT.numel(), 2, 1, 4, torch.float64)
     blocksparse_attention(q, k, v, mask, scale=0.5)
     plan = mask.cache[("blocksparse", None, None)]
-    assert (plan.block, plan.fanout) == (256, 8)
+    assert (plan.block, plan.fanout) == (128, 4)
     blocksparse_attention(q, k, v, mask, scale=0.5, fanout=2)  # an explicit fanout, the rule's block
     plan = mask.cache[("blocksparse", None, 2)]
-    assert (plan.block, plan.fanout) == (256, 2)
+    assert (plan.block, plan.fanout) == (128, 2)
     with pytest.raises(ValueError, match="fanout >= 2"):
         blocksparse_attention(q, k, v, mask, scale=0.5, fanout=1)
 

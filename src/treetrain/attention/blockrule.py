@@ -1,10 +1,10 @@
 """The block and fanout of the CPU block-sparse tree attention (:mod:`.blocksparse`), chosen from
 the tree's shape.
 
-A long chain (a 4k-token prompt) runs nearest the CPU flash kernel's long-sequence rate in large
-tiles; a tree of short branches masks fewer pairs in small ones. The shape is read as the
-token-weighted mean length of the tree's segments (:func:`segment_mean`), and :data:`BLOCK_RULE`
-maps it to ``(block, fanout)``. Any block and fanout give the exact result; only speed depends on
+Large tiles run nearer the CPU flash kernel's long-sequence rate; small ones mask fewer pairs of a
+tree of short branches. The shape is read as the token-weighted mean length of the tree's segments
+(:func:`segment_mean`), and :data:`BLOCK_RULE` maps it to ``(block, fanout)``; on the 2-core EPYC one
+size served every shape measured. Any block and fanout give the exact result; only speed depends on
 them.
 """
 
@@ -15,11 +15,13 @@ import torch
 FANOUT = 4  # row blocks per parent block; 4 ~ 8 > 2, 16 (benchmarks/results/attention_cpu_*)
 
 # The block and fanout a tree gets (``choose_block``): the first row whose threshold its token-weighted
-# mean segment length reaches. PROVISIONAL thresholds, to be set from ``benchmarks/attention_cpu.py
-# --sweep`` on a quiet machine: block 256 / fanout 8 measured 1.01 of the causal kernel's per-pair rate
-# on a 10k-token tree with a 4k-token prompt (segment mean ~1.9k) where 64 / 4 gave 0.93; on 2k-5k
-# trees of short branches (segment means 100-650) 64 / 4 was best or within noise of best.
-BLOCK_RULE: tuple[tuple[int, int, int], ...] = ((1024, 256, 8), (0, 64, FANOUT))  # (min mean, block, fanout)
+# mean segment length reaches. Set from ``benchmarks/attention_cpu.py --sweep`` on the quiet 2-core EPYC
+# (results/attention_cpu_sweep_amd-epyc-2-cores_2026-11-26.md: 8 configurations x 15 trees, 1k-10k
+# tokens, segment means 113-7310): 128 / 4 was the best, or within 1.8% of it, on every tree, short
+# branches and long prompts alike (the provisional 256 / 8 for long prompts was 1-5% slower than it,
+# 64 / 4 for short ones up to 4% slower). No threshold separated shapes by more than the run's noise,
+# so the rule has one row; the shape-reading stays, for hardware where the sweep finds one.
+BLOCK_RULE: tuple[tuple[int, int, int], ...] = ((0, 128, FANOUT),)  # (min segment mean, block, fanout)
 
 
 def segment_mean(subtree_end: torch.Tensor) -> float:
@@ -46,14 +48,13 @@ def segment_mean(subtree_end: torch.Tensor) -> float:
 
 
 def choose_block(subtree_end: torch.Tensor) -> tuple[int, int]:
-    """``(block, fanout)`` for a tree, by :data:`BLOCK_RULE` on its :func:`segment_mean`: long
-    chains (a long prompt) get large tiles near the kernel's long-sequence rate; trees of short
-    branches small ones, which mask fewer pairs.
+    """``(block, fanout)`` for a tree, by :data:`BLOCK_RULE` on its :func:`segment_mean` (one row
+    today: 128 / 4 for every shape, as measured on the 2-core EPYC).
 
     >>> choose_block(torch.full((4096,), 4096))  # one chain of 4096 tokens
-    (256, 8)
+    (128, 4)
     >>> choose_block(torch.tensor([8, 6, 4, 4, 6, 6, 8, 8]))
-    (64, 4)
+    (128, 4)
     """
     mean = segment_mean(subtree_end)
     return next((block, fanout) for least, block, fanout in BLOCK_RULE if mean >= least)
@@ -62,8 +63,8 @@ def choose_block(subtree_end: torch.Tensor) -> tuple[int, int]:
 def block_and_fanout(subtree_end: torch.Tensor, block: int | None, fanout: int | None) -> tuple[int, int]:
     """The ``(block, fanout)`` given, each None filled in by :func:`choose_block`.
 
-    >>> block_and_fanout(torch.full((4096,), 4096), None, 4)
-    (256, 4)
+    >>> block_and_fanout(torch.full((4096,), 4096), None, 8)
+    (128, 8)
     """
     if block is not None and block < 1 or fanout is not None and fanout < 2:
         raise ValueError(f"blocksparse_attention: need block >= 1 and fanout >= 2, got {block}, {fanout}")
