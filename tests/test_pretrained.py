@@ -192,6 +192,20 @@ def test_default_data_for_a_named_model_is_the_messages_sample():
     assert data_path(TrainConfig()).name == "agent-dialogues.jsonl.gz"
 
 
+def test_stats_on_a_named_model(env, tmp_path, capsys):
+    """``treetrain stats --model smollm2-135m-instruct``: the name resolves as in train (its cached
+    directory: the model's vocabulary is checked, its tokenizer shows the text)."""
+    data = tmp_path / "m.jsonl"
+    conv = [{"role": "user", "content": "the sum?"}, {"role": "assistant", "content": "the answer"}]
+    data.write_text(
+        json.dumps({"messages": [conv, [*conv[:1], {"role": "assistant", "content": "in"}]]}) + "\n"
+    )
+    assert main(["stats", "--model", NAME, "--data", str(data), "--show", "1"]) == 0
+    out = capsys.readouterr().out
+    # decoded with the model's own tokenizer, one line per node
+    assert '"the answer<|im_end|>\\n"  [path 0]' in out and '"in<|im_end|>\\n"  [path 1]' in out
+
+
 def test_bench_on_a_named_model(env, tmp_path):
     """``treetrain bench --model smollm2-135m-instruct``: the pretrained model's sizes, the name in the
     result file's name and header; tree and baseline agree on it."""

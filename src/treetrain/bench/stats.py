@@ -57,7 +57,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--capacity", type=int, default=None, help="token budget: also report partition ERR (default off)"
     )
     p.add_argument(
-        "--model", default=None, help="local model dir/config for the FLOP bound (default: Qwen3-0.6B shape)"
+        "--model",
+        default=None,
+        help="local model dir/config for the FLOP bound, or smollm2-135m-instruct (default: Qwen3-0.6B's)",
     )
     p.add_argument(
         "--vocab-size",
@@ -178,7 +180,12 @@ def main(args: argparse.Namespace) -> int:
 
     if args.file and args.data and args.file != args.data:
         raise ValueError(f"two data files: {args.file} and --data {args.data}; give one (--data)")
-    path = args.data or args.file or data.sample_path("agent-dialogues")
+    path = args.data or args.file
+    if path is None:  # the sample train would use: the messages one for a model known by name
+        from treetrain.models.pretrained import PRETRAINED
+        from treetrain.train.batches import PRETRAINED_SAMPLE, SAMPLE
+
+        path = data.sample_path(PRETRAINED_SAMPLE if args.model in PRETRAINED else SAMPLE)
     if Path(path).is_dir() and not is_table_source(path):
         raise ValueError(
             f"--data {path}: is a directory, not a data file (nor a datasets.save_to_disk directory); "
@@ -187,6 +194,10 @@ def main(args: argparse.Namespace) -> int:
     if not Path(path).exists():
         what = "a JSONL (or Parquet/Arrow/datasets) file of trees"
         raise ValueError(f"--data {path}: no such data file; pass {what}, or omit it for the sample")
+    if args.model is not None:  # a name of a known pretrained model: its cached directory, as train
+        from treetrain.models.pretrained import resolve_model
+
+        args.model = resolve_model(args.model)
     if args.model is not None and not (Path(args.model) / "config.json").is_file():
         from treetrain.train.build import hub_id_hint
 
