@@ -8,8 +8,11 @@ per-turn tree (``--turns`` nested samples of one dialogue) and a group tree (``-
 sharing a prompt at ``--por``): one SFT training step per mode through the library
 (:func:`treetrain.bench.cases.run_case`: a warm-up round, then interleaved repeats; best, median,
 spread, the machine's load and the noise verdict; peak memory in fresh processes; the largest
-log-prob difference between the modes). Both modes get the tree's token count as their micro-batch
-budget, so the baseline runs its paths in several micro-batches (as ``benchmarks/scaling.py``).
+log-prob difference between the modes). The tree gets its own token count as its micro-batch
+budget; the baseline the fastest of that (several paths per micro-batch, as ``benchmarks/scaling.py``),
+the longest path, and one path per forward, measured per case before the timed rounds: the torch step
+loops (xLSTM, RWKV, KDA) pay per step a cost that grows with the paths a micro-batch stacks, so one
+path per forward can be the faster baseline.
 The bound counts the recurrent layers' state updates and convolutions
 (:func:`treetrain.trees.flops.mixer_cost`) beside the linear layers, attention pairs and head.
 Next to it, what the recurrent scans run in each mode, independent of the machine's load: calls
@@ -108,6 +111,7 @@ def run_family(family: str, a, rate: float, device, dtype) -> list[dict]:
         res = bench.run_case(
             f"{family} {shape}", model, model_args, trees, capacity, a.repeats, None, cost, rate, a.memory,
             a.matmul_size, factory=family_model,
+            baseline_capacities=(int(tree.path_lengths.max()), bench.ONE_PATH),
         )  # fmt: skip
         base, tree_f, _ = bench.case_flops(trees, capacity, no_rec)
         scans = {m: scan_work(bench.prepare(m, trees, capacity)) for m in ("tree", "sequence")}
@@ -244,17 +248,21 @@ def node_overhead(family: str, a, device, dtype, splits) -> dict | None:
 
 def part1_table(rows: list[dict]) -> str:
     out = [
-        "| family (model) | tree | tree tokens | baseline tokens | tree s | baseline s | speedup "
+        "| family (model) | tree | tree tokens | baseline tokens | baseline budget | tree s | baseline s "
+        "| speedup "
         "| FLOP bound | bound w/o recurrent | efficiency | spread tree/base | peak MB tree/base "
         "| max logprob diff | timings |",
-        "|" + "---|" * 14,
+        "|" + "---|" * 15,
     ]
     for row in rows:
         r = row["result"]
+        budget = r.get("baseline_capacity") or r["tree_tokens"]
+        budget = "1 path" if budget == bench.ONE_PATH else f"{budget:,}"
         mem = "-" if r["tree_peak_mb"] is None else f"{r['tree_peak_mb']:.0f}/{r['baseline_peak_mb']:.0f}"
         out.append(
             f"| {row['family']} ({row['model_type']}) | {row['shape']} | {r['tree_tokens']:,} | "
-            f"{r['baseline_tokens']:,} | {r['tree_s']:.3f} | {r['baseline_s']:.3f} | {r['speedup']:.2f}x "
+            f"{r['baseline_tokens']:,} | {budget} | {r['tree_s']:.3f} | {r['baseline_s']:.3f} "
+            f"| {r['speedup']:.2f}x "
             f"| {r['flop_bound']:.2f}x | {row['bound_no_recurrent']:.2f}x | {r['efficiency']:.2f} "
             f"| {r['tree_spread']:.0%}/{r['baseline_spread']:.0%} | {mem} | {r['max_logprob_diff']:.1e} "
             f"| {'NOT TRUSTWORTHY' if r['untrusted'] else 'ok'} |"
@@ -388,9 +396,9 @@ def run(a: argparse.Namespace) -> tuple[list[dict], list[dict], str]:
         f"{time.perf_counter() - t_start:.0f} s\n"
         f"- models (`treetrain.bench.families`): hidden {a.hidden}, vocab {a.vocab}, float32, random init\n"
         f"- trees: per-turn {a.turns} turns x {a.turn_len} tokens; group {a.paths} paths x {a.path_len} "
-        f"at POR {a.por}; both modes with the tree's tokens as micro-batch budget; best of {a.repeats} "
-        f"steps after a "
-        f"warm-up (median, spread in the JSON)\n"
+        f"at POR {a.por}; micro-batch budget: the tree's tokens (tree), the fastest of that, the "
+        f"longest path and one path per forward (baseline, searched per case); best of {a.repeats} "
+        "steps after a warm-up (median, spread in the JSON)\n"
         f"- command: `python benchmarks/hybrids.py {a.command}`\n\n"
     )
     text = head + "### Tree vs baseline (SFT training step)\n\n" + part1_table(rows) + "\n\n"

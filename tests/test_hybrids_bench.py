@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from benchmarks.hybrids import deep_tree, parse_args, run, scan_work, wide_tree
+from benchmarks.hybrids import deep_tree, parse_args, run, scan_work, shape_trees, wide_tree
 from treetrain.bench import cases as bench
 from treetrain.bench.families import FAMILIES, family_config, linear_flops
 from treetrain.trees.flops import layer_kinds, mixer_cost
@@ -63,6 +63,37 @@ def test_scan_work_of_a_per_turn_tree():
     assert scan_work(bench.prepare("sequence", [tree], 6)) == dict(calls=2, steps=10, padded=14, tokens=12)
 
 
+def test_fastest_capacity_takes_the_fastest_budget(monkeypatch):
+    """The baseline's budget search: every candidate timed (warm-up untimed), the fastest kept; the
+    candidates are clipped to the case's tokens as ``case_capacity`` does."""
+    tree = bench.group_tree(0.5, 4, 8, 50)  # 4 paths of 8 sharing about half
+    n = tree.num_tokens
+    assert n > 16
+    seen = []
+
+    def timed(fn, device):  # the micro-batch count stands for the time: one path per forward is fastest
+        micro = fn.__defaults__[0]
+        seen.append(micro)
+        return {n: 3.0, 16: 2.0, 8: 1.0}[micro], 0.0
+
+    monkeypatch.setattr(bench, "_timed", timed)
+    monkeypatch.setattr(bench, "train_step", lambda mode, model, trees, micro, backend: None)
+    monkeypatch.setattr(bench, "prepare", lambda mode, trees, c: c)  # stands in for the micro-batches
+    model = SimpleNamespace(zero_grad=lambda set_to_none: None)
+    assert bench.fastest_capacity(model, [tree], (999, 8, 16), None, "cpu") == 8
+    assert sorted(set(seen)) == [8, 16, n] and len(seen) == 3 * 3  # warm-up + 2 rounds, each budget
+
+
+def test_one_path_per_forward_baseline():
+    tree = bench.per_turn_tree(4, 8, 50)  # paths of 8, 16, 24, 32 tokens
+    packed = bench.prepare("sequence", [tree], 32)
+    assert [p.num_tokens for p in packed] == [32, 16, 32]  # [8 + 24], [16], [32]
+    alone = bench.prepare("sequence", [tree], bench.ONE_PATH)
+    assert sorted(p.num_tokens for p in alone) == [8, 16, 24, 32]
+    with pytest.raises(AssertionError):
+        bench.prepare("tree", [tree], bench.ONE_PATH)
+
+
 def test_overhead_trees():
     wide, deep = pack(wide_tree(64, 4, 50)), pack(deep_tree(64, 4, 50))
     assert wide.num_tokens == 64 and wide.node_parent.tolist() == [-1, 0, 0, 0, 0]
@@ -79,5 +110,8 @@ def test_one_family_end_to_end():
         assert r["max_logprob_diff"] < 1e-4 and r["speedup"] > 0  # float32: the modes agree
         assert r["flop_bound"] > row["bound_no_recurrent"] > 1  # Mamba's state work weighs the token ratio
         assert r["efficiency"] == pytest.approx(r["speedup"] / r["flop_bound"])
+        # the baseline's budget was searched: the tree's tokens or one path per micro-batch
+        tree = shape_trees(a)[row["shape"]]
+        assert r["baseline_capacity"] in (tree.num_tokens, int(tree.path_lengths.max()), bench.ONE_PATH)
     assert [p["nodes"] for p in over[0]["shapes"]["deep"]["points"]] == [1, 7, 31]
     assert "### Per-node overhead" in text and "| mamba (jamba) | per-turn |" in text

@@ -54,8 +54,16 @@ def _objective():
     return PolicyObjective(Objective("sft", report_entropy=False))  # as a plain HF step: no entropy metric
 
 
+ONE_PATH = -1  # a baseline budget for ``prepare`` / ``run_case``: every path its own forward
+
+
 def prepare(mode: str, trees: list[TrajectoryTree], capacity: int) -> list:
-    """The packed micro-batches ``mode`` runs (built before timing, as a data loader would)."""
+    """The packed micro-batches ``mode`` runs (built before timing, as a data loader would);
+    ``capacity=ONE_PATH`` (baseline only): one path per micro-batch, whatever their lengths."""
+    if capacity == ONE_PATH:
+        assert mode == "sequence", mode
+        longest = max(int(t.path_lengths.max()) for t in trees)
+        return [pack([path]) for mb in _objective().microbatches(trees, mode, longest) for path in mb]
     return [pack(mb) for mb in _objective().microbatches(trees, mode, capacity)]
 
 
@@ -229,6 +237,9 @@ class Result:
     baseline_live_mb: float | None = None
     tree_live_mb: float | None = None
     activation_bound: float = 1.0
+    # the baseline's micro-batch token budget: ``capacity``, or the fastest of ``baseline_capacities``
+    # (``ONE_PATH``: one path per forward)
+    baseline_capacity: int = 0
 
 
 def _timed(fn, device) -> tuple[float, float]:
@@ -286,16 +297,25 @@ def run_case(
     memory: bool,
     matmul_size: int = 2048,
     factory=None,
+    baseline_capacities: tuple[int, ...] = (),
 ) -> Result:
     """One case: both modes (and a plain HF step on one-path cases) timed ``repeats`` times each,
     interleaved, after an untimed warm-up round; the load while they ran and the verdict on them.
-    ``factory(*model_args)`` rebuilds the model for the peak-memory processes (:func:`peak_memory`)."""
+    ``factory(*model_args)`` rebuilds the model for the peak-memory processes (:func:`peak_memory`).
+    ``baseline_capacities``: other micro-batch budgets for the baseline alone (``ONE_PATH``: one
+    path per forward), searched before the timed rounds (:func:`fastest_capacity`); the fastest is
+    the baseline."""
     device = model.get_input_embeddings().weight.device
     capacity = case_capacity(trees, capacity)
     vocab = model.get_output_embeddings().weight.shape[0]
     base_flops, tree_flops, computed = case_flops(trees, capacity, cost, vocab)
     modes = ["sequence", "tree"] + (["hf"] if all(t.num_paths == 1 for t in trees) else [])
-    micro = {m: prepare(m, trees, capacity) if m != "hf" else [] for m in modes}
+    base_cap = capacity
+    if baseline_capacities:
+        base_cap = fastest_capacity(model, trees, (capacity, *baseline_capacities), backend, device)
+    micro = {
+        m: prepare(m, trees, base_cap if m == "sequence" else capacity) if m != "hf" else [] for m in modes
+    }
     times: dict[str, list[float]] = {m: [] for m in modes}
     losses: dict[str, float] = {}
     # the rate right before this case's steps: on a shared machine the load changes during a run
@@ -314,7 +334,12 @@ def run_case(
     load = monitor.stop() if repeats else None
     model.zero_grad(set_to_none=True)
     peaks = {
-        m: peak_memory(m, model, model_args, trees, capacity, backend, factory) / 2**20 if memory else None
+        m: peak_memory(
+            m, model, model_args, trees, base_cap if m == "sequence" else capacity, backend, factory
+        )
+        / 2**20
+        if memory
+        else None
         for m in ("sequence", "tree")
     }
     live = {m: live_peak_mb(m, model, trees, micro[m], backend) for m in ("sequence", "tree")}
@@ -359,7 +384,29 @@ def run_case(
         max_logprob_diff=max_logprob_diff(model, trees, capacity, backend),
         loss_diff=abs(losses["tree"] - losses["sequence"]),
         matmul_gflops=rate / 1e9,
+        baseline_capacity=base_cap,
     )
+
+
+def fastest_capacity(model, trees, capacities: tuple[int, ...], backend, device, rounds: int = 2) -> int:
+    """The baseline's fastest micro-batch budget among ``capacities``: each timed ``rounds`` times
+    after a warm-up step, interleaved, the best of each compared. Per-step loops on CPU (xLSTM, RWKV,
+    KDA's torch scans) pay per step a cost that depends on how many paths a micro-batch stacks, not
+    only on its FLOPs, so the budget a careful user would pick is measured, not assumed.
+
+    Example: ``fastest_capacity(model, [tree], (1026, ONE_PATH), None, cpu)`` is ``ONE_PATH`` when
+    one path per forward runs faster than four packed in 1,026 tokens."""
+    caps = sorted({c if c == ONE_PATH else case_capacity(trees, c) for c in capacities})
+    micro = {c: prepare("sequence", trees, c) for c in caps}
+    best = dict.fromkeys(caps, float("inf"))
+    for r in range(rounds + 1):
+        for c in caps if r % 2 == 0 else caps[::-1]:
+            model.zero_grad(set_to_none=True)
+            dt, _ = _timed(lambda c=c: train_step("sequence", model, trees, micro[c], backend), device)
+            if r > 0:
+                best[c] = min(best[c], dt)
+    model.zero_grad(set_to_none=True)
+    return min(caps, key=best.__getitem__)
 
 
 def live_peak_mb(mode: str, model, trees, micro, backend) -> float:
