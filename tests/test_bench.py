@@ -35,6 +35,14 @@ def test_sample_by_kind_keeps_the_smallest_tree_of_each_kind():
     ]
 
 
+def test_baseline_budgets_to_search():
+    from treetrain.bench.cases import ONE_PATH
+    from treetrain.bench.command import baseline_budgets
+
+    trees = [per_turn_tree(turns=3, turn_len=16, vocab=50)]  # paths of 16, 32 and 48 tokens
+    assert baseline_budgets(trees, 4096) == (4096, 48, ONE_PATH)
+
+
 @pytest.mark.slow
 def test_bench_cli_small(tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
@@ -52,6 +60,8 @@ def test_bench_cli_small(tmp_path):
         assert r["flop_bound"] >= 1 and r["speedup"] > 0 and r["baseline_peak_mb"] >= 0
         assert r["efficiency"] == pytest.approx(r["speedup"] / r["flop_bound"])
         assert r["tree_mfu"] > 0 and r["baseline_mfu"] > 0
+        # the baseline's budget searched: the tree's, --capacity 96, the longest path's, one path
+        assert r["baseline_capacity"] in {-1, 96, r["computed_tokens"], 48, 40, 16 * 3}
     assert results[0]["flop_bound"] > 1 and results[0]["hf_s"] is None
     assert results[2]["flop_bound"] == 1 and results[2]["hf_s"] > 0  # one path: a plain HF step too
     assert png.stat().st_size > 1000

@@ -391,13 +391,22 @@ def run_case(
 def fastest_capacity(model, trees, capacities: tuple[int, ...], backend, device, rounds: int = 2) -> int:
     """The baseline's fastest micro-batch budget among ``capacities``: each timed ``rounds`` times
     after a warm-up step, interleaved, the best of each compared. Per-step loops on CPU (xLSTM, RWKV,
-    KDA's torch scans) pay per step a cost that depends on how many paths a micro-batch stacks, not
-    only on its FLOPs, so the budget a careful user would pick is measured, not assumed.
+    KDA's torch scans) pay per step a cost that depends on how many paths a micro-batch stacks, and a
+    matmul's rate depends on its rows (the LM head of a 151,936-token vocabulary), not only on FLOPs,
+    so the budget a careful user would pick is measured, not assumed. A budget may exceed the tree's
+    tokens (up to all paths in one forward): only the fastest is kept. Budgets that cut the same
+    micro-batches are timed once.
 
     Example: ``fastest_capacity(model, [tree], (1026, ONE_PATH), None, cpu)`` is ``ONE_PATH`` when
     one path per forward runs faster than four packed in 1,026 tokens."""
-    caps = sorted({c if c == ONE_PATH else case_capacity(trees, c) for c in capacities})
-    micro = {c: prepare("sequence", trees, c) for c in caps}
+    total = sum(t.num_path_tokens for t in trees)
+    micro: dict[int, list] = {}
+    for c in sorted({c if c == ONE_PATH else max(1, min(c, total)) for c in capacities}):
+        mb = prepare("sequence", trees, c)
+        shapes = [p.num_tokens for p in mb]
+        if all([q.num_tokens for q in other] != shapes for other in micro.values()):
+            micro[c] = mb  # budgets that cut the same micro-batches are timed once
+    caps = list(micro)
     best = dict.fromkeys(caps, float("inf"))
     for r in range(rounds + 1):
         for c in caps if r % 2 == 0 else caps[::-1]:

@@ -5,8 +5,10 @@ through the code ``treetrain train --objective sft`` runs (its micro-batches and
 :mod:`treetrain.objectives.policy.training`):
 
 - **baseline** (:mod:`treetrain.objectives.baseline`): every path its own sequence, packed padding-free into
-  micro-batches of at most ``--capacity`` tokens (varlen causal attention through the same backend
-  family; one sequence alone runs SDPA's causal kernel), the chunked LM head on trained targets only;
+  micro-batches (varlen causal attention through the same backend family; one sequence alone runs
+  SDPA's causal kernel), the chunked LM head on trained targets only; its micro-batch budget is the
+  fastest of the tree's, ``--capacity``, the longest path's and one path per forward, timed per case
+  before the clock starts (``--no-baseline-search``: the tree's);
 - **tree**: each tree (partitioned to ``--capacity`` if needed) in one forward, every shared
   prefix once, the same head on the distinct trained targets.
 
@@ -40,7 +42,6 @@ from treetrain.bench.presets import PRESETS, estimate
 from treetrain.bench.report import _mib, format_table, hardware_slug, plot, results_header
 
 if TYPE_CHECKING:  # torch and numpy are imported when the command runs, not for its --help
-
     from treetrain.trees.tree import TrajectoryTree
 
 
@@ -113,6 +114,13 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="micro-batch token budget, both modes (presets: every case's tree fits, and the baseline's "
         "micro-batches stay small enough to run at full speed on CPU: 4k-token ones ran 15%% faster "
         "than 16k on a 2-core CPU)",
+    )
+    p.add_argument(
+        "--no-baseline-search",
+        dest="baseline_search",
+        action="store_false",
+        help="give the baseline the tree's micro-batch budget instead of the fastest of the tree's, "
+        "--capacity, the longest path's and one path per forward (each timed before the case)",
     )
     p.add_argument(
         "--repeats",
@@ -208,6 +216,19 @@ def renumber(trees: list[TrajectoryTree], vocab: int) -> list[TrajectoryTree]:
     ]
 
 
+def baseline_budgets(trees: list, capacity: int) -> tuple[int, ...]:
+    """The baseline's budgets to search beside the tree's: ``capacity``, the longest path, one path
+    per forward (:data:`treetrain.bench.cases.ONE_PATH`).
+
+    >>> from treetrain.trees.tree import TrajectoryTree
+    >>> baseline_budgets([TrajectoryTree.from_paths([[1, 2, 3], [1, 2, 4, 5]])], 4096)
+    (4096, 4, -1)
+    """
+    from treetrain.bench.cases import ONE_PATH
+
+    return (capacity, max(int(t.path_lengths.max()) for t in trees), ONE_PATH)
+
+
 def main(args: argparse.Namespace) -> int:
     import torch
 
@@ -253,9 +274,10 @@ def main(args: argparse.Namespace) -> int:
     if machine:
         print("  WARNING, a busy machine: " + "; ".join(machine) + ". Timings will be marked.", flush=True)
     cases = _cases(args, args.vocab)
-    # work of every case: both modes, warm-up + repeats, plus the untimed log-prob check (~1/3 step)
+    # work of every case: both modes, warm-up + repeats, plus the untimed log-prob check (~1/3 step),
+    # and the baseline's budget search (3 steps of each other budget: one, typically)
     work = [
-        (args.repeats + 2.4) * (b + t)
+        (args.repeats + 2.4) * (b + t) + (3 * b if args.baseline_search else 0)
         for b, t, _ in (
             case_flops(trees, case_capacity(trees, args.capacity), cost, args.vocab) for _, trees in cases
         )
@@ -280,6 +302,7 @@ def main(args: argparse.Namespace) -> int:
             rate,
             args.memory,
             args.matmul_size,
+            baseline_capacities=baseline_budgets(trees, args.capacity) if args.baseline_search else (),
         )
         sec_per_flop = (time.perf_counter() - t_start) / sum(work[: i + 1])
         print(

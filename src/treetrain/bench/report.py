@@ -44,7 +44,7 @@ def format_table(results: list[Result], machine: list[str] = ()) -> str:
     speedup and each mode's spread beside them, and whether the case's timings can be trusted."""
     head = (
         "| case | paths | baseline tok | tree tok | POR | speedup (best) | median (spread base/tree) "
-        "| FLOP bound | efficiency | baseline s | tree s | MFU base/tree | HF s (tree/HF) "
+        "| FLOP bound | efficiency | baseline s (budget) | tree s | MFU base/tree | HF s (tree/HF) "
         "| peak MB base/tree | live MiB base/tree (ratio; activation bound) | max lp diff | timings |"
     )
     lines = [head, "|" + "---|" * 17]
@@ -56,13 +56,18 @@ def format_table(results: list[Result], machine: list[str] = ()) -> str:
         lines.append(
             f"| {r.name} | {r.paths} | {r.baseline_tokens:,} | {r.computed_tokens:,} | {r.por:.1%} "
             f"| {r.speedup:.2f}x | {r.speedup_median:.2f}x ({r.baseline_spread:.0%}/{r.tree_spread:.0%}) "
-            f"| {r.flop_bound:.2f}x | **{r.efficiency:.2f}** | {r.baseline_s:.3f} "
+            f"| {r.flop_bound:.2f}x | **{r.efficiency:.2f}** | {r.baseline_s:.3f} ({_budget(r)}) "
             f"| {r.tree_s:.3f} | {r.baseline_mfu:.2f}/{r.tree_mfu:.2f} | {hf} "
             f"| {_opt(r.baseline_peak_mb, '.0f')}/{_opt(r.tree_peak_mb, '.0f')} | {_live(r)} "
             f"| {r.max_logprob_diff:.1e} "
             f"| {trust} |"
         )
     return "\n".join(lines) + noise_notes(results, machine)
+
+
+def _budget(r: Result) -> str:
+    """The baseline's micro-batch budget: tokens, or one path per forward (``ONE_PATH``, -1)."""
+    return "1 path" if r.baseline_capacity == -1 else f"{r.baseline_capacity:,} tok"
 
 
 def noise_notes(results: list[Result], machine: list[str] = ()) -> str:
