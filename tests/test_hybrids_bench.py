@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from benchmarks.hybrids import deep_tree, parse_args, run, scan_work, shape_trees, wide_tree
+from benchmarks.hybrids import deep_tree, parse_args, priced_bound, run, scan_work, shape_trees, wide_tree
 from treetrain.bench import cases as bench
 from treetrain.bench.families import FAMILIES, family_config, linear_flops
 from treetrain.trees.flops import layer_kinds, mixer_cost
@@ -65,23 +65,46 @@ def test_scan_work_of_a_per_turn_tree():
 
 def test_fastest_capacity_takes_the_fastest_budget(monkeypatch):
     """The baseline's budget search: every candidate timed (warm-up untimed), the fastest kept; the
-    candidates are clipped to the case's tokens as ``case_capacity`` does."""
+    candidates are clipped to all the paths in one forward (not to the tree's tokens: a larger
+    budget is kept only where it is faster), and budgets that cut the same micro-batches are timed
+    once."""
     tree = bench.group_tree(0.5, 4, 8, 50)  # 4 paths of 8 sharing about half
-    n = tree.num_tokens
-    assert n > 16
+    total = tree.num_path_tokens
+    assert total == 32 and tree.num_tokens < total
     seen = []
 
-    def timed(fn, device):  # the micro-batch count stands for the time: one path per forward is fastest
-        micro = fn.__defaults__[0]
-        seen.append(micro)
-        return {n: 3.0, 16: 2.0, 8: 1.0}[micro], 0.0
+    def timed(fn, device):  # the budget stands for the time: one path per forward is fastest
+        budget = fn.__defaults__[0]
+        seen.append(budget)
+        return {total: 3.0, 16: 2.0, bench.ONE_PATH: 1.0}[budget], 0.0
 
     monkeypatch.setattr(bench, "_timed", timed)
     monkeypatch.setattr(bench, "train_step", lambda mode, model, trees, micro, backend: None)
-    monkeypatch.setattr(bench, "prepare", lambda mode, trees, c: c)  # stands in for the micro-batches
     model = SimpleNamespace(zero_grad=lambda set_to_none: None)
-    assert bench.fastest_capacity(model, [tree], (999, 8, 16), None, "cpu") == 8
-    assert sorted(set(seen)) == [8, 16, n] and len(seen) == 3 * 3  # warm-up + 2 rounds, each budget
+    # 999 clips to 32 (all four paths), 16 packs two per forward, ONE_PATH and 8 one: the same cut
+    assert bench.fastest_capacity(model, [tree], (999, 8, 16, bench.ONE_PATH), None, "cpu") == bench.ONE_PATH
+    assert sorted(seen) == sorted([bench.ONE_PATH, 16, total] * 3)  # warm-up + 2 rounds, each budget once
+
+
+def test_step_loop_bound_prices_the_layers_by_their_time():
+    """The speedup is (s A_base + L_base) / (s A_tree + L_tree) for a rest s >= 1 times slower than
+    the matmul rate: it lies between its value at s = 1 and the rest's own ratio, so the bound is
+    the larger of the two. Hand numbers: rest 0.4 / 0.2 s, layers 1.2 / 0.4 s."""
+    b = priced_bound({"sequence": 0.4, "tree": 0.2}, {"sequence": 1.2, "tree": 0.4})
+    assert b["priced"] == pytest.approx(1.6 / 0.6) and b["rest"] == 2.0 and b["bound"] == b["priced"]
+    for s in (1.0, 2.0, 10.0, 1e6):  # every slower rest stays under the bound
+        assert (s * 0.4 + 1.2) / (s * 0.2 + 0.4) <= b["bound"] + 1e-12
+    # layers that gain less than the rest: the rest's ratio bounds it
+    assert priced_bound({"sequence": 0.4, "tree": 0.2}, {"sequence": 0.3, "tree": 0.2})["bound"] == 2.0
+
+
+def test_linear_flops_within_one_layer():
+    model = nn.Module()
+    model.config = SimpleNamespace()
+    model.a, model.b = nn.Linear(8, 16), nn.Linear(16, 8)
+    model.get_input_embeddings = lambda: nn.Identity()
+    model.get_output_embeddings = lambda: nn.Identity()
+    assert linear_flops(model) == 512 and linear_flops(model, within=model.b) == 256
 
 
 def test_one_path_per_forward_baseline():

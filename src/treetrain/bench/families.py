@@ -158,11 +158,12 @@ def family_model(
     return transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).to(device)
 
 
-def linear_flops(model: nn.Module) -> float:
+def linear_flops(model: nn.Module, within: nn.Module | None = None) -> float:
     """Forward FLOPs per token of the decoder's weight matmuls: twice every ``nn.Linear`` weight and
     every other parameter used as a matrix (its last two dims > 1: RG-LRU's block-diagonal gates,
     MoE expert stacks, scaled by ``experts_per_token / experts``), without the embeddings, the LM head
     and the convolutions (counted with the recurrences, :func:`treetrain.trees.flops.mixer_cost`).
+    ``within``: only that submodule's weights (one decoder layer, one mixer).
 
     Example: one ``nn.Linear(8, 16)`` and one ``nn.Linear(16, 8)`` between embedding and head: 512.
     """
@@ -174,7 +175,7 @@ def linear_flops(model: nn.Module) -> float:
     outside += [m for m in model.modules() if isinstance(m, nn.Conv1d)]
     skip = {id(p) for m in outside for p in m.parameters()}
     total = 0.0
-    for name, p in model.named_parameters():
+    for name, p in (within or model).named_parameters():
         if id(p) in skip or p.ndim < 2 or min(p.shape[-2:]) < 2:
             continue
         share = min(1.0, active / experts) if "experts" in name and experts > 1 else 1.0
