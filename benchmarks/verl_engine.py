@@ -65,6 +65,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import os
 import sys
 import tempfile
 import time
@@ -237,6 +238,43 @@ def verl_work(rows: list[list[int]], micro: list[list[int]], device: str, padded
     return total
 
 
+def step_gib(rows: list[list[int]], micro: list[list[int]], padded: bool, cfg) -> float:
+    """A conservative estimate of the GiB of live tensors one verl step over these micro-batches
+    peaks at: the largest micro-batch's tokens (padded: rows x its longest) times 3 float32 vocab
+    rows (logits, log-softmax, their gradient) and 16 floats per hidden unit and layer (checkpointed
+    activations, recomputed ones), plus parameters, gradients and AdamW's two states.
+
+    Calibrated on the quiet runs of 2026-11-26 (``small``): one row of 4,158 tokens peaked at 1,630
+    MiB of live tensors where this says 2,081; one of 1,082 at 479 where this says 762.
+
+    >>> cfg = transformers.Qwen3Config(hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+    ...     num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=32000)
+    >>> round(step_gib([[0] * 4158], [[0]], False, cfg) * 1024)
+    2081
+    """
+    params = _params(cfg)
+    tokens = max(
+        len(idx) * max(len(rows[i]) for i in idx) if padded else sum(len(rows[i]) for i in idx)
+        for idx in micro
+    )
+    per_token = 4 * (3 * cfg.vocab_size + 16 * cfg.hidden_size * cfg.num_hidden_layers)
+    return (tokens * per_token + 16 * params) / 2**30
+
+
+def _params(cfg) -> int:
+    """Parameters of a Qwen3 model of this shape with an untied head (as the benchmark builds it), the
+    norms left out (a few thousand)."""
+    h, L, d = cfg.hidden_size, cfg.num_hidden_layers, cfg.head_dim
+    attn = h * d * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
+    return 2 * cfg.vocab_size * h + L * (attn + 3 * h * cfg.intermediate_size)
+
+
+def memory_budget_gib() -> float:
+    """Half of the machine's memory: both engines, the allocator's cache and the tree's step live
+    beside the configuration being timed."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**31
+
+
 def verl_pairs(rows: list[list[int]], micro: list[list[int]], device: str) -> int:
     """Attention scores verl's engine computes over these (unpadded) micro-batches."""
     return verl_work(rows, micro, device).pairs
@@ -277,7 +315,7 @@ class Case:
     """One case's batch, verl's configurations with their micro-batches and FLOPs, and one step of
     each mode (``tree``, a configuration's name)."""
 
-    def __init__(self, engines, cfg, P, n, C, prompts, device, screen_flops=SCREEN_FLOPS):
+    def __init__(self, engines, cfg, P, n, C, prompts, device, screen_flops=SCREEN_FLOPS, budget_gib=None):
         from treetrain.trees.flops import CostModel
 
         self.engines, self.cfg, self.device = engines, cfg, device
@@ -285,7 +323,7 @@ class Case:
         _, self.rows = make_batch(prompts, P, n, C, cfg.vocab_size)
         self.configs = verl_configs(self.rows, device)
         cost = CostModel.from_config(cfg)
-        self.micro, self.work, self.flops, seen = {}, {}, {}, {}
+        self.micro, self.work, self.flops, self.gib, seen = {}, {}, {}, {}, {}
         for name, c in self.configs.items():
             td, _ = make_batch(
                 prompts, P, n, C, cfg.vocab_size, c["budget"], remove_padding=c["remove_padding"]
@@ -293,14 +331,24 @@ class Case:
             self.micro[name] = verl_micro_batches(td)
             self.work[name] = verl_work(self.rows, self.micro[name], device, not c["remove_padding"])
             self.flops[name] = self.work[name].flops(cost, checkpointing=True)
+            self.gib[name] = step_gib(self.rows, self.micro[name], not c["remove_padding"], cfg)
             key = (tuple(map(tuple, self.micro[name])), c["remove_padding"], c["logprobs"])
             c["same_as"] = seen.setdefault(key, name)  # configurations that run the same step
         self.work["tree"], tree = tree_work(self.rows)
         self.flops["tree"] = self.work["tree"].flops(cost, checkpointing=True)
         self.path_tokens, self.tree_tokens = tree.num_path_tokens, tree.num_tokens
+        budget = memory_budget_gib() if budget_gib is None else budget_gib
+        self.too_big = {name: gib for name, gib in self.gib.items() if gib > budget}  # never run
+        self.budget_gib = budget
         own = [name for name, c in self.configs.items() if name != "default" and c["same_as"] == name]
-        self.least = min(own, key=self.flops.get)
-        self.screened = [name for name in own if self.flops[name] <= screen_flops * self.flops[self.least]]
+        fits = [name for name in own if name not in self.too_big]
+        if not fits:
+            raise ValueError(
+                f"case P={P} n={n} C={C} x{prompts}: no verl configuration fits the memory budget "
+                f"({budget:.1f} GiB; 1 row needs ~{self.gib['1 row']:.1f}): pass --memory-budget-gib"
+            )
+        self.least = min(fits, key=self.flops.get)
+        self.screened = [name for name in fits if self.flops[name] <= screen_flops * self.flops[self.least]]
 
     def step(self, mode: str, clock=None):
         """A function that runs one ``train_batch`` of ``mode``; with ``clock``, it returns the
@@ -339,6 +387,7 @@ def run_case(case: Case, repeats: int, clock=time.perf_counter, default=True, me
     dev = case.device
     for mode in ("tree", case.least):  # warm-up: one step of each engine
         case.step(mode)()
+    default = default and "default" not in case.too_big
     names = case.screened + (["default"] if default else [])
     screen = {name: case.step(name, clock)() for name in names}
     best = min(screen, key=screen.get)
@@ -357,7 +406,8 @@ def run_case(case: Case, repeats: int, clock=time.perf_counter, default=True, me
         "P": case.P, "n": case.n, "C": case.C, "prompts": case.prompts, "path_tokens": case.path_tokens,
         "tree_tokens": case.tree_tokens, "best": best, "screen": screen, "micro": len(case.micro[best]),
         "skipped": {n: case.flops[n] / case.flops[case.least] for n in case.configs
-                    if n not in names and case.configs[n]["same_as"] == n},
+                    if n not in names and n not in case.too_big and case.configs[n]["same_as"] == n},
+        "too_big": {n: case.gib[n] for n in case.too_big}, "budget_gib": case.budget_gib,
         "verl": stats[best]["best"], "tree": stats["tree"]["best"], "speedup": speedup, "bound": bound,
         "efficiency": speedup / bound,
         "median_efficiency": stats[best]["median"] / stats["tree"]["median"] / bound,
@@ -446,6 +496,10 @@ def screen_table(rows: list[dict]) -> str:
             f"{n} {s:.3f} s" + (" **fastest**" if n == r["best"] else "") for n, s in r["screen"].items()
         ]
         skipped = [f"{n} skipped ({f:.1f}x the FLOPs)" for n, f in r["skipped"].items()]
+        skipped += [
+            f"{n} not run: ~{g:.1f} GiB estimated > the {r['budget_gib']:.1f} GiB budget"
+            for n, g in r.get("too_big", {}).items()
+        ]
         lines.append(f"- P={r['P']} n={r['n']} C={r['C']} x{r['prompts']}: " + "; ".join(timed_ + skipped))
     return "\n".join(lines) + "\n\n"
 
@@ -509,6 +563,7 @@ def estimate(args, cases) -> float:
 
     cfg = transformers.Qwen3Config(**MODELS[args.model])
     cost = CostModel.from_config(cfg)
+    budget = args.memory_budget_gib or memory_budget_gib()
     total = 0.0
     for P, n, C, prompts in cases:
         _, rows = make_batch(prompts, P, n, C, cfg.vocab_size)
@@ -518,11 +573,13 @@ def estimate(args, cases) -> float:
             td, _ = make_batch(
                 prompts, P, n, C, cfg.vocab_size, c["budget"], remove_padding=c["remove_padding"]
             )
-            w = verl_work(rows, verl_micro_batches(td), args.device, not c["remove_padding"])
-            flops[name] = w.flops(cost, checkpointing=True)
+            micro = verl_micro_batches(td)
+            if step_gib(rows, micro, not c["remove_padding"], cfg) > budget:
+                continue  # not run (Case.too_big)
+            flops[name] = verl_work(rows, micro, args.device, not c["remove_padding"]).flops(cost, True)
         least = min(f for n_, f in flops.items() if n_ != "default")
         screened = sum(f for n_, f in flops.items() if n_ != "default" and f <= args.screen_flops * least)
-        screened += 0 if args.no_default else flops["default"]
+        screened += 0 if args.no_default else flops.get("default", 0.0)
         case_flops = (w_tree + least) * (1 + args.repeats + (0 if args.no_memory else 1)) + screened
         total += case_flops
         parts = ", ".join(f"{k} {f / 1e12:.1f}" for k, f in flops.items())
@@ -566,6 +623,12 @@ def main(argv=None) -> list[dict]:
     )
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory step of each mode")
     ap.add_argument(
+        "--memory-budget-gib",
+        type=float,
+        default=None,
+        help="do not run verl configurations whose step_gib estimate exceeds this (default: half the RAM)",
+    )
+    ap.add_argument(
         "--flops",
         action="store_true",
         help="only count the FLOPs each mode's step executes vs the bound's model (no timing)",
@@ -608,8 +671,6 @@ def main(argv=None) -> list[dict]:
             raise SystemExit("--clock cpu measures CPU runs only")
         torch.set_num_threads(1)  # no OpenMP spin-waits counted as work
         clock = time.process_time
-    import os
-
     import torch.distributed as dist
 
     if args.device == "cpu":
@@ -639,7 +700,9 @@ def main(argv=None) -> list[dict]:
         engines = build_engines(workdir, args.device)
         for i, (P, n, C, prompts) in enumerate(grid):
             print(f"case {i + 1}/{len(grid)}: P={P} n={n} C={C} prompts={prompts}", flush=True)
-            case = Case(engines, cfg, P, n, C, prompts, args.device, args.screen_flops)
+            case = Case(
+                engines, cfg, P, n, C, prompts, args.device, args.screen_flops, args.memory_budget_gib
+            )
             if args.flops:
                 audit += flop_audit(case)
                 continue

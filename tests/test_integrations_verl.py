@@ -336,6 +336,25 @@ def test_bench_verl_configurations_and_their_work():
     assert (w.tokens, w.pairs, w.targets) == (30, 300, 30)
 
 
+def test_bench_verl_configurations_over_the_memory_budget_are_not_run():
+    """A configuration whose estimated step does not fit is neither timed nor the baseline, and the
+    result says so; a case where none fits is refused with the flag to pass."""
+    import transformers
+
+    bench = _bench()
+    cfg = transformers.Qwen3Config(**bench.MODELS["tiny"])
+    free = bench.Case(None, cfg, 6, 3, 4, 2, "cpu", budget_gib=1e3)
+    assert free.too_big == {} and "padded" in free.screened
+    # one row of 8-10 tokens fits; all six rows in one micro-batch (packed, padded, default) do not
+    budget = (free.gib["1 row"] + free.gib["packed"]) / 2
+    case = bench.Case(None, cfg, 6, 3, 4, 2, "cpu", budget_gib=budget)
+    assert set(case.too_big) == {"packed", "padded", "default"}
+    assert case.least == "1 row" and not set(case.screened) & set(case.too_big)
+    assert free.gib["padded"] >= free.gib["packed"] > free.gib["2 rows"] > free.gib["1 row"]
+    with pytest.raises(ValueError, match="no verl configuration fits the memory budget"):
+        bench.Case(None, cfg, 6, 3, 4, 2, "cpu", budget_gib=free.gib["1 row"] / 2)
+
+
 @pytest.mark.slow
 def test_bench_quick_runs(tmp_path):
     """The benchmark runs end to end (no timing asserted: a test does not time), and its FLOP model
