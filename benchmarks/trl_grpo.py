@@ -25,7 +25,9 @@ Four modes, the same batch and the same GRPO-shaped loss:
 - ``trl-shipped``: the same, as shipped on this device (on the CPU: every position scored): its
   own column, never the baseline;
 - ``per-path``: the library's per-path baseline (``treetrain.objectives.baseline``): every row alone, no
-  padding, varlen-packed, the chunked head on the scored completion tokens only, entropies too;
+  padding, varlen-packed, the chunked head on the scored completion tokens only, entropies too; its
+  micro-batch budget the faster of the tree's one forward and all rows in one (timed per case,
+  :meth:`Case.search_per_path`: a matmul's rate depends on its rows, the forwards' count on it);
 - ``tree``: ``TreeGRPOTrainer``'s override, each prompt once.
 
 The bounds count what each mode computes (``treetrain.trees.flops``: decoder FLOPs per token run,
@@ -272,14 +274,21 @@ class Case:
         trees = per_path_trees(ids, mask, C)
         tree_tokens = FlatBatch.build(ids.cpu(), mask.cpu(), logits_to_keep=C).tree.num_tokens
         sft, norm = Objective("sft"), loss_normalizer(trees, Objective("sft"))
-        # micro-batches no larger than the tree's one forward (treetrain.bench.command.case_capacity: on
-        # CPU the cost per token grows with the forward's size, so a budget far above the tree's would
-        # charge the baseline for a choice a careful user would not make)
-        capacity = max(tree_tokens, max(t.num_tokens for t in trees))
-        parts = sequence_microbatches(trees, capacity)
-        micro = [pack(mb) for mb in parts]
-        self.bounds = bounds(ids.cpu(), mask.cpu(), C, model.config, device,
-                             [sum(path_targets(t) for t in mb) for mb in parts])  # fmt: skip
+        # the per-path baseline's micro-batch budgets, searched per case (run_case keeps the fastest):
+        # the tree's one forward (on CPU the cost per token grows with the forward's size) and every row
+        # in one forward (a matmul's rate grows with its rows: the head of a large vocabulary)
+        budgets = {max(tree_tokens, max(t.num_tokens for t in trees)), sum(t.num_tokens for t in trees)}
+        self.per_path = {}
+        for budget in sorted(budgets):
+            parts = sequence_microbatches(trees, budget)
+            self.per_path[budget] = (
+                [pack(mb) for mb in parts],
+                [sum(path_targets(t) for t in mb) for mb in parts],
+            )
+        self.bounds_for = lambda budget: bounds(ids.cpu(), mask.cpu(), C, model.config, device,
+                                                self.per_path[budget][1])  # fmt: skip
+        self.budget = min(self.per_path)
+        self.bounds = self.bounds_for(self.budget)
         trl_score = lambda *a, **k: GRPOTrainer._get_per_token_logps_and_entropies(trainer, *a, **k)  # noqa: E731
         self.scores = {
             "trl": trl_score,
@@ -297,8 +306,8 @@ class Case:
 
             return run
 
-        def per_path_step():  # the same head (entropies too) on the same scored targets
-            for packed in micro:
+        def per_path_step(budget=None):  # the same head (entropies too) on the same scored targets
+            for packed in self.per_path[budget or self.budget][0]:
                 compute_loss(model, packed, sft, norm, backend=trainer.tree_backend)[0].backward()
             model.zero_grad(set_to_none=True)
 
@@ -311,6 +320,19 @@ class Case:
 
         self.steps = {m: step(m) for m in ("trl", "trl_shipped", "tree")} | {"per_path": per_path_step}
         self.nograd = {m: nograd(m) for m in ("trl", "tree")}
+
+    def search_per_path(self, rounds: int = 2) -> None:
+        """Keep the per-path baseline's fastest budget: each timed ``rounds`` times after a warm-up
+        step, interleaved (``self.budget``, ``self.bounds`` follow)."""
+        if len(self.per_path) == 1:
+            return
+        best = dict.fromkeys(self.per_path, float("inf"))
+        for r in range(rounds + 1):
+            for budget in list(best) if r % 2 == 0 else list(best)[::-1]:
+                t = timed(lambda b=budget: self.steps["per_path"](b), self.device)
+                best[budget] = min(best[budget], t) if r else best[budget]
+        self.budget = min(best, key=best.get)
+        self.bounds = self.bounds_for(self.budget)
 
 
 def add_verdicts_and_peaks(row: dict, untrusted: list[str], checks: dict, case, dev, memory: bool) -> None:
@@ -332,6 +354,7 @@ def run_case(case: Case, repeats, generation=False, shipped=True, memory=True) -
     step followed by the no-grad scoring of TRL and the tree; then one step of each for its peak
     memory. Times are each mode's best; the verdict lists the reasons not to trust them."""
     dev = case.device
+    case.search_per_path()
     runs = {m: f for m, f in case.steps.items() if shipped or m != "trl_shipped"}
     times = {k: [] for k in (*runs, "trl_nograd", "tree_nograd")}
     monitor = noise.Monitor()
@@ -358,7 +381,8 @@ def run_case(case: Case, repeats, generation=False, shipped=True, memory=True) -
         "path_tokens": b["path_tokens"], "tree_tokens": b["tree_tokens"], "trl_step": best["trl"],
         "per_path_step": best["per_path"], "tree_step": best["tree"], "speedup": speed,
         "bound_trl": b["bound_trl"], "efficiency_trl": speed / b["bound_trl"], "speedup_per_path": speed_pp,
-        "bound": b["bound"], "efficiency": speed_pp / b["bound"],
+        "bound": b["bound"], "efficiency": speed_pp / b["bound"], "per_path_budget": case.budget,
+        "per_path_micro": len(case.per_path[case.budget][0]),
         "nograd_speedup": best["trl_nograd"] / best["tree_nograd"], "bound_nograd": b["bound_nograd"],
         "repeats": repeats, "speedup_median": stats["trl"]["median"] / stats["tree"]["median"],
         "spread": {m: st["spread"] for m, st in stats.items()},
@@ -393,12 +417,11 @@ def flop_audit(case: Case) -> list[dict]:
 
 
 HEAD = (
-    "| P | G | C | prompts | path tok | tree tok | TRL s | per-path s | tree s | vs TRL: speedup / bound / "
-    "efficiency | median speedup vs TRL (spread TRL/per-path/tree) | vs per-path: speedup / bound / "
-    "efficiency | no-grad vs TRL: speedup / bound | vs TRL as shipped: s, speedup / bound | peak MiB "
-    "TRL / per-path / tree | memory TRL / tree (activation bound) | generate s (apart) | timings |\n|"
-    + "---|"
-    * 18
+    "| P | G | C | prompts | path tok | tree tok | TRL s | per-path s (forwards) | tree s "
+    "| vs TRL: speedup / bound / efficiency | median speedup vs TRL (spread TRL/per-path/tree) "
+    "| vs per-path: speedup / bound / efficiency | no-grad vs TRL: speedup / bound "
+    "| vs TRL as shipped: s, speedup / bound | peak MiB TRL / per-path / tree "
+    "| memory TRL / tree (activation bound) | generate s (apart) | timings |\n|" + "---|" * 18
 )
 
 
@@ -427,7 +450,8 @@ def table(rows: list[dict], head: bool = True) -> str:
         )
         lines.append(
             f"| {r['P']} | {r['G']} | {r['C']} | {r['prompts']} | {r['path_tokens']} | {r['tree_tokens']} | "
-            f"{r['trl_step']:.3f} | {r['per_path_step']:.3f} | {r['tree_step']:.3f} | "
+            f"{r['trl_step']:.3f} | {r['per_path_step']:.3f} ({r.get('per_path_micro', '?')} fwd) | "
+            f"{r['tree_step']:.3f} | "
             f"{r['speedup']:.2f}x / {r['bound_trl']:.2f}x / **{r['efficiency_trl']:.2f}** | "
             f"{r['speedup_median']:.2f}x ({spread}) | "
             f"{r['speedup_per_path']:.2f}x / {r['bound']:.2f}x / **{r['efficiency']:.2f}** | "
