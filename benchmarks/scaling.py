@@ -59,7 +59,8 @@ def make_tree(shape: str, tokens: int, args, vocab: int):
 
 
 def measure(model, model_args, tree, args, cost, rate) -> dict:
-    """Time (median), peak memory and MFU of both modes on one tree."""
+    """Time (median), peak memory (RSS of a fresh process with ``--memory``; live tensors always) and
+    MFU of both modes on one tree."""
     trees = [tree]
     capacity = max(tree.num_tokens, int(tree.path_lengths.max()))
     micro = {m: bench.prepare(m, trees, capacity) for m in ("sequence", "tree")}
@@ -88,6 +89,7 @@ def measure(model, model_args, tree, args, cost, rate) -> dict:
             bench.peak_memory(mode, model, model_args, trees, capacity, args.backend) if args.memory else None
         )
         row[mode] = {"s": t, "mfu": flops / t / rate, "peak_mb": None if peak is None else peak / 2**20}
+        row[mode]["live_mb"] = bench.live_peak_mb(mode, model, trees, micro[mode], args.backend)
     row["bound"] = base_flops / tree_flops
     row["flops"] = {"sequence": base_flops, "tree": tree_flops}
     row["speedup"] = row["sequence"]["s"] / row["tree"]["s"]
@@ -105,11 +107,20 @@ def exponent(rows: list[dict], mode: str, per: str = "tokens") -> float:
     return float(np.polyfit(x, y, 1)[0])
 
 
+def live(r: dict) -> str:
+    """Peak live MiB of both modes, their ratio and the activation bound (path tokens / distinct)."""
+    t, b = r["tree"].get("live_mb"), r["sequence"].get("live_mb")
+    if t is None or b is None:
+        return "-"
+    return f"{t:.0f}/{b:.0f} ({b / t:.2f}x; {r['baseline_tokens'] / r['tree_tokens']:.2f}x)"
+
+
 def table(results: dict[str, list[dict]]) -> str:
     out = [
         "| shape | tree tokens | baseline tokens | POR | tree s | baseline s | speedup | FLOP bound "
-        "| efficiency | MFU tree/base | peak MB tree/base | spread tree/base | timings |",
-        "|" + "---|" * 13,
+        "| efficiency | MFU tree/base | peak MB tree/base | live MiB tree/base (ratio; activation bound) "
+        "| spread tree/base | timings |",
+        "|" + "---|" * 14,
     ]
     for shape, rows in results.items():
         for r in rows:
@@ -118,7 +129,7 @@ def table(results: dict[str, list[dict]]) -> str:
             out.append(
                 f"| {shape} | {r['tree_tokens']:,} | {r['baseline_tokens']:,} | {r['por']:.1%} "
                 f"| {t['s']:.3f} | {b['s']:.3f} | {r['speedup']:.2f}x | {r['bound']:.2f}x "
-                f"| {r['speedup'] / r['bound']:.2f} | {t['mfu']:.2f}/{b['mfu']:.2f} | {mem} "
+                f"| {r['speedup'] / r['bound']:.2f} | {t['mfu']:.2f}/{b['mfu']:.2f} | {mem} | {live(r)} "
                 f"| {r['spread']['tree']:.0%}/{r['spread']['sequence']:.0%} "
                 f"| {'NOT TRUSTWORTHY' if r['untrusted'] else 'ok'} |"
             )

@@ -313,9 +313,8 @@ def run_case(
     base_cap = capacity
     if baseline_capacities:
         base_cap = fastest_capacity(model, trees, (capacity, *baseline_capacities), backend, device)
-    micro = {
-        m: prepare(m, trees, base_cap if m == "sequence" else capacity) if m != "hf" else [] for m in modes
-    }
+    budget = {"sequence": base_cap, "tree": capacity}
+    micro = {m: prepare(m, trees, budget[m]) if m != "hf" else [] for m in modes}
     times: dict[str, list[float]] = {m: [] for m in modes}
     losses: dict[str, float] = {}
     # the rate right before this case's steps: on a shared machine the load changes during a run
@@ -334,12 +333,7 @@ def run_case(
     load = monitor.stop() if repeats else None
     model.zero_grad(set_to_none=True)
     peaks = {
-        m: peak_memory(
-            m, model, model_args, trees, base_cap if m == "sequence" else capacity, backend, factory
-        )
-        / 2**20
-        if memory
-        else None
+        m: peak_memory(m, model, model_args, trees, budget[m], backend, factory) / 2**20 if memory else None
         for m in ("sequence", "tree")
     }
     live = {m: live_peak_mb(m, model, trees, micro[m], backend) for m in ("sequence", "tree")}

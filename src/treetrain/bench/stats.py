@@ -175,17 +175,15 @@ def render_text(tree, tokenizer, chars: int = 100) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from treetrain.data import reader as data
     from treetrain.trees.flops import flop_bound, token_bound
 
     if args.file and args.data and args.file != args.data:
         raise ValueError(f"two data files: {args.file} and --data {args.data}; give one (--data)")
     path = args.data or args.file
     if path is None:  # the sample train would use: the messages one for a model known by name
-        from treetrain.models.pretrained import PRETRAINED
-        from treetrain.train.batches import PRETRAINED_SAMPLE, SAMPLE
+        from treetrain.train.batches import default_sample
 
-        path = data.sample_path(PRETRAINED_SAMPLE if args.model in PRETRAINED else SAMPLE)
+        path = str(default_sample(args.model))
     if Path(path).is_dir() and not is_table_source(path):
         raise ValueError(
             f"--data {path}: is a directory, not a data file (nor a datasets.save_to_disk directory); "

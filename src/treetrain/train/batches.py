@@ -63,13 +63,19 @@ class StepBatch:
         return (self.path_tokens - self.computed_tokens) / possible if possible else 1.0
 
 
-def data_path(cfg: TrainConfig) -> Path:
-    """``--data``, or the bundled sample (the messages sample for a ``--model`` known by name)."""
-    if cfg.data is None:
-        from treetrain.data.reader import sample_path
-        from treetrain.models.pretrained import PRETRAINED
+def default_sample(model: str | None) -> Path:
+    """The bundled sample a run without ``--data`` reads: the messages one for a ``--model`` known by
+    name (rendered with its own tokenizer), else the Qwen-tokenized trees."""
+    from treetrain.data.reader import sample_path
+    from treetrain.models.pretrained import PRETRAINED
 
-        return Path(sample_path(PRETRAINED_SAMPLE if cfg.model in PRETRAINED else SAMPLE))
+    return Path(sample_path(PRETRAINED_SAMPLE if model in PRETRAINED else SAMPLE))
+
+
+def data_path(cfg: TrainConfig) -> Path:
+    """``--data``, or the bundled sample (:func:`default_sample`)."""
+    if cfg.data is None:
+        return default_sample(cfg.model)
     path = Path(cfg.data)
     if path.is_dir() and not is_table_source(path):
         raise ValueError(
