@@ -142,3 +142,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    D.exit_rank(0)  # no interpreter teardown (treetrain.parallel.fsdp.exit_rank)

@@ -23,4 +23,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from treetrain.parallel.fsdp import exit_rank
+
+    exit_rank(main())  # no interpreter teardown (see exit_rank)

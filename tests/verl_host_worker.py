@@ -123,3 +123,6 @@ def main(out_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    from treetrain.parallel.fsdp import exit_rank
+
+    exit_rank(0)  # no interpreter teardown (see exit_rank)

@@ -12,7 +12,6 @@ import os
 import re
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
 
 __all__ = ["build_parser", "main"]
 
@@ -126,23 +125,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"treetrain {args.command}: interrupted", file=sys.stderr)
         rc = 130
     if args.from_command_line and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        _leave_rank(rc)
+        from treetrain.parallel.fsdp import exit_rank
+
+        exit_rank(rc)  # no interpreter teardown: see exit_rank
     return rc
-
-
-def _leave_rank(rc: int) -> NoReturn:
-    """End a torchrun rank's process without the interpreter's teardown (its outputs are written,
-    its process group left). CI saw a rank of a successful 2-rank run abort at its end, about once
-    in a few runs ("terminate called without an active exception", SIGABRT), also with every rank
-    passing a barrier before leaving. The likely mechanism (not reproduced here): in teardown the
-    garbage collector frees the model and the device mesh still holding gloo's process group, whose
-    threads then release tensors that need the GIL of a finalizing interpreter."""
-    import logging
-
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(rc)
 
 
 if __name__ == "__main__":
