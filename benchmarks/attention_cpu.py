@@ -46,8 +46,9 @@ import torch
 import torch.nn.functional as F
 from common import machine_before, noise_section
 
+from treetrain.attention.blockplan import build_plan
 from treetrain.attention.blockrule import FANOUT, choose_block, segment_mean
-from treetrain.attention.blocksparse import blocksparse_attention, build_plan
+from treetrain.attention.blocksparse import blocksparse_attention
 from treetrain.attention.dense import dense_attention
 from treetrain.attention.mask import TreeMask, dense_tree_mask
 from treetrain.bench import noise

@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from treetrain.attention import blockrule, blocksparse
-from treetrain.attention.blocksparse import blocksparse_attention, build_plan
+from treetrain.attention.blockplan import build_plan
+from treetrain.attention.blocksparse import blocksparse_attention
 from treetrain.attention.dense import dense_attention
 from treetrain.attention.mask import TreeMask, check_subtree_end, dense_tree_mask
 

@@ -248,9 +248,18 @@ def expand_to_paths(per_token: torch.Tensor, packed: PackedTree) -> list[torch.T
     return list(flat.split((packed.path_lengths - 1).tolist()))
 
 
-def _as_packed(batch, config=None) -> PackedTree:
+def _as_packed(batch, config=None, images=None) -> PackedTree:
     """``batch`` packed, its trees split by the rope regimes of ``config`` (a model's config;
-    :func:`treetrain.models.rope.split_regimes`; None: not split)."""
+    :func:`treetrain.models.rope.split_regimes`; None: not split). ``images``: per path, its images
+    (token paths only: trees carry their own)."""
+    trees_given = isinstance(batch, (PackedTree, TrajectoryTree)) or (
+        isinstance(batch, Sequence) and any(isinstance(t, TrajectoryTree) for t in batch)
+    )
+    if images is not None and trees_given:
+        raise ValueError(
+            "images=: pass them with token paths; a TrajectoryTree carries its own "
+            "(TrajectoryTree.from_paths(paths, images=...))"
+        )
     if isinstance(batch, PackedTree):
         trees = list(batch.trees)
     elif isinstance(batch, TrajectoryTree):
@@ -258,7 +267,7 @@ def _as_packed(batch, config=None) -> PackedTree:
     elif isinstance(batch, Sequence) and batch and all(isinstance(t, TrajectoryTree) for t in batch):
         trees = list(batch)
     elif isinstance(batch, Sequence):
-        trees = [TrajectoryTree.from_paths(batch)]
+        trees = [TrajectoryTree.from_paths(batch, images=images)]
     else:
         raise ValueError(
             "batch: expected a PackedTree, a TrajectoryTree, a list of them, or token paths; "
@@ -291,18 +300,22 @@ def path_logprobs(
     backend: str | None = None,
     chunk: int | None = DEFAULT_CHUNK,
     return_entropy: bool = False,
+    images=None,
 ):
     """Per-path log-probs from ONE forward over the packed tree, in input path order.
 
     ``batch``: token paths (``list[list[int]]``), a ``TrajectoryTree``, a list of trees, or a
     ``PackedTree``. Returns ``list[Tensor [len(p) - 1]]``: entry ``j`` of path ``p`` is
     ``log P(p[j+1] | p[:j+1])``; with ``return_entropy``, also the entropies in the same layout.
+    ``images`` (vision-language models, with token paths): per path, its images
+    (:class:`~treetrain.ImageInput`, :func:`~treetrain.image_inputs`) in the order of their
+    placeholder tokens; each distinct image is encoded once.
 
     >>> lps = path_logprobs(model, [[1, 2, 3], [1, 2, 4]])  # the shared [1, 2] runs once
     >>> [lp.shape for lp in lps]
     [torch.Size([2]), torch.Size([2])]
     """
-    packed = _as_packed(batch, model.config)  # paths of two rope regimes share no token
+    packed = _as_packed(batch, model.config, images)  # paths of two rope regimes share no token
     _check_vocab(model, packed.input_ids)
     logp, ent = tree_logprobs(model, packed, backend, chunk, entropy=return_entropy)
     out = expand_to_paths(logp, packed)

@@ -42,9 +42,9 @@ BACKENDS: dict[str, tuple[str, str]] = {
 
 # what each backend computes besides the tree mask (keyword arguments it takes)
 FEATURES: dict[str, frozenset[str]] = {
-    "dense": frozenset({"window", "softcap", "sinks", "alibi", "rel_bias"}),
-    "blocksparse": frozenset({"window", "sinks", "alibi", "rel_bias"}),
-    "flex": frozenset({"window", "softcap", "sinks", "alibi", "rel_bias"}),
+    "dense": frozenset({"window", "softcap", "sinks", "alibi", "rel_bias", "key_start"}),
+    "blocksparse": frozenset({"window", "sinks", "alibi", "rel_bias", "key_start"}),
+    "flex": frozenset({"window", "softcap", "sinks", "alibi", "rel_bias", "key_start"}),
     "triton": frozenset({"window", "sinks", "alibi"}),
     "cp": frozenset(),
     "depth_first": frozenset(),
@@ -55,6 +55,7 @@ _FEATURE_NAMES = {
     "sinks": "attention sinks",
     "alibi": "ALiBi position bias",
     "rel_bias": "a learned relative position bias per query and path distance",
+    "key_start": "bidirectional attention inside image blocks",
 }
 
 

@@ -22,6 +22,7 @@ def dense_attention(
     sinks: torch.Tensor | None = None,
     alibi: torch.Tensor | None = None,
     rel_bias: torch.Tensor | None = None,
+    key_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Tree attention with an explicit mask.
 
@@ -35,10 +36,13 @@ def dense_attention(
     ``alibi[h, k] - alibi[h, q]`` (see ``alibi.py``).
     ``rel_bias [Hq, T, E]``: a learned bias per query and path distance (Inkling); the scores get
     ``rel_bias[h, q, pos[q] - pos[k]]`` below distance ``E`` (see ``relbias.py``).
+    ``key_start [T]``: bidirectional image blocks, key ``k`` seen from query ``key_start[k]`` on
+    (see ``mask.py``).
     """
     check_inputs("dense_attention", q, k, v, mask, sinks, alibi, rel_bias)
     pos = mask.window_positions(window)
-    dense = mask.cached(("dense", window), lambda: dense_tree_mask(mask.subtree_end, pos, window))
+    key = ("dense", window) + (("bidirectional",) if key_start is not None else ())
+    dense = mask.cached(key, lambda: dense_tree_mask(mask.subtree_end, pos, window, key_start))
     rep = q.shape[0] // k.shape[0]
     if rep > 1:
         k = k.repeat_interleave(rep, dim=0)

@@ -23,13 +23,15 @@ def tree_block_mask(
     block: int = FLEX_BLOCK,
     position_ids: torch.Tensor | None = None,
     window: int | None = None,
+    key_start: torch.Tensor | None = None,
 ) -> BlockMask:
     """``BlockMask`` for ``k <= q < subtree_end[k]`` with partial and full block tables.
 
-    With ``window``, also ``position_ids[q] - position_ids[k] < window`` (closes over ``[T]`` only).
+    With ``window``, also ``position_ids[q] - position_ids[k] < window``; with ``key_start`` the lower
+    bound is ``key_start[k] <= q`` (bidirectional image blocks). Closes over ``[T]`` tensors only.
     """
     T = subtree_end.numel()
-    any_allowed, full = block_classes(subtree_end, block, position_ids, window)
+    any_allowed, full = block_classes(subtree_end, block, position_ids, window, key_start)
     partial = any_allowed & ~full
 
     def table(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,10 +40,15 @@ def tree_block_mask(
         order = torch.argsort((~sel).to(torch.int8), dim=1, stable=True).to(torch.int32)
         return counts[None, None], order[None, None]
 
-    se, pos = subtree_end, position_ids
+    se, pos, ks = subtree_end, position_ids, key_start
 
-    def tree_mod(b, h, q_idx, kv_idx):
+    def causal_mod(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (q_idx < se[kv_idx])
+
+    def bidir_mod(b, h, q_idx, kv_idx):
+        return (ks[kv_idx] <= q_idx) & (q_idx < se[kv_idx])
+
+    tree_mod = causal_mod if key_start is None else bidir_mod
 
     def window_mod(b, h, q_idx, kv_idx):
         return tree_mod(b, h, q_idx, kv_idx) & (pos[q_idx] - pos[kv_idx] < window)
@@ -114,6 +121,7 @@ def flex_tree_attention(
     sinks: torch.Tensor | None = None,
     alibi: torch.Tensor | None = None,
     rel_bias: torch.Tensor | None = None,
+    key_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``q [Hq, T, D]``, ``k, v [Hkv, T, D]`` -> ``[Hq, T, D]``. CPU: forward only (no flex backward).
 
@@ -123,11 +131,15 @@ def flex_tree_attention(
     ``[Hq, T]``: Inkling2's per-query sinks;
     ``alibi [Hq, T]``: ALiBi's bias at each token's path position (:mod:`.alibi`), a ``score_mod``;
     ``rel_bias [Hq, T, E]``: Inkling's bias per query and path distance (:mod:`.relbias`), a
-    ``score_mod`` reading the table (its gradient: flex's captured-buffer gradient).
+    ``score_mod`` reading the table (its gradient: flex's captured-buffer gradient);
+    ``key_start [T]``: bidirectional image blocks (see ``mask.py``).
     """
     check_inputs("flex_tree_attention", q, k, v, mask, sinks, alibi, rel_bias)
     pos = mask.window_positions(window)
-    bm = mask.cached(("flex", window), lambda: tree_block_mask(mask.subtree_end, FLEX_BLOCK, pos, window))
+    bm = mask.cached(
+        ("flex", window) + (("bidirectional",) if key_start is not None else ()),
+        lambda: tree_block_mask(mask.subtree_end, FLEX_BLOCK, pos, window, key_start),
+    )
     gqa = q.shape[0] != k.shape[0]
     score_mod = None if softcap is None else _softcap_mod(softcap)
     if alibi is not None:

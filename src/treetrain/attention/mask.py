@@ -14,6 +14,11 @@ Sliding-window layers (Mistral, Qwen2, Gemma 2/3) add one condition, measured al
 token's index in its own path (``position_ids``). For a tree-visible pair, ``k`` is on ``q``'s path,
 so the position distance is exactly the distance a per-path forward sees. With ``window = 2``
 the mask above becomes, for ``q = 5`` (F, position 3): ``[0, 0, 0, 0, 1, 1, 0, 0]`` (sees E F).
+
+Bidirectional image blocks (Gemma 3/4: an image's tokens see each other both ways) lower each key's
+first query: key ``k`` is seen by ``key_start[k] <= q < subtree_end[k]``, where ``key_start[k]`` is
+the first DFS index of ``k``'s image block (``k`` itself for text). An image lies inside one node, so
+this is still one interval per key (FlashMask's form with a lower bound).
 """
 
 from __future__ import annotations
@@ -38,6 +43,9 @@ class TreeMask:
     backend: str = "dense"
     cache: dict = field(default_factory=dict)
     position_ids: torch.Tensor | None = None  # [T] int64; needed by sliding-window layers only
+    key_start: torch.Tensor | None = None  # [T] int64: first query that sees each key in a bidirectional
+    # layer (image blocks); None: none. Backends read it only when handed ``key_start=``.
+    vision_runs: torch.Tensor | None = None  # [B, 2] int64: DFS [start, end) of each run of image tokens
 
     def window_positions(self, window: int | None) -> torch.Tensor | None:
         """``position_ids`` when ``window`` is set (checked), else None."""
@@ -61,16 +69,21 @@ class TreeMask:
 
 
 def dense_tree_mask(
-    subtree_end: torch.Tensor, position_ids: torch.Tensor | None = None, window: int | None = None
+    subtree_end: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    window: int | None = None,
+    key_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Boolean ``[T, T]`` mask, ``mask[q, k] = k <= q < subtree_end[k]``. Reference only: O(T^2).
 
-    With ``window``, also ``position_ids[q] - position_ids[k] < window``.
+    With ``window``, also ``position_ids[q] - position_ids[k] < window``; with ``key_start [T]``
+    (bidirectional image blocks) the lower bound is ``key_start[k] <= q`` instead of ``k <= q``.
     """
     T = subtree_end.numel()
     idx = torch.arange(T, device=subtree_end.device)
     q, k = idx[:, None], idx[None, :]
-    mask = (k <= q) & (q < subtree_end[None, :])
+    lo = k if key_start is None else key_start[None, :]
+    mask = (lo <= q) & (q < subtree_end[None, :])
     if window is not None:
         mask &= position_ids[:, None] - position_ids[None, :] < window
     return mask
@@ -146,18 +159,23 @@ def block_classes(
     block: int,
     position_ids: torch.Tensor | None = None,
     window: int | None = None,
+    key_start: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Classify (query block, key block) pairs: ``(any_allowed, all_allowed)``, bool ``[nb, nb]``.
 
     ``all_allowed`` is exact; ``any_allowed`` may over-approximate (such a block is computed with
     its mask applied, so that is safe). O((T / block)^2), never T x T. With a sliding ``window``,
-    per-block min/max positions bound ``pos[q] - pos[k]`` for both classes.
+    per-block min/max positions bound ``pos[q] - pos[k]`` for both classes; with ``key_start``
+    (bidirectional image blocks) per-block min/max of it bound the lower end.
     """
     T = subtree_end.numel()
     lo, hi = block_bounds(subtree_end, block)
     starts = torch.arange(0, T, block, device=subtree_end.device)
     q0, q1 = starts[:, None], torch.clamp(starts + block, max=T)[:, None]
     k0, k1 = starts[None, :], torch.clamp(starts + block, max=T)[None, :]
+    if key_start is not None:
+        smin, smax = block_bounds(key_start, block)
+        k0, k1 = smin[None, :], smax[None, :] + 1
     any_allowed = (k0 <= q1 - 1) & (hi[None, :] > q0)
     all_allowed = (k1 - 1 <= q0) & (lo[None, :] >= q1)
     if window is not None:

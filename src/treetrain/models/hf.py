@@ -29,9 +29,10 @@ from torch import nn
 from treetrain.attention import backend_for, check_features, get_backend
 from treetrain.attention.mask import TreeMask
 from treetrain.models.inkling import attention_features as inkling_features
-from treetrain.models.layer_masks import layer_window, mask_interface, padding_mask
+from treetrain.models.layer_masks import layer_bidirectional, layer_window, mask_interface, padding_mask
 from treetrain.models.rope import patch_rotary, rotary_lengths, token_lengths
 from treetrain.models.support import check_model
+from treetrain.models.vision import vision_inputs, vision_runs
 from treetrain.trees.packing import PackedTree
 
 ATTN_NAME = "treetrain"
@@ -75,6 +76,8 @@ def _tree_attention(module, query, key, value, attention_mask, scaling=None, dro
     window = _effective_window(mask, layer_window(attention_mask, mask, type(module).__name__))
     if window is not None:
         extra["window"] = window
+    if layer_bidirectional(attention_mask):
+        extra["key_start"] = mask.key_start
     if softcap is not None:
         extra["softcap"] = softcap
     if sinks is not None:
@@ -234,19 +237,30 @@ def decoder_of(model: nn.Module) -> nn.Module:
 def tree_forward(model: nn.Module, packed: PackedTree, backend: str | None = None) -> torch.Tensor:
     """Final hidden states of the decoder over a packed forest: ``[T, hidden]``.
 
-    ``model`` is a ``...ForCausalLM``; its decoder (``model.base_model``) runs once over all distinct
-    tokens. ``backend`` picks the attention kernel (default: by device). A model sharded by
-    ``treetrain.parallel.fsdp.shard_model`` has a root-level ``treetrain_decoder`` entry point that
-    runs the same decoder inside FSDP's root hooks; it is used when present.
+    ``model`` is a ``...ForCausalLM`` or a vision-language ``...ForConditionalGeneration``; its decoder
+    (``model.base_model``) runs once over all distinct tokens. With images in the forest, each
+    distinct image goes through the vision tower once (:mod:`treetrain.models.vision_encode`) and the
+    tokens get the positions their paths' own forwards give them
+    (:mod:`treetrain.models.vision_positions`). ``backend`` picks the attention kernel (default: by
+    device). A model sharded by ``treetrain.parallel.fsdp.shard_model`` has a root-level
+    ``treetrain_decoder`` entry point that runs the same decoder inside FSDP's root hooks; it is used
+    when present.
     """
     prepare_model(model)
     device = model.get_input_embeddings().weight.device
     packed = packed.to(device)
     T = packed.num_tokens
+    runs, key_start = vision_runs(packed)
     mask = TreeMask(
-        packed.subtree_end, backend=backend or auto_backend(model, device), position_ids=packed.position_ids
+        packed.subtree_end,
+        backend=backend or auto_backend(model, device),
+        position_ids=packed.position_ids,
+        key_start=key_start,
+        vision_runs=runs,
     )
-    return run_decoder(model, packed, mask, 0, T, rope_lengths(model, packed), packed_tree=packed)
+    positions, extra = vision_inputs(model, packed)
+    rope = rope_lengths(model, packed)
+    return run_decoder(model, packed, mask, 0, T, rope, positions=positions, packed_tree=packed, **extra)
 
 
 def run_decoder(
@@ -256,19 +270,23 @@ def run_decoder(
     start: int,
     end: int,
     rope: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
     **extra,
 ) -> torch.Tensor:
     """The decoder over DFS tokens ``[start, end)`` of ``packed``: final hidden states ``[end - start,
     hidden]``. The one decoder call of every tree forward (whole tree, a context-parallel chunk, a
     depth-first node): ``mask`` is its ``TreeMask``; ``rope`` the tokens' path lengths
-    (:func:`rope_lengths`, all ``T`` of them); ``extra`` more keywords for the layers."""
+    (:func:`rope_lengths`, all ``T`` of them); ``positions`` the model's own positions of all ``T``
+    tokens (``[R, 1, T]``, 3D rotary; None: the path positions); ``extra`` more keywords for the
+    decoder and its layers."""
     decoder = getattr(model, "treetrain_decoder", None) or decoder_of(model)
     device = packed.input_ids.device
     lengths = None if rope is None else rope[start:end]
+    pos = packed.position_ids[None, start:end] if positions is None else positions[..., start:end]
     with padding_mask(mask, end - start, device) as attention_mask, rotary_lengths(lengths):
         out = decoder(
             input_ids=packed.input_ids[None, start:end],
-            position_ids=packed.position_ids[None, start:end],
+            position_ids=pos,
             attention_mask=attention_mask,
             tree_mask=mask,
             use_cache=False,

@@ -30,10 +30,11 @@ import torch
 
 from treetrain.attention.mask import TreeMask
 
-__all__ = ["layer_window", "mask_interface", "padding_mask"]
+__all__ = ["layer_bidirectional", "layer_window", "mask_interface", "padding_mask"]
 
 _TREE = "_treetrain_tree"  # on a layer mask: the forward's TreeMask
 _WINDOW = "_treetrain_window"  # on a layer mask: its sliding window (None: full causal)
+_BIDIR = "_treetrain_bidirectional"  # on a layer mask: image blocks see themselves both ways
 
 
 # the TreeMask of each tree forward in progress, innermost last: every mask the model builds while
@@ -70,6 +71,12 @@ def layer_window(attention_mask, mask: TreeMask, where: str = "") -> int | None:
     return getattr(attention_mask, _WINDOW)
 
 
+def layer_bidirectional(attention_mask) -> bool:
+    """Whether the layer's mask (one :func:`mask_interface` built) lets each image block attend to
+    itself bidirectionally (Gemma 3/4's ``block_sequence_ids``)."""
+    return bool(getattr(attention_mask, _BIDIR, False))
+
+
 def _same_tree(a: TreeMask | None, b: TreeMask) -> bool:
     """Whether ``a`` is the forward's tree ``b``, or a copy of it: FSDP rebuilds the dataclasses among a
     module's inputs on their way in (``_recursive_to``), so the attention call may hold a copy."""
@@ -78,27 +85,44 @@ def _same_tree(a: TreeMask | None, b: TreeMask) -> bool:
     return a.subtree_end.data_ptr() == b.subtree_end.data_ptr() and a.subtree_end.shape == b.subtree_end.shape
 
 
-def _layer_mask(tree: TreeMask, window: int | None) -> torch.Tensor:
+def _layer_mask(tree: TreeMask, window: int | None, bidir: bool = False) -> torch.Tensor:
     m = tree.subtree_end.view(1, 1, 1, -1)  # a view: contents unused, the marks are what counts
     setattr(m, _TREE, tree)
     setattr(m, _WINDOW, window)
+    setattr(m, _BIDIR, bidir)
     return m
 
 
-def _probe(mask_function, window: int | None) -> bool:
+def _probe(
+    mask_function, window: int | None, runs: torch.Tensor | None = None, T: int = 0, bidir: bool = False
+) -> bool:
     """Whether ``mask_function(b, h, q, kv)`` is causal (with ``q - kv < window`` when set) on probe
-    rows on both sides of the window, evaluated as HF's SDPA mask does (broadcast index tensors)."""
+    rows on both sides of the window, evaluated as HF's SDPA mask does (broadcast index tensors).
+
+    With ``runs [B, 2]`` (the DFS runs of image tokens of a forward over ``T`` tokens) the probe rows
+    include the runs' ends and stay below ``T`` (the function may read per-token data); ``bidir``:
+    whether it is that OR "both in one run" (HF's ``blockwise_overlay`` over the forward's tokens)."""
     rows = {0, 1, 2, 5, 17}
     if window is not None:
         rows |= {window - 1, window, window + 1, 2 * window + 1}
+    run_id = None
+    if runs is not None:
+        for s, e in runs[:4].tolist():
+            rows |= {s - 1, s, s + 1, e - 2, e - 1, e}
+        rows = {r for r in rows if r < T}
+        run_id = torch.full((T,), -1, dtype=torch.long)
+        for i, (s, e) in enumerate(runs.tolist()):
+            run_id[s:e] = i
     q = torch.tensor(sorted(r for r in rows if r >= 0))
     kv = torch.arange(int(q.max()) + 1)
     zero = torch.zeros(1, 1, 1, 1, dtype=torch.long)
     got = mask_function(zero, zero, q[None, None, :, None], kv[None, None, None, :])
     want = kv[None, :] <= q[:, None]
+    if bidir:
+        want |= (run_id[q][:, None] == run_id[kv][None, :]) & (run_id[q][:, None] >= 0)
     if window is not None:
         want &= q[:, None] - kv[None, :] < window
-    got = torch.as_tensor(got)
+    got = torch.as_tensor(got).cpu()
     return got.dim() <= 4 and bool((got.expand(1, 1, *want.shape)[0, 0] == want).all())
 
 
@@ -116,8 +140,12 @@ def mask_interface(*args, **kwargs):
     what = getattr(config, "model_type", None) or "this model"
     if kwargs.get("q_offset") or kwargs.get("kv_offset"):
         raise ValueError(f"{what}: a tree forward takes no cache (mask offsets must be 0)")
+    runs = tree.vision_runs if tree.vision_runs is not None and tree.vision_runs.numel() else None
     try:
-        exact = _probe(kwargs["mask_function"], window)
+        exact = _probe(kwargs["mask_function"], window, runs, tree.num_tokens)
+        bidir = not exact and runs is not None
+        if bidir:
+            exact = _probe(kwargs["mask_function"], window, runs, tree.num_tokens, bidir=True)
     except Exception as e:  # a mask function that is not index-based: not one the tree can read
         raise ValueError(f"{what}: its attention mask function cannot be read by tree attention ({e})") from e
     if not exact:
@@ -126,4 +154,4 @@ def mask_interface(*args, **kwargs):
             f"{what}: its attention mask is not {shape} (chunked, bidirectional or overlaid masks); "
             "tree attention cannot reproduce it, so the model is not supported (docs/architectures.md)"
         )
-    return tree.cached(("hf_layer_mask", window), lambda: _layer_mask(tree, window))
+    return tree.cached(("hf_layer_mask", window, bidir), lambda: _layer_mask(tree, window, bidir))

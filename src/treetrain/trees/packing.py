@@ -33,6 +33,9 @@ class PackedTree:
     node_start, node_end, node_parent: ``[N]`` int64 (DFS order; parent ``-1`` for roots).
     path_index ``[sum len(p)]``, path_offsets ``[P + 1]``: DFS index of every path position.
     trees: the packed trees; paths are numbered tree by tree in input order.
+    images: the forest's distinct images (``trees.images.ImageInput``, by content hash), and for every
+    DFS token ``image_index [T]`` (into ``images``; -1 for text) and ``image_row [T]`` (its feature
+    row in that image; -1 for text); ``image_index`` is None for a text-only forest.
     """
 
     input_ids: torch.Tensor
@@ -45,6 +48,9 @@ class PackedTree:
     path_index: torch.Tensor
     path_offsets: torch.Tensor
     trees: tuple[TrajectoryTree, ...]
+    image_index: torch.Tensor | None = None
+    image_row: torch.Tensor | None = None
+    images: tuple = ()
 
     @property
     def num_tokens(self) -> int:
@@ -63,6 +69,14 @@ class PackedTree:
         keep = torch.ones_like(self.path_index, dtype=torch.bool)
         keep[self.path_offsets[:-1]] = False  # a path's first token is never a target
         return self.path_index[keep]
+
+    def path_images(self, p: int) -> list:
+        """Path ``p``'s images (``ImageInput``), in the order of its placeholders ([] if none)."""
+        for tree in self.trees:
+            if p < tree.num_paths:
+                return list((tree.fields.get("images") or [[]] * tree.num_paths)[p])
+            p -= tree.num_paths
+        raise IndexError(p)
 
     def to(self, device) -> PackedTree:
         moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
@@ -111,4 +125,30 @@ def pack(trees: TrajectoryTree | Sequence[TrajectoryTree]) -> PackedTree:
     lengths = np.concatenate([t.path_lengths for t in trees])
     out = {k: torch.from_numpy(np.concatenate(v).astype(np.int64, copy=False)) for k, v in shifted.items()}
     out["path_offsets"] = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
-    return PackedTree(**out, trees=tuple(trees))
+    return PackedTree(**out, trees=tuple(trees), **_forest_images(trees))
+
+
+def _forest_images(trees: Sequence[TrajectoryTree]) -> dict:
+    """The forest's distinct images and each DFS token's index into them and feature row."""
+    if all(t.image_table is None for t in trees):
+        return {}
+    distinct: dict[bytes, int] = {}
+    images, index, row = [], [], []
+    for t in trees:
+        table = t.image_table
+        if table is None:
+            index.append(np.full(t.num_tokens, -1, dtype=np.int64))
+            row.append(np.full(t.num_tokens, -1, dtype=np.int64))
+            continue
+        for im in table.images:
+            if im.key not in distinct:
+                distinct[im.key] = len(images)
+                images.append(im)
+        remap = np.array([distinct[im.key] for im in table.images], dtype=np.int64)
+        index.append(np.where(table.image >= 0, remap[np.maximum(table.image, 0)], -1))
+        row.append(table.row)
+    return {
+        "image_index": torch.from_numpy(np.concatenate(index)),
+        "image_row": torch.from_numpy(np.concatenate(row)),
+        "images": tuple(images),
+    }

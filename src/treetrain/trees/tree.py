@@ -27,11 +27,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from treetrain.trees.images import ImageInput, ImageTable, keyed_paths, resolve_keys
+
 __all__ = ["TrajectoryTree"]
 
 PER_TOKEN_FIELDS = ("loss_masks", "advantages")  # one value per path token: len(path)
 PER_TARGET_FIELDS = ("old_logprobs", "ref_logprobs")  # one value per predicted token: len(path) - 1
 PER_PATH_SCALARS = ("weights", "margins", "rewards")  # one number per path (margins: preference pairs)
+PER_PATH_IMAGES = "images"  # per path: its ImageInputs, in order of their placeholders (trees.images)
 
 
 def _as_path(path, i: int) -> np.ndarray:
@@ -131,6 +134,7 @@ class TrajectoryTree:
     path_ids: np.ndarray
     fields: dict = field(default_factory=dict)
     path_groups: np.ndarray | None = None  # [P] int64: paths of different groups share no token
+    image_table: ImageTable | None = None  # the images of the tree's tokens (None: text only)
 
     # ---- construction -------------------------------------------------------------------------
 
@@ -148,6 +152,7 @@ class TrajectoryTree:
         margins: Sequence[float] | None = None,
         rewards: Sequence[float] | None = None,
         groups: Sequence[int] | None = None,
+        images: Sequence[Sequence[ImageInput] | None] | None = None,
     ) -> TrajectoryTree:
         """Merge token paths into a prefix tree. Duplicates and prefix paths are kept as paths.
 
@@ -155,9 +160,25 @@ class TrajectoryTree:
         preference pair's margin, on both of its paths) and ``rewards`` are one number per path.
         ``groups`` (one int per path): paths of different groups share no token, not even a common
         prefix (each group its own trees, in group order); see :meth:`split_by`.
+        ``images`` (one list of :class:`~treetrain.trees.images.ImageInput` per path, in the order of
+        their placeholder tokens; None or ``[]`` for a text-only path): a placeholder token is keyed
+        by its image's content hash and feature row, so paths with different pixels part at the image
+        and the same image reached by several paths is one set of tokens (``trees.images``).
         """
         if not isinstance(paths, Sequence) or isinstance(paths, (str, bytes)) or len(paths) == 0:
             raise ValueError("paths: expected a non-empty list of token-id lists")
+        table = None
+        if images is not None:
+            if not isinstance(images, Sequence) or len(images) != len(paths):
+                n = len(images) if isinstance(images, Sequence) else type(images).__name__
+                raise ValueError(f"images: expected one list of images per path ({len(paths)}), got {n}")
+            images = [list(x) if x is not None else [] for x in images]
+            if any(images):
+                flat, offsets = _flatten(paths)
+                keyed, table = keyed_paths(np.split(flat, offsets[1:-1]), images)
+                paths = keyed
+            else:
+                images = None
         flat, offsets = _flatten(paths)
         fields = _validate_fields(
             np.diff(offsets).tolist(),
@@ -175,6 +196,9 @@ class TrajectoryTree:
             if group_arr.shape != (len(paths),):
                 raise ValueError(f"groups: expected one int per path ({len(paths)}), got {group_arr.shape}")
         tree = _build(flat, offsets, group_arr)
+        if table is not None:
+            tree.tokens, tree.image_table = resolve_keys(tree.tokens, table)
+            fields["images"] = images
         tree.fields = fields
         tree.path_groups = group_arr
         if path_ids is not None:

@@ -1,0 +1,178 @@
+"""Each distinct image of a forward through the vision tower once, its features at every DFS
+placeholder that carries it.
+
+A vision-language model's forward (transformers 5.x) takes precomputed encoder outputs,
+``mm_encoder_outputs={"image": out, "video": out}``, and scatters ``out.pooler_output`` (and Qwen3-VL's
+``deepstack_features``, one per early decoder layer) into the placeholder positions of ``input_ids``
+in order. The tree forward encodes each distinct image once with the model's own
+``get_image_features`` (``get_video_features``), then hands the forward an output whose rows are
+gathered into DFS placeholder order: an image reached by three paths is encoded once and its rows
+appear three times, so autograd sums the three uses into the tower's gradient, as the per-path
+baseline's three encodes would.
+
+Example: distinct images ``a`` (2 rows) and ``b`` (1 row); DFS placeholders carry ``(a,0) (a,1) (b,0)
+(a,0) (a,1)``: features ``F = [a0, a1, b0]``, gathered rows ``[0, 1, 2, 0, 1]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from treetrain.trees.images import ImageInput
+from treetrain.trees.packing import PackedTree
+
+__all__ = ["EncodedImages", "dfs_encoder_outputs", "encode_images", "vision_model"]
+
+_FEATURES = {"image": "get_image_features", "video": "get_video_features"}
+# what a forward may read from the encoder output besides pooler_output, gathered the same way
+_PER_LAYER = ("deepstack_features",)
+
+
+def vision_model(model: nn.Module) -> nn.Module:
+    """The multimodal ``...Model`` inside a ``...ForConditionalGeneration`` (the module whose forward
+    takes ``mm_encoder_outputs``), also inside a PEFT wrapper."""
+    get_base = getattr(model, "get_base_model", None)
+    base = (get_base() if callable(get_base) else model).base_model
+    return base
+
+
+@dataclass
+class EncodedImages:
+    """Per distinct image (input order) its feature rows ``[n_i, H]`` and, per extra layer field
+    (``deepstack_features``), one ``[n_i, H]`` per layer; ``template``: an output of the model's own
+    class to fill."""
+
+    rows: list[torch.Tensor]
+    per_layer: dict[str, list[list[torch.Tensor]]]
+    template: object
+    pooled_as: str  # "list" (a sequence per image), "stack" ([n_images, rows, H]) or "flat"
+
+
+def _signature(im: ImageInput) -> tuple:
+    """Images whose tensors agree beyond their first dim batch into one call."""
+    return tuple((k, v.dtype, tuple(v.shape[1:])) for k, v in sorted(im.tensors.items()))
+
+
+def _split(value, sizes: list[int], n: int):
+    """A per-image view of an encoder field for ``n`` images of ``sizes`` rows, or None."""
+    if isinstance(value, (list, tuple)) and len(value) == n and all(torch.is_tensor(v) for v in value):
+        return [v.reshape(-1, v.shape[-1]) for v in value], "list"
+    if isinstance(value, torch.Tensor) and value.dim() == 3 and value.shape[0] == n:
+        return [v.reshape(-1, v.shape[-1]) for v in value], "stack"
+    if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[0] == sum(sizes):
+        return list(value.split(sizes)), "flat"
+    if n == 1 and isinstance(value, torch.Tensor):
+        return [value.reshape(-1, value.shape[-1])], "stack" if value.dim() == 3 else "flat"
+    return None
+
+
+def _call(outer: nn.Module, modality: str, group: Sequence[ImageInput]):
+    fn = getattr(outer, _FEATURES[modality], None)
+    if fn is None:
+        raise ValueError(f"{type(outer).__name__} has no {_FEATURES[modality]}: it cannot read {modality}s")
+    device = outer.get_input_embeddings().weight.device
+    names = group[0].tensors.keys()
+    kwargs = {k: torch.cat([im.tensors[k] for im in group]).to(device) for k in names}
+    for k, v in kwargs.items():  # pixels in the tower's dtype; grids and masks stay integer/bool
+        if v.is_floating_point():
+            kwargs[k] = v.to(outer.dtype)
+    return fn(**kwargs, return_dict=True)
+
+
+def _encode_group(outer, modality: str, group: Sequence[ImageInput]):
+    """``(rows per image, {field: per layer, rows per image}, output, pooled_as)`` for a group, or None
+    when the output cannot be split per image (then each image is encoded alone)."""
+    out = _call(outer, modality, group)
+    sizes = [im.num_tokens for im in group]
+    split = _split(out.pooler_output, sizes, len(group))
+    if split is None:
+        return None
+    rows, pooled_as = split
+    per_layer = {}
+    for name in _PER_LAYER:
+        layers = getattr(out, name, None)
+        if layers is None:
+            continue
+        per = [_split(layer, sizes, len(group)) for layer in layers]
+        if any(p is None for p in per):
+            return None
+        per_layer[name] = [p[0] for p in per]
+    return rows, per_layer, out, pooled_as
+
+
+def encode_images(outer: nn.Module, images: Sequence[ImageInput], modality: str) -> EncodedImages:
+    """Run ``images`` (distinct, all of ``modality``) through the model's own feature function once:
+    images with the same tensor layout in one call (one call each if its output cannot be split)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, im in enumerate(images):
+        groups.setdefault(_signature(im), []).append(i)
+    rows: list = [None] * len(images)
+    per_layer: dict[str, list] = {}
+    template, pooled_as = None, "list"
+    for idx in groups.values():
+        got = _encode_group(outer, modality, [images[i] for i in idx])
+        calls = [(idx, got)] if got is not None or len(idx) == 1 else []
+        if not calls:
+            calls = [([i], _encode_group(outer, modality, [images[i]])) for i in idx]
+        for part, got in calls:
+            if got is None:
+                raise ValueError(
+                    f"{type(outer).__name__}.{_FEATURES[modality]} returned features treetrain cannot "
+                    "split per image; this model's images are not supported in trees"
+                )
+            r, pl, template, pooled_as = got
+            for j, i in enumerate(part):
+                rows[i] = r[j]
+                for name, layers in pl.items():
+                    slots = per_layer.setdefault(name, [[None] * len(images) for _ in layers])
+                    for slot, feats in zip(slots, layers):
+                        slot[i] = feats[j]
+    for im, r in zip(images, rows):
+        if r.shape[0] != im.num_tokens:
+            raise ValueError(
+                f"{type(outer).__name__}: an {modality} gave {r.shape[0]} feature rows but its ImageInput "
+                f"says num_tokens={im.num_tokens} (build ImageInputs with treetrain.image_inputs)"
+            )
+    return EncodedImages(rows, per_layer, template, pooled_as)
+
+
+def dfs_encoder_outputs(outer: nn.Module, packed: PackedTree) -> dict:
+    """``mm_encoder_outputs`` for the forward over ``packed``: each distinct image encoded once, its
+    rows gathered into the DFS order of the placeholders (per modality). Empty without images."""
+    if packed.image_index is None:
+        return {}
+    out = {}
+    index, row = packed.image_index, packed.image_row
+    for modality in ("image", "video"):
+        chosen = [i for i, im in enumerate(packed.images) if im.modality == modality]
+        if not chosen:
+            continue
+        enc = encode_images(outer, [packed.images[i] for i in chosen], modality)
+        local = torch.full((len(packed.images),), -1, dtype=torch.long)
+        local[chosen] = torch.arange(len(chosen))
+        offsets = torch.tensor([0] + [im.num_tokens for im in (packed.images[i] for i in chosen)]).cumsum(0)
+        at = torch.nonzero(index >= 0)[:, 0].cpu()
+        at = at[local[index[at].cpu()] >= 0]  # this modality's placeholders, in DFS order
+        gather = (offsets[local[index[at].cpu()]] + row[at].cpu()).to(enc.rows[0].device)
+        out[modality] = _filled(enc, gather)
+    return out
+
+
+def _gathered(rows: list[torch.Tensor], gather: torch.Tensor, pooled_as: str):
+    feats = torch.cat(rows).index_select(0, gather)
+    if pooled_as == "list":
+        return [feats]
+    return feats[None] if pooled_as == "stack" else feats
+
+
+def _filled(enc: EncodedImages, gather: torch.Tensor):
+    """A copy of the model's own output class holding only the gathered fields the forward reads."""
+    cls = type(enc.template)
+    fields = {"pooler_output": _gathered(enc.rows, gather, enc.pooled_as)}
+    for name, layers in enc.per_layer.items():
+        fields[name] = [_gathered(layer, gather, "list") for layer in layers]
+    return cls(**fields)
