@@ -69,7 +69,12 @@ VISION_SMALL = dict(
 FIXED_SIZE = dict(image_size=32, patch_size=8)
 
 # model type -> config overrides (text_config / vision_config keys as nested dicts)
-PER_TYPE: dict[str, dict] = {}
+PER_TYPE: dict[str, dict] = {
+    # Qwen2-VL's vision hidden_size is its merger's output width: the text model's
+    "qwen2_vl": {"vision_config": {"hidden_size": 64}},
+    # Gemma 3: 16 patches pooled to 4 tokens per image
+    "gemma3": {"mm_tokens_per_image": 4},
+}
 
 
 def vlm_types() -> dict[str, str]:

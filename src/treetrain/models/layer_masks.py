@@ -141,13 +141,20 @@ def mask_interface(*args, **kwargs):
     if kwargs.get("q_offset") or kwargs.get("kv_offset"):
         raise ValueError(f"{what}: a tree forward takes no cache (mask offsets must be 0)")
     runs = tree.vision_runs if tree.vision_runs is not None and tree.vision_runs.numel() else None
+    # a window HF applies as an and-mask (Gemma 3's sliding layers with image blocks) comes without
+    # local_size: the config's sliding_window is then the one to check
+    windows = [window] if window is not None else [None, getattr(config, "sliding_window", None)]
+    shapes = [
+        (w, b) for w in dict.fromkeys(windows) for b in ((False, True) if runs is not None else (False,))
+    ]
     try:
-        exact = _probe(kwargs["mask_function"], window, runs, tree.num_tokens)
-        bidir = not exact and runs is not None
-        if bidir:
-            exact = _probe(kwargs["mask_function"], window, runs, tree.num_tokens, bidir=True)
+        found = next(
+            (s for s in shapes if _probe(kwargs["mask_function"], *s[:1], runs, tree.num_tokens, s[1])), None
+        )
     except Exception as e:  # a mask function that is not index-based: not one the tree can read
         raise ValueError(f"{what}: its attention mask function cannot be read by tree attention ({e})") from e
+    exact = found is not None
+    window, bidir = found or (window, False)
     if not exact:
         shape = "causal" if window is None else f"causal with a sliding window of {window}"
         raise ValueError(
