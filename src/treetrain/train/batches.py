@@ -113,11 +113,11 @@ def _per_tree_budget(cfg: TrainConfig) -> TrainConfig:
 def _tokenizer_name(cfg: TrainConfig) -> str | None:
     """``--tokenizer`` (a directory, ``qwen``, or a model name of ``treetrain.models.pretrained``), or
     for a ``--model`` known by name its own tokenizer; None: none."""
-    from treetrain.models.pretrained import PRETRAINED, resolve_model
+    from treetrain.models.pretrained import is_pretrained_name, resolve_model
 
     if cfg.tokenizer:
         return resolve_model(cfg.tokenizer)
-    return resolve_model(cfg.model) if cfg.model in PRETRAINED else None
+    return resolve_model(cfg.model) if is_pretrained_name(cfg.model) else None
 
 
 @functools.lru_cache(maxsize=2)

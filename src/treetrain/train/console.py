@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from treetrain.models.pretrained import PRETRAINED, is_pretrained_name
 from treetrain.train.config import TrainConfig
 
 __all__ = ["banner", "model_description", "parameter_counts", "step_line"]
@@ -34,10 +35,13 @@ def parameter_counts(model: nn.Module) -> tuple[int, int]:
 
 
 def model_description(cfg: TrainConfig, model: nn.Module) -> str:
-    """Which model trains: the embedded one, a directory's weights, or a directory's config."""
+    """Which model trains: the embedded one, a model known by name (its pretrained weights), a
+    directory's weights, or a directory's config."""
     kind = getattr(model.config, "model_type", "?")
     if cfg.model is None:
         return f"embedded tiny Qwen3 ({kind}), random init from --seed {cfg.seed}"
+    if is_pretrained_name(cfg.model):
+        return f"{cfg.model} ({kind}, pretrained weights: {PRETRAINED[cfg.model].about})"
     path = Path(cfg.model)
     if any(path.glob("*.safetensors")) or any(path.glob("*.bin")):
         return f"{cfg.model} ({kind}, its weights)"
@@ -90,7 +94,9 @@ def banner(
         ("device", f"{device}, {_dtype(cfg, param_dtype, autocast)}"),
     ]
     if cfg.tokenizer is not None:
-        origin = " (the --model directory's)" if cfg.tokenizer == cfg.model else ""
+        origin = ""
+        if cfg.tokenizer == cfg.model:
+            origin = " (the --model's own)" if is_pretrained_name(cfg.model) else " (the --model directory's)"
         rows.append(("tokenizer", f"{cfg.tokenizer}{origin}"))
     rows.append(("output", str(cfg.output)))
     width = max(len(k) for k, _ in rows)

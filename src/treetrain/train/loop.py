@@ -60,6 +60,7 @@ from treetrain.train.batches import (
     _per_tree_budget,
     _reader_options,
     _tokenizer,
+    _tokenizer_name,
     data_path,
     make_batches,
     prefetched,
@@ -354,8 +355,9 @@ def _train(cfg: TrainConfig, quiet: bool) -> TrainResult:
     else:
         final = export_pretrained(run.model, run.out / "final")
     is_main = distributed.init_distributed().is_main
-    if cfg.tokenizer is not None and is_main:  # beside the model: AutoTokenizer and chat template load
-        _tokenizer(cfg.tokenizer, cfg.trust_remote_code).save_pretrained(final)
+    tokenizer = _tokenizer_name(cfg)  # a directory, "qwen", or a named model's cached directory
+    if tokenizer is not None and is_main:  # beside the model: AutoTokenizer and chat template load
+        _tokenizer(tokenizer, cfg.trust_remote_code).save_pretrained(final)
     plot = plot_metrics(records, run.out / "training.png") if cfg.plot and records and is_main else None
     outputs = {"metrics": metrics_path, "model": final} | ({"plot": plot} if plot else {})
     outputs |= export_extras(run.objective, run.out)  # a critic: OUTPUT/final_critic (transformers)
