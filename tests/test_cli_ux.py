@@ -4,6 +4,7 @@ extending a finished run."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -218,3 +219,30 @@ def test_no_progress_runs_print_nothing_on_stderr(paths_file, tmp_path, extra):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr == "", proc.stderr[-3000:]
     assert "treetrain train: done" in proc.stdout and "Writing model shards" not in proc.stdout
+
+
+# ---- issue 45: records checked before step 1 ------------------------------------------------------
+
+
+def test_a_late_record_without_rewards_fails_validation_by_name(tmp_path):
+    """``--advantages group`` needs every record's rewards: the third record's absence is found by the
+    validation before step 1 (it used to stop the run at step 3 as "tree 0 of the batch"), named by
+    file, line and id; with ``--lazy-validate`` the run stops when that record is read, named alike."""
+    data = tmp_path / "r.jsonl"
+    rows = [{"id": "a", "paths": [[1, 2, 3], [1, 2, 4]], "rewards": [1, 0]},
+            {"id": "b", "paths": [[5, 6], [5, 7]], "rewards": [0, 1]},
+            {"id": "late", "paths": [[8, 9], [8, 10]]}]  # fmt: skip
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = ["train", "--data", str(data), "--objective", "grpo", "--advantages", "group", "--steps", "3",
+            "--no-progress"]  # fmt: skip
+    named = f'{data}:3 (id "late"): field "rewards": missing; --advantages group computes each path'
+    proc = treetrain(*argv, "--output", str(tmp_path / "o"))
+    assert named in _listing_error(proc, "train") and "step 1" not in proc.stdout, proc.stdout
+    assert not (tmp_path / "o" / "metrics.jsonl").exists()
+    proc = treetrain(*argv, "--output", str(tmp_path / "lazy"), "--lazy-validate", "--prefetch", "0")
+    line = _one_line_error(proc, "train")
+    assert named in line and "step 2/3" in proc.stdout and "step 3/3" not in proc.stdout, proc.stdout
+    rows[2]["rewards"], rows[2]["advantages"] = [1, 0], [0.5, -0.5]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    err = _listing_error(treetrain(*argv, "--output", str(tmp_path / "both")), "train")
+    assert f'{data}:3 (id "late"): field "advantages": --advantages group computes them from "rewards"' in err

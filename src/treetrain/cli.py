@@ -79,6 +79,7 @@ _CLI_WORDS = {
     "skip_oversized=True": "--skip-oversized",
     "tokenizer=<local dir> or 'qwen'": "--tokenizer DIR or --tokenizer qwen",
     "token budget capacity=": "token budget --capacity ",
+    "pass allow_invalid_tool_arguments=True": "pass --allow-invalid-tool-arguments",
 }
 
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from treetrain.data.grouping import GROUP_ROWS_HELP, GROUPINGS
 from treetrain.data.sources import is_table_source
+from treetrain.train.flags import INVALID_TOOL_ARGUMENTS_HELP
 
 if TYPE_CHECKING:
     from treetrain.trees.flops import CostModel
@@ -69,6 +70,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         f"{QWEN3_VOCAB:,}: Qwen3's, that of train's default model)",
     )
     p.add_argument("--group-rows", default="consecutive", choices=GROUPINGS, help=GROUP_ROWS_HELP)
+    p.add_argument(
+        "--allow-invalid-tool-arguments",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help=INVALID_TOOL_ARGUMENTS_HELP,
+    )
     p.add_argument(
         "--show",
         type=int,
@@ -130,6 +137,7 @@ def _read(path, tokenizer, args, vocab_size: int, vocab_name: str) -> tuple[list
         columns=args.columns,
         vocab_size=vocab_size,
         group_rows=args.group_rows,
+        allow_invalid_tool_arguments=args.allow_invalid_tool_arguments,
         on_error="collect",
     )
     trees = [tree for tree, _ in stream]

@@ -10,7 +10,12 @@ import argparse
 from treetrain.data.grouping import GROUP_ROWS_HELP
 from treetrain.train.config import DEFAULT_STEPS, TrainConfig
 
-__all__ = ["add_parser", "add_train_arguments"]
+__all__ = ["INVALID_TOOL_ARGUMENTS_HELP", "add_parser", "add_train_arguments"]
+
+INVALID_TOOL_ARGUMENTS_HELP = (
+    "messages data: accept tool-call arguments that are not a JSON object (by default an error: the "
+    "model would learn to emit them), for data that means it (default off)"
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -73,6 +78,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "smollm2-135m-instruct: that model's own)",
     )
     _bool_flag(g, "skip-oversized", "drop paths longer than --capacity instead of failing (default off)")
+    _bool_flag(g, "allow-invalid-tool-arguments", INVALID_TOOL_ARGUMENTS_HELP)
     g.add_argument(
         "--model",
         help="local Hugging Face model directory; a directory with only config.json is randomly "

@@ -187,7 +187,7 @@ def setup(cfg: TrainConfig, quiet: bool = False) -> Run:
     vocab_size = model.config.get_text_config().vocab_size
     counts = None  # the whole file read and checked before step 1 (--epochs counts its trees so)
     if not cfg.lazy_validate or cfg.epochs is not None:
-        options = _reader_options(_per_tree_budget(cfg), vocab_size)
+        options = _reader_options(_per_tree_budget(cfg), vocab_size, objective)
         counts = guards.validate_data(data_path(cfg), options, cfg.progress and info.is_main)
     steps, total_trees = total_steps(cfg, vocab_size, counts.samples if counts is not None else None)
     scheduler = build_scheduler(optimizer, cfg, steps)
