@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import functools
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
-from treetrain.attention.mask import TreeMask, block_classes, check_inputs
+from treetrain.attention.mask import TreeMask, TreeScores, block_classes, tree_scores
 from treetrain.attention.sinks import add_sinks
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 FLEX_BLOCK = 128
 
@@ -108,12 +112,7 @@ def flex_tree_attention(
     v: torch.Tensor,
     mask: TreeMask,
     scale: float,
-    *,
-    window: int | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-    alibi: torch.Tensor | None = None,
-    rel_bias: torch.Tensor | None = None,
+    **scores: Unpack[TreeScores],
 ) -> torch.Tensor:
     """``q [Hq, T, D]``, ``k, v [Hkv, T, D]`` -> ``[Hq, T, D]``. CPU: forward only (no flex backward).
 
@@ -125,7 +124,7 @@ def flex_tree_attention(
     ``rel_bias [Hq, T, E]``: Inkling's bias per query and path distance (:mod:`.relbias`), a
     ``score_mod`` reading the table (its gradient: flex's captured-buffer gradient).
     """
-    check_inputs("flex_tree_attention", q, k, v, mask, sinks, alibi, rel_bias)
+    window, softcap, sinks, alibi, rel_bias = tree_scores("flex_tree_attention", q, k, v, mask, scores)
     pos = mask.window_positions(window)
     bm = mask.cached(("flex", window), lambda: tree_block_mask(mask.subtree_end, FLEX_BLOCK, pos, window))
     gqa = q.shape[0] != k.shape[0]
