@@ -221,7 +221,7 @@ def test_no_progress_runs_print_nothing_on_stderr(paths_file, tmp_path, extra):
     assert "treetrain train: done" in proc.stdout and "Writing model shards" not in proc.stdout
 
 
-# ---- issue 45: records checked before step 1 ------------------------------------------------------
+# ---- issue 45: records checked before step 1, bars only on a terminal ---------------------------
 
 
 def test_a_late_record_without_rewards_fails_validation_by_name(tmp_path):
@@ -246,3 +246,33 @@ def test_a_late_record_without_rewards_fails_validation_by_name(tmp_path):
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     err = _listing_error(treetrain(*argv, "--output", str(tmp_path / "both")), "train")
     assert f'{data}:3 (id "late"): field "advantages": --advantages group computes them from "rewards"' in err
+
+
+def test_progress_bar_only_on_a_terminal(paths_file, tmp_path):
+    """Into a pipe (as into a file), the step lines alone, no bar redraws mixed in; on a terminal
+    (a pseudo-terminal here) the bar draws on stderr."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    argv = ["train", "--data", str(paths_file), "--steps", "2"]
+    proc = treetrain(*argv, "--output", str(tmp_path / "pipe"))
+    assert proc.returncode == 0 and "\r" not in proc.stderr and "step/s" not in proc.stderr, proc.stderr
+    assert re.search(r"^step 1/2  loss .*\nstep 2/2  loss ", proc.stdout, re.M), proc.stdout
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # else 0 columns wide
+    cmd = [sys.executable, "-m", "treetrain", *argv, "--output", str(tmp_path / "tty")]
+    with subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=follower, env=ENV) as child:
+        os.close(follower)
+        drawn = b""
+        while True:  # read as it draws (the terminal's buffer is small); EIO once the child is gone
+            try:
+                chunk = os.read(leader, 4096)
+            except OSError:
+                break
+            if not chunk:
+                break
+            drawn += chunk
+    os.close(leader)
+    assert child.returncode == 0 and b"\r" in drawn and b"2/2" in drawn, drawn[-2000:]

@@ -267,7 +267,11 @@ def _coerce(name: str, value: Any, kind: type, source: str = "") -> Any:
 
 def _choice(name: str, value: str, choices: Sequence[str]) -> None:
     if value not in choices:
-        raise ValueError(f"--{name.replace('_', '-')}: expected one of {', '.join(choices)}; got {value!r}")
+        near = difflib.get_close_matches(value, choices, n=1)
+        hint = f" (did you mean {near[0]}?)" if near else ""
+        raise ValueError(
+            f"--{name.replace('_', '-')}: expected one of {', '.join(choices)}; got {value!r}{hint}"
+        )
 
 
 def _positive(name: str, value, allow_zero: bool = False) -> None:

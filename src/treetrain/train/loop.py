@@ -81,6 +81,7 @@ from treetrain.train.build import (
 )
 from treetrain.train.checkpoint import CheckpointError
 from treetrain.train.config import TrainConfig, config_from_args, validate
+from treetrain.train.console import show_progress_bars
 from treetrain.train.kit import RunKit, checkpoint_state, drop_empty_groups, export_extras
 from treetrain.train.outputs import (
     log_metrics,
@@ -186,9 +187,10 @@ def setup(cfg: TrainConfig, quiet: bool = False) -> Run:
         drop_empty_groups(optimizer)
     vocab_size = model.config.get_text_config().vocab_size
     counts = None  # the whole file read and checked before step 1 (--epochs counts its trees so)
+    bars = show_progress_bars(cfg.progress) and info.is_main  # a terminal's: validating a large file
     if not cfg.lazy_validate or cfg.epochs is not None:
         options = _reader_options(_per_tree_budget(cfg), vocab_size, objective)
-        counts = guards.validate_data(data_path(cfg), options, cfg.progress and info.is_main)
+        counts = guards.validate_data(data_path(cfg), options, bars)
     steps, total_trees = total_steps(cfg, vocab_size, counts.samples if counts is not None else None)
     scheduler = build_scheduler(optimizer, cfg, steps)
     run = Run(cfg, device, autocast_dtype, model, objective, optimizer, scheduler, steps, out, quiet=quiet)
@@ -197,7 +199,7 @@ def setup(cfg: TrainConfig, quiet: bool = False) -> Run:
     if cfg.eval_data is not None:
         from treetrain.train.evaluate import eval_batch
 
-        run.eval_batch, eval_counts = eval_batch(cfg, vocab_size, objective, cfg.progress and info.is_main)
+        run.eval_batch, eval_counts = eval_batch(cfg, vocab_size, objective, bars)
     from treetrain.parallel.cp import init_cp
 
     run.cp = init_cp(cfg.cp)
@@ -262,7 +264,10 @@ def run_loop(run: Run, metrics_path: Path) -> list[dict[str, Any]]:
         if info.is_main
         else contextlib.nullcontext() as fh,
         tqdm(
-            total=run.steps, initial=run.start_step, unit="step", disable=not (cfg.progress and info.is_main)
+            total=run.steps,
+            initial=run.start_step,
+            unit="step",
+            disable=not (show_progress_bars(cfg.progress) and info.is_main),
         ) as bar,
         open_trackers(cfg.report_to, run.out, cfg.to_dict(), enabled=info.is_main) as trackers,
     ):
@@ -337,7 +342,7 @@ def train(cfg: TrainConfig | dict[str, Any], *, quiet: bool = False) -> TrainRes
     elif not isinstance(cfg, TrainConfig):
         raise ValueError(f"train: expected a TrainConfig or a dict of options, got {type(cfg).__name__}")
     cfg = validate(cfg)
-    with library_progress_bars(cfg.progress):  # --no-progress: transformers' bars too
+    with library_progress_bars(show_progress_bars(cfg.progress)):  # --no-progress: transformers' too
         return _train(cfg, quiet)
 
 
