@@ -29,6 +29,15 @@ QWEN3_SHAPES = {
     "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128, vocab_size=151936),
 }  # fmt: skip
+# the shapes the TRL and verl comparisons run: a tiny one for the tests' smoke runs, Qwen3's, and
+# SmolLM2-135M's (30 layers, 9/3 heads of 64, vocab 49,152) on the Qwen3 architecture
+MODEL_SHAPES = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=32, vocab_size=1000),
+    **QWEN3_SHAPES,
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, head_dim=64, vocab_size=49152),
+}  # fmt: skip
 
 
 def provenance(script: str, argv: list[str] | None, device: str, versions: str = "") -> str:

@@ -74,7 +74,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    QWEN3_SHAPES,
+    MODEL_SHAPES,
     add_allocator_flag,
     block_rule_line,
     estimate_line,
@@ -92,14 +92,7 @@ from treetrain.bench import noise  # noqa: E402
 from treetrain.integrations.flat import FlatBatch  # noqa: E402
 from treetrain.trees.flops import CostModel, Work, baseline_pairs, path_targets, tree_pairs  # noqa: E402
 
-MODELS = {
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                 num_key_value_heads=1, head_dim=32, vocab_size=1000),  # the tests' smoke runs
-    **QWEN3_SHAPES,  # small, qwen3-0.6b
-    # SmolLM2-135M's shape (30 layers, 9/3 heads of 64, vocab 49,152) on the Qwen3 architecture
-    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                         num_key_value_heads=3, head_dim=64, vocab_size=49152),
-}  # fmt: skip
+MODELS = MODEL_SHAPES  # tiny (the tests' smoke runs), small, qwen3-0.6b, smollm2-135m
 # (P, G, C, prompts) per preset, with the model and repeats; run times in benchmarks/QUIET_RUNS.md
 PRESETS = {
     "quick": dict(model="small", cases=[(256, 4, 32, 1)], repeats=5),

@@ -62,6 +62,18 @@ def test_bad_inputs_raise_value_error_alike(fn, case, match):
         fn(q, k, v, TreeMask(end), 0.5)
 
 
+@pytest.mark.parametrize("fn", BACKENDS[:3], ids=lambda f: f.__name__)
+def test_score_keywords_are_the_shared_ones(fn):
+    """dense, blocksparse and flex take the keywords of ``mask.TreeScores`` (declared once): a
+    misspelled one is Python's TypeError, and an accepted one reaches the backend (``window=1``: each
+    token sees itself alone, so the output is its own value)."""
+    q, k, v = qkv(hq=2, hkv=2)
+    with pytest.raises(TypeError, match=rf"^{fn.__name__}\(\) got an unexpected keyword argument 'windw'$"):
+        fn(q, k, v, TreeMask(END), 0.5, windw=1)
+    out = fn(q, k, v, TreeMask(END, position_ids=torch.tensor([0, 1, 2, 1])), 0.5, window=1)
+    torch.testing.assert_close(out, v)
+
+
 def test_triton_block_sizes_raise_value_error():
     q, k, v = qkv()
     if attention.triton_kernel.triton is None:

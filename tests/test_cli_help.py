@@ -104,3 +104,57 @@ def test_readme_python_example_counts_right():
     m = re.search(r"paths = (\[\[.*?\]\])\s.*?one forward over (\d+) distinct tokens", text, re.S)
     paths, stated = json.loads(m.group(1)), int(m.group(2))
     assert TrajectoryTree.from_paths(paths).num_tokens == stated
+
+
+@pytest.mark.parametrize(
+    "argv, hint",
+    [
+        (
+            ["train", "--learning-rate", "1e-4"],
+            "unrecognized arguments: --learning-rate 1e-4; did you mean --lr?",
+        ),
+        (["train", "--max_steps=3"], "did you mean --steps?"),
+        (["train", "--kl-coef", "0.1"], "did you mean --set loss.kl_coef=... (an objective option)?"),
+        (["train", "--peft-config", "a.json"], "did you mean --set peft_config=...?"),
+        (["train", "--batch_trees", "2"], "did you mean --batch-trees?"),
+        (["train", "--lrr", "1"], "did you mean --lr?"),
+        (["stats", "--dta", "x"], "did you mean --data?"),
+        (["trian"], "invalid choice: 'trian' (choose from 'train', 'stats', 'bench'); did you mean train?"),
+        (["stats", "--data-format", "path"], "did you mean paths?"),
+    ],
+)
+def test_mistyped_flags_get_did_you_mean(argv, hint, capsys):
+    """As config keys do (issue 45): other trainers' names, options set with --set, the nearest flag,
+    subcommand and choice; one line, exit 2."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and hint in err, err
+
+
+def test_a_mistyped_value_and_a_missing_model_directory(tmp_path, capsys):
+    assert main(["train", "--objective", "sftt", "--output", str(tmp_path / "o")]) == 2
+    assert "got 'sftt' (did you mean sft?)" in capsys.readouterr().err
+    for command in ("train", "stats"):
+        missing = tmp_path / "no-such-dir"
+        assert (
+            main(
+                [
+                    command,
+                    "--model",
+                    str(missing),
+                    *(["--output", str(tmp_path / "o")] * (command == "train")),
+                ]
+            )
+            == 2
+        )
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(
+            f"treetrain {command}: error: --model {missing}: does not exist; pass a local"
+        ), err
+        assert "no config.json" not in err and len(err.splitlines()) == 1
+    assert main(["train", "--model", "smollm2-135m", "--output", str(tmp_path / "o")]) == 2
+    assert (
+        "--model smollm2-135m: does not exist (did you mean smollm2-135m-instruct?)"
+        in capsys.readouterr().err
+    )

@@ -4,6 +4,7 @@ extending a finished run."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -106,8 +107,11 @@ def test_a_directory_as_data(tmp_path):
 def test_dpo_on_a_paths_file_names_file_and_line(paths_file, tmp_path):
     proc = treetrain("train", "--objective", "dpo", "--data", str(paths_file), "--steps", "1",
                      "--output", str(tmp_path / "o"), "--no-progress")  # fmt: skip
-    line = _one_line_error(proc, "train")
-    assert f"{paths_file}:1: --objective dpo trains on preference pairs" in line and "paths data" in line
+    err = _listing_error(proc, "train")  # checked in the validation pass: every such record listed
+    for line in (1, 2):
+        assert (
+            f"{paths_file}:{line}: --objective dpo trains on preference pairs" in err and "paths data" in err
+        )
 
 
 def _listing_error(proc: subprocess.CompletedProcess, command: str) -> str:
@@ -218,3 +222,60 @@ def test_no_progress_runs_print_nothing_on_stderr(paths_file, tmp_path, extra):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr == "", proc.stderr[-3000:]
     assert "treetrain train: done" in proc.stdout and "Writing model shards" not in proc.stdout
+
+
+# ---- issue 45: records checked before step 1, bars only on a terminal ---------------------------
+
+
+def test_a_late_record_without_rewards_fails_validation_by_name(tmp_path):
+    """``--advantages group`` needs every record's rewards: the third record's absence is found by the
+    validation before step 1 (it used to stop the run at step 3 as "tree 0 of the batch"), named by
+    file, line and id; with ``--lazy-validate`` the run stops when that record is read, named alike."""
+    data = tmp_path / "r.jsonl"
+    rows = [{"id": "a", "paths": [[1, 2, 3], [1, 2, 4]], "rewards": [1, 0]},
+            {"id": "b", "paths": [[5, 6], [5, 7]], "rewards": [0, 1]},
+            {"id": "late", "paths": [[8, 9], [8, 10]]}]  # fmt: skip
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = ["train", "--data", str(data), "--objective", "grpo", "--advantages", "group", "--steps", "3",
+            "--no-progress"]  # fmt: skip
+    named = f'{data}:3 (id "late"): field "rewards": missing; --advantages group computes each path'
+    proc = treetrain(*argv, "--output", str(tmp_path / "o"))
+    assert named in _listing_error(proc, "train") and "step 1" not in proc.stdout, proc.stdout
+    assert not (tmp_path / "o" / "metrics.jsonl").exists()
+    proc = treetrain(*argv, "--output", str(tmp_path / "lazy"), "--lazy-validate", "--prefetch", "0")
+    line = _one_line_error(proc, "train")
+    assert named in line and "step 2/3" in proc.stdout and "step 3/3" not in proc.stdout, proc.stdout
+    rows[2]["rewards"], rows[2]["advantages"] = [1, 0], [0.5, -0.5]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    err = _listing_error(treetrain(*argv, "--output", str(tmp_path / "both")), "train")
+    assert f'{data}:3 (id "late"): field "advantages": --advantages group computes them from "rewards"' in err
+
+
+def test_progress_bar_only_on_a_terminal(paths_file, tmp_path):
+    """Into a pipe (as into a file), the step lines alone, no bar redraws mixed in; on a terminal
+    (a pseudo-terminal here) the bar draws on stderr."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    argv = ["train", "--data", str(paths_file), "--steps", "2"]
+    proc = treetrain(*argv, "--output", str(tmp_path / "pipe"))
+    assert proc.returncode == 0 and "\r" not in proc.stderr and "step/s" not in proc.stderr, proc.stderr
+    assert re.search(r"^step 1/2  loss .*\nstep 2/2  loss ", proc.stdout, re.M), proc.stdout
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # else 0 columns wide
+    cmd = [sys.executable, "-m", "treetrain", *argv, "--output", str(tmp_path / "tty")]
+    with subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=follower, env=ENV) as child:
+        os.close(follower)
+        drawn = b""
+        while True:  # read as it draws (the terminal's buffer is small); EIO once the child is gone
+            try:
+                chunk = os.read(leader, 4096)
+            except OSError:
+                break
+            if not chunk:
+                break
+            drawn += chunk
+    os.close(leader)
+    assert child.returncode == 0 and b"\r" in drawn and b"2/2" in drawn, drawn[-2000:]

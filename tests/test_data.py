@@ -132,15 +132,25 @@ def test_bool_mask_values_accepted():
 )
 def test_paths_invalid(tmp_path, patch, where, reason):
     err = one_error(tmp_path, {**VALID, **patch}, vocab_size=8)
-    assert str(err).startswith(f"{err.file}:2: field {where}: "), str(err)
-    assert reason in err.reason, str(err)
+    named = "" if "id" in patch else ' (id "r1")'  # the record's id, where it is a valid one
+    assert str(err).startswith(f"{err.file}:2{named}: field {where}: "), str(err)
+    assert reason in err.reason and err.record == (None if named == "" else "r1"), str(err)
 
 
 @pytest.mark.parametrize(
     "line, reason",
     [
         ("{bad json", "invalid JSON: Expecting property name enclosed in double quotes (column 2)"),
-        ('{"paths": [[1, 2]]', "invalid JSON"),
+        (  # cut short: the column is where the line ends, not "column 1" of the newline after it
+            '{"paths": [[1, 2]]',
+            "invalid JSON: Expecting ',' delimiter (column 19) (the line ends before the record does: "
+            "cut short?)",
+        ),
+        (
+            '{"paths": [[1, 2]], "x"',
+            "invalid JSON: Expecting ':' delimiter (column 24) (the line ends before",
+        ),
+        ('{"paths": [[1, 2]]} x', "invalid JSON: Extra data (column 21)"),
         ('{"paths": [[1, NaN]]}', "non-standard JSON constant NaN"),
         ('{"paths": [[1]], "advantages": [Infinity]}', "non-standard JSON constant Infinity"),
         ("[1, 2]", "expected a JSON object, got list"),
@@ -155,6 +165,15 @@ def test_paths_invalid(tmp_path, patch, where, reason):
 def test_line_level_errors(tmp_path, line, reason):
     err = one_error(tmp_path, line)
     assert str(err).startswith(f"{err.file}:2: ") and reason in str(err), str(err)
+
+
+def test_a_line_cut_short_reports_its_own_column_with_any_line_end(tmp_path):
+    for end in (b"\n", b"\r\n", b""):
+        path = tmp_path / "cut.jsonl"
+        path.write_bytes(b'{"paths": [[1, 2]]}\n{"paths": [[3' + end)
+        with pytest.raises(DataError) as e:
+            list(iter_trees(path))
+        assert e.value.line == 2 and "Expecting ',' delimiter (column 14) (the line ends" in str(e.value)
 
 
 def test_deep_nesting_is_a_data_error(tmp_path, tok):

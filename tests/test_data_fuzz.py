@@ -253,8 +253,10 @@ def check_file(tmp_path, lines, expected, **kw) -> None:
     for line, exp in enumerate(expected, start=1):
         kind = exp[0]
         err = errors.get(line)
+        at = f"{f}:{line}: "  # with the record's id where it has a valid one: file:line (id "x"): ...
         if err is not None:
-            assert str(err).startswith(f"{f}:{line}: "), str(err)
+            at = at if err.record is None else f"{f}:{line} (id {json.dumps(err.record)}): "
+            assert str(err).startswith(at), str(err)
             assert err.file == str(f) and err.line == line
         if kind == "valid":
             assert line in yielded, f"line {line}: {err}"
@@ -268,7 +270,7 @@ def check_file(tmp_path, lines, expected, **kw) -> None:
             assert err is not None, f"line {line} ({exp}) was accepted"
             assert err.field[: len(exp[1])] == exp[1], f"line {line}: expected field {exp[1]}, got {err}"
             if exp[1]:
-                assert f"{f}:{line}: field " in str(err)
+                assert f"{at}field " in str(err)
     assert c.skipped_oversized == (sum(e[0] == "oversized" for e in expected) if skip else 0)
 
     # raise mode stops at the first problem with the same message
@@ -355,14 +357,27 @@ def corrupt_messages(draw, rec: dict):
                 "loss_masks",
                 "nested",
                 "bad_json",
+                "tool_arguments",
+                "tool_call_id",
             ]
         )
     )
 
-    def with_message(patch: dict) -> dict:
+    def with_message(patch: dict, i: int = i) -> dict:
         new = [list(c) for c in convs]
         new[p][i] = {**new[p][i], **patch}
         return {**rec, "messages": new[0] if flat else new}
+
+    if kind == "tool_arguments":  # message 2 is CONV's call: its arguments cut short (not JSON)
+        call = {"function": {"name": "get_reservation", "arguments": '{"id": "3RK'}}
+        return _dump(with_message({"tool_calls": [call]}, 2)), (
+            "error",
+            (*at, 2, "tool_calls", 0, "function", "arguments"),
+        )
+    if kind == "tool_call_id":  # message 3 is the call's result: an id of no call
+        if len(convs[p]) <= 3:
+            return _dump(rec), ("valid",)  # this conversation ends at the call
+        return _dump(with_message({"tool_call_id": "call_9"}, 3)), ("error", (*at, 3, "tool_call_id"))
 
     if kind == "none":
         return _dump(rec), ("valid",)
@@ -389,8 +404,9 @@ def corrupt_messages(draw, rec: dict):
             "error",
             (*at, i, "weight"),
         )
-    if kind == "control":
-        return _dump(with_message({"role": "user", "content": "a <|im_start|> b", "tool_calls": None})), (
+    if kind == "control":  # the message that makes a call keeps it (its result would answer no call)
+        as_user = {} if convs[p][i].get("tool_calls") else {"role": "user", "tool_calls": None}
+        return _dump(with_message({**as_user, "content": "a <|im_start|> b"})), (
             "error",
             (*at, i, "content"),
         )

@@ -411,4 +411,4 @@ def test_cli_errors_name_flags(workdir, tmp_path, capsys):
     assert main(["stats", str(tmp_path / "nosuchfile.jsonl")]) == 2
     assert "nosuchfile.jsonl: no such data file" in capsys.readouterr().err
     assert main(["stats", "--model", "/nonexistent"]) == 2
-    assert "--model /nonexistent: not a model directory" in capsys.readouterr().err
+    assert "--model /nonexistent: does not exist; pass a local directory" in capsys.readouterr().err

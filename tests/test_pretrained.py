@@ -157,8 +157,10 @@ def test_tool_template_renders_tools_and_calls(env):
                        "3<|im_end|>"]  # fmt: skip
 
 
-def test_train_by_name_uses_the_models_tokenizer(env, tmp_path):
-    """``treetrain train --model smollm2-135m-instruct`` on a messages file: no --tokenizer needed."""
+def test_train_by_name_uses_the_models_tokenizer(env, tmp_path, capsys):
+    """``treetrain train --model smollm2-135m-instruct`` on a messages file: no --tokenizer needed; the
+    banner names the pretrained weights, and ``final/`` loads with AutoTokenizer (the model's own
+    tokenizer and chat template) and AutoModelForCausalLM."""
     data = tmp_path / "m.jsonl"
     conv = [{"role": "user", "content": "the sum?"}, {"role": "assistant", "content": "the answer"}]
     data.write_text(
@@ -182,6 +184,17 @@ def test_train_by_name_uses_the_models_tokenizer(env, tmp_path):
         json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in x
     ]
     assert len(losses) == 2 and all(0 < v < 10 for v in losses)  # ln(267) = 5.6 at random init
+    banner = capsys.readouterr().out
+    assert f"model      {NAME} (llama, pretrained weights: {pretrained.PRETRAINED[NAME].about})" in banner
+    assert "random init" not in banner and f"tokenizer  {NAME} (the --model's own)" in banner
+
+    tok = transformers.AutoTokenizer.from_pretrained(out / "final")
+    own = transformers.AutoTokenizer.from_pretrained(env[3])
+    assert tok.chat_template == TOOL_TEMPLATE and len(tok) == len(own)
+    assert tok.apply_chat_template(conv, tokenize=False) == own.apply_chat_template(conv, tokenize=False)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out / "final")
+    assert model.config.model_type == "llama" and model.config.vocab_size == len(own)
+    assert json.loads((out / "config.json").read_text())["tokenizer"] == NAME  # the name, not the cache
 
 
 def test_default_data_for_a_named_model_is_the_messages_sample():
@@ -202,6 +215,7 @@ def test_stats_on_a_named_model(env, tmp_path, capsys):
     )
     assert main(["stats", "--model", NAME, "--data", str(data), "--show", "1"]) == 0
     out = capsys.readouterr().out
+    assert f"FLOP bound ({NAME})" in out and str(env[2]) not in out  # the name, not the cache directory
     # decoded with the model's own tokenizer, one line per node
     assert '"the answer<|im_end|>\\n"  [path 0]' in out and '"in<|im_end|>\\n"  [path 1]' in out
 

@@ -48,7 +48,18 @@ class _Parser(argparse.ArgumentParser):
     what is wrong with it, and where the help is."""
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(2, f"{self.prog}: error: {message}{_near_choice(message)} (see {self.prog} --help)\n")
+
+
+def _near_choice(message: str) -> str:
+    """``; did you mean train?`` for argparse's ``invalid choice: 'trian' (choose from ...)``."""
+    import difflib
+
+    m = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+    if m is None:
+        return ""
+    near = difflib.get_close_matches(m.group(1), re.findall(r"'([^']*)'", m.group(2)), n=1)
+    return f"; did you mean {near[0]}?" if near else ""
 
 
 # ---- dispatch ----------------------------------------------------------------------------------
@@ -79,6 +90,7 @@ _CLI_WORDS = {
     "skip_oversized=True": "--skip-oversized",
     "tokenizer=<local dir> or 'qwen'": "--tokenizer DIR or --tokenizer qwen",
     "token budget capacity=": "token budget --capacity ",
+    "pass allow_invalid_tool_arguments=True": "pass --allow-invalid-tool-arguments",
 }
 
 
@@ -89,15 +101,21 @@ def cli_wording(message: str) -> str:
     return message
 
 
-def _unrecognized(parser: argparse.ArgumentParser, command: str | None, unknown: list[str]) -> None:
-    """Exit 2 naming the command, the unknown arguments and the nearest option (``--lrr``: ``--lr``)."""
+def _unrecognized(parser: argparse.ArgumentParser, args: argparse.Namespace, unknown: list[str]) -> None:
+    """Exit 2 naming the command, the unknown arguments and the nearest option (``--lrr``: ``--lr``),
+    or the subcommand's own hint (``flag_hint(arg, flags)``: ``train``'s knows other trainers' names
+    and the options set with ``--set``)."""
     import difflib
 
-    sub = _subparsers(parser).get(command, parser)
+    sub = _subparsers(parser).get(args.command, parser)
     shown = [a for a in sub._actions if a.help != argparse.SUPPRESS]  # noqa: SLF001
     flags = [s for a in shown for s in a.option_strings]
-    near = difflib.get_close_matches(unknown[0].split("=")[0], flags, n=1)
-    hint = f"; did you mean {near[0]}?" if near else ""
+    flag_hint = getattr(args, "flag_hint", None)
+    if flag_hint is not None:
+        near = flag_hint(unknown[0], flags)
+    else:
+        near = next(iter(difflib.get_close_matches(unknown[0].split("=")[0], flags, n=1)), None)
+    hint = f"; did you mean {near}?" if near else ""
     sub.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
 
 
@@ -111,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:
-        _unrecognized(parser, args.command, unknown)
+        _unrecognized(parser, args, unknown)
     args.from_command_line = argv is None  # the process is this command: it may re-execute itself
     if args.command is None:
         parser.print_help()

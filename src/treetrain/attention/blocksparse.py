@@ -40,15 +40,19 @@ layer of a forward shares it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from treetrain.attention.alibi import tile_bias
 from treetrain.attention.blockplan import BlockSparsePlan, Tile, build_plan
 from treetrain.attention.blockrule import block_and_fanout
-from treetrain.attention.mask import TreeMask, check_inputs
+from treetrain.attention.mask import TreeMask, TreeScores, tree_scores
 from treetrain.attention.relbias import rel_bias_tile, rel_bias_tile_grad
 from treetrain.attention.sinks import add_sinks, sink_grad
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 try:  # the CPU flash kernel behind SDPA, called directly for its log-sum-exp and backward
     _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -266,12 +270,7 @@ def blocksparse_attention(
     block: int | None = None,
     *,
     fanout: int | None = None,
-    window: int | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-    alibi: torch.Tensor | None = None,
-    rel_bias: torch.Tensor | None = None,
-    key_start: torch.Tensor | None = None,
+    **scores: Unpack[TreeScores],
 ) -> torch.Tensor:
     """Tree attention that computes (nearly) only the pairs the tree allows, with autograd. CPU only.
 
@@ -292,12 +291,14 @@ def blocksparse_attention(
     ``key_start [T]``: bidirectional image blocks (see ``mask.py`` and :func:`build_plan`).
     ``softcap`` is not supported (the CPU flash kernel has no score hook).
     """
+    window, softcap, sinks, alibi, rel_bias, key_start = tree_scores(
+        "blocksparse_attention", q, k, v, mask, scores
+    )
     if softcap is not None:
         raise ValueError(
             f"attention logit softcapping ({softcap}) is not supported by the blocksparse backend; "
             "use attention backend 'dense' (CPU) or 'flex'"
         )
-    check_inputs("blocksparse_attention", q, k, v, mask, sinks, alibi, rel_bias)
     rel_pos = None
     if rel_bias is not None:
         rel_pos = mask.position_ids.detach().to("cpu", torch.int64)

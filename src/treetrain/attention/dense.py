@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
 from treetrain.attention.alibi import alibi_scores
-from treetrain.attention.mask import TreeMask, check_inputs, dense_tree_mask
+from treetrain.attention.mask import TreeMask, TreeScores, dense_tree_mask, tree_scores
 from treetrain.attention.relbias import rel_bias_scores
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 def dense_attention(
@@ -16,13 +21,7 @@ def dense_attention(
     v: torch.Tensor,
     mask: TreeMask,
     scale: float,
-    *,
-    window: int | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-    alibi: torch.Tensor | None = None,
-    rel_bias: torch.Tensor | None = None,
-    key_start: torch.Tensor | None = None,
+    **scores: Unpack[TreeScores],
 ) -> torch.Tensor:
     """Tree attention with an explicit mask.
 
@@ -39,7 +38,7 @@ def dense_attention(
     ``key_start [T]``: bidirectional image blocks, key ``k`` seen from query ``key_start[k]`` on
     (see ``mask.py``).
     """
-    check_inputs("dense_attention", q, k, v, mask, sinks, alibi, rel_bias)
+    window, softcap, sinks, alibi, rel_bias, key_start = tree_scores("dense_attention", q, k, v, mask, scores)
     pos = mask.window_positions(window)
     key = ("dense", window) + (("bidirectional",) if key_start is not None else ())
     dense = mask.cached(key, lambda: dense_tree_mask(mask.subtree_end, pos, window, key_start))

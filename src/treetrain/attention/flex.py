@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import functools
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
-from treetrain.attention.mask import TreeMask, block_classes, check_inputs
+from treetrain.attention.mask import TreeMask, TreeScores, block_classes, tree_scores
 from treetrain.attention.sinks import add_sinks
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 FLEX_BLOCK = 128
 
@@ -115,13 +119,7 @@ def flex_tree_attention(
     v: torch.Tensor,
     mask: TreeMask,
     scale: float,
-    *,
-    window: int | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-    alibi: torch.Tensor | None = None,
-    rel_bias: torch.Tensor | None = None,
-    key_start: torch.Tensor | None = None,
+    **scores: Unpack[TreeScores],
 ) -> torch.Tensor:
     """``q [Hq, T, D]``, ``k, v [Hkv, T, D]`` -> ``[Hq, T, D]``. CPU: forward only (no flex backward).
 
@@ -134,7 +132,9 @@ def flex_tree_attention(
     ``score_mod`` reading the table (its gradient: flex's captured-buffer gradient);
     ``key_start [T]``: bidirectional image blocks (see ``mask.py``).
     """
-    check_inputs("flex_tree_attention", q, k, v, mask, sinks, alibi, rel_bias)
+    window, softcap, sinks, alibi, rel_bias, key_start = tree_scores(
+        "flex_tree_attention", q, k, v, mask, scores
+    )
     pos = mask.window_positions(window)
     bm = mask.cached(
         ("flex", window) + (("bidirectional",) if key_start is not None else ()),

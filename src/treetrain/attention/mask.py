@@ -23,7 +23,9 @@ this is still one interval per key (FlashMask's form with a lower bound).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any, TypedDict
 
 import torch
 
@@ -87,6 +89,48 @@ def dense_tree_mask(
     if window is not None:
         mask &= position_ids[:, None] - position_ids[None, :] < window
     return mask
+
+
+class TreeScores(TypedDict, total=False):
+    """What the attention scores get besides the tree mask: the keywords every backend entry point
+    takes (``dense_attention(q, k, v, mask, scale, window=4)``; None or absent: off; what each
+    backend computes: ``treetrain.attention.FEATURES``).
+
+    - ``window``: sliding window along each path, ``pos[q] - pos[k] < window`` (see the module);
+    - ``softcap``: Gemma 2's attention logit soft-capping, ``softcap * tanh(scores / softcap)``;
+    - ``sinks [Hq]`` or ``[Hq, T]``: sink logits per head (GPT-OSS) or per head and query (Inkling2),
+      one more softmax column with a zero value (:mod:`.sinks`);
+    - ``alibi [Hq, T]``: ALiBi's per-head bias at each token's path position (:mod:`.alibi`);
+    - ``rel_bias [Hq, T, E]``: a learned bias per query and path distance (Inkling, :mod:`.relbias`);
+    - ``key_start [T]``: bidirectional image blocks (Gemma 3/4), key ``k`` seen by the queries
+      ``key_start[k] <= q < subtree_end[k]`` (see the module).
+    """
+
+    window: int | None
+    softcap: float | None
+    sinks: torch.Tensor | None
+    alibi: torch.Tensor | None
+    rel_bias: torch.Tensor | None
+    key_start: torch.Tensor | None
+
+
+SCORE_KEYWORDS = tuple(TreeScores.__annotations__)  # window, softcap, sinks, alibi, rel_bias, key_start
+
+
+def tree_scores(
+    name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: TreeMask, scores: Mapping[str, Any]
+) -> tuple:
+    """A backend entry point's :class:`TreeScores` keywords ``scores`` as ``(window, softcap, sinks,
+    alibi, rel_bias, key_start)``, after :func:`check_inputs`; an unknown keyword is a ``TypeError``,
+    as Python's own for a function that names its keywords."""
+    for key in scores:
+        if key not in SCORE_KEYWORDS:
+            raise TypeError(f"{name}() got an unexpected keyword argument {key!r}")
+    window, softcap, sinks, alibi, rel_bias, key_start = (scores.get(key) for key in SCORE_KEYWORDS)
+    check_inputs(name, q, k, v, mask, sinks, alibi, rel_bias)
+    if key_start is not None and key_start.shape != mask.subtree_end.shape:
+        raise ValueError(f"{name}: key_start must be [T] = [{q.shape[1]}], got {tuple(key_start.shape)}")
+    return window, softcap, sinks, alibi, rel_bias, key_start
 
 
 def check_inputs(

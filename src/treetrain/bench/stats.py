@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from treetrain.data.grouping import GROUP_ROWS_HELP, GROUPINGS
 from treetrain.data.sources import is_table_source
+from treetrain.train.flags import INVALID_TOOL_ARGUMENTS_HELP
 
 if TYPE_CHECKING:
     from treetrain.trees.flops import CostModel
@@ -70,6 +71,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     p.add_argument("--group-rows", default="consecutive", choices=GROUPINGS, help=GROUP_ROWS_HELP)
     p.add_argument(
+        "--allow-invalid-tool-arguments",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help=INVALID_TOOL_ARGUMENTS_HELP,
+    )
+    p.add_argument(
         "--show",
         type=int,
         default=0,
@@ -95,8 +102,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return p
 
 
-def _cost(model: str | None) -> tuple[CostModel, str, int]:
-    """The FLOP cost model, its name and the vocabulary size: ``--model``'s, or Qwen3-0.6B's."""
+def _cost(model: str | None, name: str | None = None) -> tuple[CostModel, str, int]:
+    """The FLOP cost model, its name and the vocabulary size: the ``model`` directory's (named
+    ``name``, as ``--model`` gave it: a model known by name is shown by its name, not its cached
+    directory), or Qwen3-0.6B's."""
     from treetrain.trees.flops import QWEN3_0_6B, CostModel
 
     if model is None:
@@ -104,7 +113,7 @@ def _cost(model: str | None) -> tuple[CostModel, str, int]:
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model)
-    return CostModel.from_config(config), model, config.get_text_config().vocab_size
+    return CostModel.from_config(config), name or model, config.get_text_config().vocab_size
 
 
 def _rows_line(counts) -> list[tuple[str, str]]:
@@ -128,6 +137,7 @@ def _read(path, tokenizer, args, vocab_size: int, vocab_name: str) -> tuple[list
         columns=args.columns,
         vocab_size=vocab_size,
         group_rows=args.group_rows,
+        allow_invalid_tool_arguments=args.allow_invalid_tool_arguments,
         on_error="collect",
     )
     trees = [tree for tree, _ in stream]
@@ -192,22 +202,22 @@ def main(args: argparse.Namespace) -> int:
     if not Path(path).exists():
         what = "a JSONL (or Parquet/Arrow/datasets) file of trees"
         raise ValueError(f"--data {path}: no such data file; pass {what}, or omit it for the sample")
+    name = args.model  # as given: a model known by name is shown by its name
     if args.model is not None:  # a name of a known pretrained model: its cached directory, as train
         from treetrain.models.pretrained import resolve_model
 
         args.model = resolve_model(args.model)
-    if args.model is not None and not (Path(args.model) / "config.json").is_file():
-        from treetrain.train.build import hub_id_hint
+    if args.model is not None:
+        from treetrain.train.build import check_model_dir
 
-        hint = hub_id_hint("--model", args.model)
-        raise ValueError(f"--model {args.model}: not a model directory (no config.json){hint}")
+        check_model_dir(args.model)
     if args.vocab_size is not None and args.vocab_size < 1:
         raise ValueError(f"--vocab-size: must be a positive integer, got {args.vocab_size}")
-    cost, cost_name, vocab_size = _cost(args.model)
+    cost, cost_name, vocab_size = _cost(args.model, name)
     if args.vocab_size is not None:
         vocab_name = f"--vocab-size {args.vocab_size}"
     else:
-        vocab_name = f"--model {args.model}'s" if args.model else "Qwen3's (train's default model)"
+        vocab_name = f"--model {name}'s" if args.model else "Qwen3's (train's default model)"
     from treetrain.train.build import model_tokenizer
 
     tokenizer = model_tokenizer(args.model, args.tokenizer)  # --model DIR's own, as train uses it

@@ -27,33 +27,45 @@ def _field_str(where: tuple) -> str:
 
 
 class DataError(ValueError):
-    """An invalid sample. The message reads ``file:line: field "name"[i]: what is wrong``.
+    """An invalid sample. The message reads ``file:line: field "name"[i]: what is wrong``, or
+    ``file:line (id "x"): field ...`` for a record with an ``id``.
 
-    Attributes ``file``, ``line`` (1-based; 0 when not from a file), ``field`` (a tuple path into
-    the record, empty when the problem is the whole line) and ``reason`` (the message without the
-    location) are there for programs.
+    Attributes ``file``, ``line`` (1-based; 0 when not from a file), ``record`` (the record's
+    ``id``, None when it has none), ``field`` (a tuple path into the record, empty when the problem
+    is the whole line) and ``reason`` (the message without the location) are there for programs.
     """
 
     def __init__(
-        self, reason: str, *, file: str | None = None, line: int = 0, field: tuple = (), unit: str = "line"
+        self,
+        reason: str,
+        *,
+        file: str | None = None,
+        line: int = 0,
+        field: tuple = (),
+        unit: str = "line",
+        record: str | int | None = None,
     ):
         self.file, self.line, self.field, self.reason = file, line, tuple(field), reason
+        self.record = record
         self.errors: list[DataError] = []  # validate_file's summary: the errors it lists
         where = "" if file is None else f"{file}: " if not line else f"{file}:{line}: "
         if file is not None and line and unit != "line":  # tables: "data.parquet: row 7: ..."
             where = f"{file}: {unit} {line}: "
+        if record is not None and where:
+            where = f"{where[:-2]} (id {json.dumps(record)[:60]}): "
         what = f"field {_field_str(self.field)}: " if self.field else ""
         super().__init__(f"{where}{what}{reason}")
 
     def located(self, file: str, line: int) -> DataError:
-        return DataError(self.reason, file=file, line=line, field=self.field)
+        return DataError(self.reason, file=file, line=line, field=self.field, record=self.record)
 
 
 class _Invalid(Exception):
     """Raised by the validators with a field path relative to the record; located by the reader
-    (``line``: the 1-based line or row, once known)."""
+    (``line``: the 1-based line or row, once known; ``record``: the record's ``id``, if it has one)."""
 
     line: int | None = None
+    record: str | int | None = None
 
     def __init__(self, reason: str, *where):
         super().__init__(reason)
@@ -252,6 +264,8 @@ def _message(m: Any, where: tuple) -> dict:
 def _tool_call(call: Any, where: tuple) -> None:
     if not isinstance(call, dict):
         raise _Invalid(f"expected a tool call object, got {_type_name(call)}", *where)
+    if call.get("id") is not None and not isinstance(call["id"], str):
+        raise _Invalid(f"expected a string or null, got {_type_name(call['id'])}", *where, "id")
     fn, at = (call["function"], (*where, "function")) if "function" in call else (call, where)
     if not isinstance(fn, dict):
         raise _Invalid(f"expected an object with name and arguments, got {_type_name(fn)}", *at)

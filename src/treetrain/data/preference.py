@@ -42,9 +42,10 @@ def is_preference_record(record: dict) -> bool:
 
 
 def parse_preference(
-    rec: dict, vocab_size: int | None, tokenizer
+    rec: dict, vocab_size: int | None, tokenizer, allow_invalid_tool_arguments: bool = False
 ) -> tuple[list[np.ndarray], dict, list[tuple]]:
-    """Validate one preference record: ``(paths, fields, where)`` as ``treetrain.data.records``'s parsers.
+    """Validate one preference record: ``(paths, fields, where)`` as ``treetrain.data.records``'s parsers
+    (``allow_invalid_tool_arguments``: see :mod:`treetrain.data.toolcalls`).
 
     >>> paths, fields, _ = parse_preference({"prompt_ids": [1, 2], "chosen_ids": [3], "rejected_ids": [4]},
     ...                                     None, None)
@@ -74,7 +75,7 @@ def parse_preference(
             raise _Invalid("tools apply to the conversational form (prompt/chosen/rejected) only", "tools")
         paths, masks = _tokenized(rec, vocab_size)
     else:
-        paths, masks = _conversational(rec, vocab_size, tokenizer)
+        paths, masks = _conversational(rec, vocab_size, tokenizer, allow_invalid_tool_arguments)
     margin = _scalar(rec["margin"], ("margin",)) if "margin" in rec else 0.0
     fields = {"loss_masks": masks, "margins": np.full(2, margin)}
     return paths, fields, [(keys[1],), (keys[2],)]
@@ -105,9 +106,10 @@ def _conversation(value: Any, key: str) -> list[dict]:
 
 
 def _conversational(
-    rec: dict, vocab_size: int | None, tokenizer
+    rec: dict, vocab_size: int | None, tokenizer, allow_invalid_tool_arguments: bool
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     from treetrain.data.chat import ChatError, render_chat
+    from treetrain.data.toolcalls import check_tool_calls
 
     prompt = _conversation(rec.get("prompt", []), "prompt")
     responses = {key: _conversation(rec[key], key) for key in ("chosen", "rejected")}
@@ -127,6 +129,8 @@ def _conversational(
         resp = responses[key]
         if not any(m["role"] == "assistant" for m in resp):
             raise _Invalid("empty response: needs at least one assistant message", key)
+        located = [(m, ("prompt", i)) for i, m in enumerate(prompt)]
+        check_tool_calls(located + [(m, (key, i)) for i, m in enumerate(resp)], allow_invalid_tool_arguments)
         try:
             r = render_chat(tokenizer, [*prompt, *resp], tools=tools)
         except ChatError as e:

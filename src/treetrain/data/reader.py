@@ -13,7 +13,7 @@ import json
 import os
 import queue
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -153,10 +153,12 @@ def _decode(raw: bytes, lineno: int) -> Any:
         raise _Invalid(f"not valid UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})") from None
     if lineno == 1:
         text = text.removeprefix("\ufeff")
+    text = text.rstrip("\r\n")  # the line's end is no part of the record: columns count within it
     try:
         return json.loads(text, parse_constant=_reject_constant)
     except json.JSONDecodeError as e:
-        raise _Invalid(f"invalid JSON: {e.msg} (column {e.colno})") from None
+        cut = " (the line ends before the record does: cut short?)" if e.pos >= len(text) and text else ""
+        raise _Invalid(f"invalid JSON: {e.msg} (column {e.colno}){cut}") from None
     except ValueError as e:
         raise _Invalid(f"invalid JSON: {e}") from None
     except RecursionError:
@@ -188,6 +190,8 @@ class TreeStream(Iterator[tuple[TrajectoryTree, SampleInfo]]):
         max_line_bytes: int = MAX_LINE_BYTES,
         columns: dict[str, str] | str | None = None,
         group_rows: str = "consecutive",
+        allow_invalid_tool_arguments: bool = False,
+        check: Callable[[TrajectoryTree, SampleInfo], None] | None = None,
     ):
         if format is not None and format not in FORMATS:
             raise ValueError(f"format: expected one of {FORMATS} or None, got {format!r}")
@@ -216,6 +220,7 @@ class TreeStream(Iterator[tuple[TrajectoryTree, SampleInfo]]):
         if group_rows not in GROUPINGS:
             raise ValueError(f"group_rows: expected one of {', '.join(GROUPINGS)}, got {group_rows!r}")
         self.group = group_rows
+        self.allow_invalid_tool_arguments, self.check = bool(allow_invalid_tool_arguments), check
         self.errors: list[DataError] = []
         self._gen = self._run()
 
@@ -250,6 +255,7 @@ class TreeStream(Iterator[tuple[TrajectoryTree, SampleInfo]]):
                 continue
             key = None
             try:
+                ident = None
                 record = _row_record(raw, self.columns) if self.table else _decode(raw, lineno)
                 ident = record.get("id") if isinstance(record, dict) else None
                 if isinstance(record, dict):  # TRL's names (JSONL and tables), see treetrain.data.rows
@@ -257,10 +263,13 @@ class TreeStream(Iterator[tuple[TrajectoryTree, SampleInfo]]):
                         record, key = rows.trl_record(record, self.tokenizer)
                     except ValueError as e:
                         raise _Invalid(str(e)) from None
-                paths, fields, where, fmt = _parts(record, self.format, self.vocab_size, self.tokenizer)
+                paths, fields, where, fmt = _parts(
+                    record, self.format, self.vocab_size, self.tokenizer, self.allow_invalid_tool_arguments
+                )
             except _Invalid as e:
                 e = rows.row_error(e, key)
                 e.line = lineno
+                e.record = ident if type(ident) in (str, int) else None
                 yield e
                 continue
             yield rows.Row(lineno, key if self.group != "none" else None, paths, fields, where, fmt, ident)
@@ -271,39 +280,55 @@ class TreeStream(Iterator[tuple[TrajectoryTree, SampleInfo]]):
             try:
                 if isinstance(group, _Invalid):
                     raise group
-                paths, fields, where = rows.merge(group)
-                tree = _build(paths, fields)
-                longest = int(tree.path_lengths.max())
-                if self.capacity is not None and longest > self.capacity:
-                    if self.skip_oversized:
-                        c.skipped_oversized += 1
-                        c.grouped_rows += len(group) - 1
-                        continue
-                    line, at = where[int(tree.path_lengths.argmax())]
-                    err = _Invalid(
-                        f"a path of {longest} tokens is longer than the token budget "
-                        f"capacity={self.capacity} (raise the capacity, or pass skip_oversized=True to skip "
-                        f"and count such samples)",
-                        *at,
-                    )
-                    err.line = line
-                    raise err
+                tree = self._tree(group)
+                if tree is None:  # skipped as oversized, counted
+                    continue
+                first = group[0]
+                info = SampleInfo(
+                    file=file, line=first.line, format=first.format, id=first.id, rows=len(group)
+                )
+                if self.check is not None:
+                    self.check(tree, info)
             except _Invalid as e:  # from _build: the tree's first row
                 line, unit = e.line if e.line is not None else group[0].line, "row" if self.table else "line"
-                err = DataError(e.reason, file=file, line=line, field=e.where, unit=unit)
-                if self.on_error == "raise":
-                    raise err from None
-                c.errors += 1
-                if len(self.errors) < _MAX_STORED_ERRORS:
-                    self.errors.append(err)
+                record = e.record if isinstance(group, _Invalid) else group[0].id
+                self._fail(DataError(e.reason, file=file, line=line, field=e.where, unit=unit, record=record))
+                continue
+            except ValueError as e:  # the caller's check: its message names the record
+                self._fail(e if isinstance(e, DataError) else DataError(str(e)))
                 continue
             c.add(tree, group[0].format)
             c.grouped_rows += len(group) - 1
-            first = group[0]
-            yield (
-                tree,
-                SampleInfo(file=file, line=first.line, format=first.format, id=first.id, rows=len(group)),
-            )
+            yield tree, info
+
+    def _tree(self, group: list[rows.Row]) -> TrajectoryTree | None:
+        """The group's tree; None for one skipped as oversized (``skip_oversized``, counted)."""
+        paths, fields, where = rows.merge(group)
+        tree = _build(paths, fields)
+        longest = int(tree.path_lengths.max())
+        if self.capacity is None or longest <= self.capacity:
+            return tree
+        if self.skip_oversized:
+            self.counts.skipped_oversized += 1
+            self.counts.grouped_rows += len(group) - 1
+            return None
+        line, at = where[int(tree.path_lengths.argmax())]
+        err = _Invalid(
+            f"a path of {longest} tokens is longer than the token budget "
+            f"capacity={self.capacity} (raise the capacity, or pass skip_oversized=True to skip "
+            f"and count such samples)",
+            *at,
+        )
+        err.line = line
+        raise err
+
+    def _fail(self, err: DataError) -> None:
+        """An invalid record: raised (``on_error="raise"``), or counted and kept for the listing."""
+        if self.on_error == "raise":
+            raise err from None
+        self.counts.errors += 1
+        if len(self.errors) < _MAX_STORED_ERRORS:
+            self.errors.append(err)
 
 
 def iter_trees(path: str | os.PathLike, **options: Any) -> TreeStream:
@@ -319,7 +344,11 @@ def iter_trees(path: str | os.PathLike, **options: Any) -> TreeStream:
     ``columns``: table sources' ``field=column`` mapping. ``group_rows``: rows in TRL's
     one-completion-per-row layouts whose prompts are equal become one tree: ``"consecutive"`` runs
     of rows (bounded memory), ``"file"`` (every row held until the end) or ``"none"`` (see
-    :mod:`treetrain.data.rows`).
+    :mod:`treetrain.data.rows`). ``allow_invalid_tool_arguments=True`` accepts tool-call
+    ``arguments`` strings that are not a JSON object (by default an error: the model would learn to
+    emit them). ``check(tree, info)``: the caller's own record check (a training objective's
+    needs), run on each valid tree before it counts; a ``ValueError`` it raises makes the record
+    invalid like any other (raised, or collected with ``on_error="collect"``).
 
     Example::
 

@@ -224,9 +224,10 @@ def _check_acyclic(parent: list[int], nodes: list[dict]) -> None:
 
 
 def _parse_messages(
-    rec: dict, vocab_size: int | None, tokenizer
+    rec: dict, vocab_size: int | None, tokenizer, allow_invalid_tool_arguments: bool = False
 ) -> tuple[list[np.ndarray], dict, list[tuple]]:
     from treetrain.data.chat import ChatError, render_chat
+    from treetrain.data.toolcalls import check_tool_calls
 
     raw = rec["messages"]
     _list(raw, ("messages",), "a list of conversations (lists of messages)")
@@ -252,6 +253,7 @@ def _parse_messages(
         if not conv:
             raise _Invalid("empty conversation", *where)
         msgs = [_message(m, (*where, i)) for i, m in enumerate(conv)]
+        check_tool_calls([(m, (*where, i)) for i, m in enumerate(msgs)], allow_invalid_tool_arguments)
         try:
             r = render_chat(tokenizer, msgs, tools=tools)
         except ChatError as e:
@@ -284,12 +286,14 @@ def parse_record(
     format: str | None = None,
     vocab_size: int | None = None,
     tokenizer=None,
+    allow_invalid_tool_arguments: bool = False,
 ) -> tuple[TrajectoryTree, str]:
     """Validate one parsed JSON record and build its tree; returns ``(tree, format)``.
 
     Raises :class:`DataError` (without file and line; :func:`iter_trees` adds them). ``tokenizer``
     (messages records): as :func:`iter_trees` takes it, a Hugging Face tokenizer, a local
-    directory, or ``"qwen"``.
+    directory, or ``"qwen"``. ``allow_invalid_tool_arguments``: accept tool-call ``arguments``
+    strings that are not a JSON object (:mod:`treetrain.data.toolcalls`).
 
     Example::
 
@@ -302,26 +306,23 @@ def parse_record(
 
         tokenizer = load_tokenizer(tokenizer)
     try:
-        tree, fmt, _ = _parse(record, format, vocab_size, tokenizer)
-        return tree, fmt
+        paths, fields, _, fmt = _parts(record, format, vocab_size, tokenizer, allow_invalid_tool_arguments)
+        return _build(paths, fields), fmt
     except _Invalid as e:
         raise DataError(e.reason, field=e.where) from None
 
 
-def _parse(
-    record: Any, fmt: str | None, vocab_size: int | None, tokenizer
-) -> tuple[TrajectoryTree, str, list]:
-    paths, fields, where, fmt = _parts(record, fmt, vocab_size, tokenizer)
-    return _build(paths, fields), fmt, where
-
-
 def _parts(
-    record: Any, fmt: str | None, vocab_size: int | None, tokenizer
+    record: Any,
+    fmt: str | None,
+    vocab_size: int | None,
+    tokenizer,
+    allow_invalid_tool_arguments: bool = False,
 ) -> tuple[list[np.ndarray], dict, list, str]:
     """A record's validated ``(paths, per-path fields, where each path came from, format)``; raises
     _Invalid."""
     try:
-        return _parse_parts(record, fmt, vocab_size, tokenizer)
+        return _parse_parts(record, fmt, vocab_size, tokenizer, allow_invalid_tool_arguments)
     except RecursionError:  # JSON nested just below the parser's limit, deeper in a validator
         raise _Invalid("nested too deeply") from None
 
@@ -334,7 +335,7 @@ def _build(paths: list, fields: dict) -> TrajectoryTree:
 
 
 def _parse_parts(
-    record: Any, fmt: str | None, vocab_size: int | None, tokenizer
+    record: Any, fmt: str | None, vocab_size: int | None, tokenizer, allow_invalid_tool_arguments: bool
 ) -> tuple[list[np.ndarray], dict, list, str]:
     if not isinstance(record, dict):
         raise _Invalid(f"expected a JSON object, got {_type_name(record)}")
@@ -347,11 +348,11 @@ def _parse_parts(
     if fmt != "preference":
         _check_keys(record, fmt)
     if fmt == "preference":  # DPO / reward pairs, see treetrain.data.preference
-        paths, fields, where = parse_preference(record, vocab_size, tokenizer)
+        paths, fields, where = parse_preference(record, vocab_size, tokenizer, allow_invalid_tool_arguments)
     elif fmt == "paths":
         paths, fields, where = _parse_paths(record, vocab_size)
     elif fmt == "tree":
         paths, fields, where = _parse_tree(record, vocab_size)
     else:
-        paths, fields, where = _parse_messages(record, vocab_size, tokenizer)
+        paths, fields, where = _parse_messages(record, vocab_size, tokenizer, allow_invalid_tool_arguments)
     return paths, fields, where, fmt

@@ -41,7 +41,15 @@ from pathlib import Path
 
 from treetrain.data.qwen import _default_cache_dir  # the cache root the offline Qwen tokenizer uses
 
-__all__ = ["PRETRAINED", "TOOL_TEMPLATE", "Pretrained", "convert_gguf", "pretrained_dir", "resolve_model"]
+__all__ = [
+    "PRETRAINED",
+    "TOOL_TEMPLATE",
+    "Pretrained",
+    "convert_gguf",
+    "is_pretrained_name",
+    "pretrained_dir",
+    "resolve_model",
+]
 
 _FORMAT_VERSION = 1  # bump when what convert_gguf writes changes: the cache directory name changes
 
@@ -116,9 +124,15 @@ def resolve_model(model: str | os.PathLike | None, *, progress: bool = True) -> 
     """
     if model is None:
         return None
-    if str(model) in PRETRAINED and not Path(model).exists():
+    if is_pretrained_name(model):
         return str(pretrained_dir(str(model), progress=progress))
     return str(model)
+
+
+def is_pretrained_name(model: str | os.PathLike | None) -> bool:
+    """Whether ``model`` names a model of :data:`PRETRAINED` (and no local path of that name exists,
+    which would be meant instead)."""
+    return model is not None and str(model) in PRETRAINED and not Path(model).exists()
 
 
 def source_file(name: str) -> Path:

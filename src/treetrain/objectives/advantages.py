@@ -15,10 +15,33 @@ import numpy as np
 
 from treetrain.trees.tree import TrajectoryTree
 
-__all__ = ["SCALES", "assign_advantages", "group_advantages"]
+__all__ = ["SCALES", "assign_advantages", "check_rewards", "group_advantages"]
 
 SCALES = ("group", "batch", "none")
 EPS = 1e-4  # TRL's
+
+
+def check_rewards(tree: TrajectoryTree, info, scale: str) -> None:
+    """A record for ``--advantages scale``: per-path ``rewards`` and no ``advantages``, checked when
+    the record is read (before step 1); the ``DataError`` names ``info``'s file, line and record id."""
+    from treetrain.data.fields import DataError
+
+    where = {"file": info.file, "line": info.line, "record": info.id}
+    if "rewards" not in tree.fields:
+        raise DataError(
+            f"missing; --advantages {scale} computes each path's advantage from its record's rewards: "
+            'give one number per path (e.g. "rewards": [1.0, 0.0]), or drop --advantages and give '
+            '"advantages" instead',
+            field=("rewards",),
+            **where,
+        )
+    if "advantages" in tree.fields:
+        raise DataError(
+            f'--advantages {scale} computes them from "rewards", which the record has too; keep one of '
+            "the two",
+            field=("advantages",),
+            **where,
+        )
 
 
 def assign_advantages(trees: Sequence[TrajectoryTree], scale: str) -> list[TrajectoryTree]:

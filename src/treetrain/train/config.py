@@ -61,6 +61,7 @@ class TrainConfig:
     group_rows: str = "consecutive"  # TRL rows with an equal prompt -> one tree (treetrain.data.rows)
     tokenizer: str | None = None  # for messages data: a local HF tokenizer dir, or "qwen"
     skip_oversized: bool = False  # drop (and count) paths longer than capacity instead of failing
+    allow_invalid_tool_arguments: bool = False  # accept tool-call arguments that are no JSON object
     # model
     model: str | None = None  # HF model dir; a dir with only config.json: random init; None: tiny Qwen3
     attention: str | None = None  # tree attention backend (dense|blocksparse|flex|triton); None: by device
@@ -266,7 +267,11 @@ def _coerce(name: str, value: Any, kind: type, source: str = "") -> Any:
 
 def _choice(name: str, value: str, choices: Sequence[str]) -> None:
     if value not in choices:
-        raise ValueError(f"--{name.replace('_', '-')}: expected one of {', '.join(choices)}; got {value!r}")
+        near = difflib.get_close_matches(value, choices, n=1)
+        hint = f" (did you mean {near[0]}?)" if near else ""
+        raise ValueError(
+            f"--{name.replace('_', '-')}: expected one of {', '.join(choices)}; got {value!r}{hint}"
+        )
 
 
 def _positive(name: str, value, allow_zero: bool = False) -> None:
@@ -290,6 +295,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for name in ("objective", "reference", "packing", "schedule", "device", "dtype"):
         setattr(c, name, _coerce(name, getattr(c, name), str))
     for name in ("skip_oversized", "activation_checkpointing", "resume", "plot", "progress", *_SAFETY_BOOLS):
+        setattr(c, name, _coerce(name, getattr(c, name), bool))
+    for name in ("allow_invalid_tool_arguments",):
         setattr(c, name, _coerce(name, getattr(c, name), bool))
     for name in ("overwrite", "trust_remote_code"):
         setattr(c, name, _coerce(name, getattr(c, name), bool))

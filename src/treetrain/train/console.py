@@ -12,19 +12,34 @@ Banner example (the defaults: the embedded model on the bundled sample)::
 
 Step line example: ``step 2/3  loss 11.8996  lr 0.0005  grad_norm 1.52  path tokens/s 10,201``
 (``reward_mean`` where the data has rewards, ``eval/loss`` on the steps that evaluate).
+
+Progress bars (the steps', the validation of a large file, transformers' loading and saving) draw
+only where someone watches them redraw: stderr a terminal (or a notebook). Into a file or a pipe
+their redraws would mix into the step lines, which are the progress there (:func:`show_progress_bars`).
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 from torch import nn
 
+from treetrain.models.pretrained import PRETRAINED, is_pretrained_name
 from treetrain.train.config import TrainConfig
 
-__all__ = ["banner", "model_description", "parameter_counts", "step_line"]
+__all__ = ["banner", "model_description", "parameter_counts", "show_progress_bars", "step_line"]
+
+
+def show_progress_bars(enabled: bool, stream: TextIO | None = None) -> bool:
+    """Whether progress bars draw: ``enabled`` (``--progress``, the default) and ``stream`` (stderr,
+    where they draw) a terminal, or a notebook's output (tqdm draws a widget there). Written to a
+    file or a pipe, a bar's redraws would mix into the step lines: none then, the step lines alone."""
+    stream = sys.stderr if stream is None else stream
+    isatty = getattr(stream, "isatty", None)
+    return enabled and (bool(isatty and isatty()) or "ipykernel" in sys.modules)
 
 
 def parameter_counts(model: nn.Module) -> tuple[int, int]:
@@ -34,10 +49,13 @@ def parameter_counts(model: nn.Module) -> tuple[int, int]:
 
 
 def model_description(cfg: TrainConfig, model: nn.Module) -> str:
-    """Which model trains: the embedded one, a directory's weights, or a directory's config."""
+    """Which model trains: the embedded one, a model known by name (its pretrained weights), a
+    directory's weights, or a directory's config."""
     kind = getattr(model.config, "model_type", "?")
     if cfg.model is None:
         return f"embedded tiny Qwen3 ({kind}), random init from --seed {cfg.seed}"
+    if is_pretrained_name(cfg.model):
+        return f"{cfg.model} ({kind}, pretrained weights: {PRETRAINED[cfg.model].about})"
     path = Path(cfg.model)
     if any(path.glob("*.safetensors")) or any(path.glob("*.bin")):
         return f"{cfg.model} ({kind}, its weights)"
@@ -90,7 +108,9 @@ def banner(
         ("device", f"{device}, {_dtype(cfg, param_dtype, autocast)}"),
     ]
     if cfg.tokenizer is not None:
-        origin = " (the --model directory's)" if cfg.tokenizer == cfg.model else ""
+        origin = ""
+        if cfg.tokenizer == cfg.model:
+            origin = " (the --model's own)" if is_pretrained_name(cfg.model) else " (the --model directory's)"
         rows.append(("tokenizer", f"{cfg.tokenizer}{origin}"))
     rows.append(("output", str(cfg.output)))
     width = max(len(k) for k, _ in rows)

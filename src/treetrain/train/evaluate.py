@@ -35,7 +35,7 @@ def eval_batch(cfg: TrainConfig, vocab_size: int, objective, progress: bool = Fa
     ecfg = _per_tree_budget(dataclasses.replace(cfg, data=cfg.eval_data, steps=1, epochs=None))
     path = data_path(ecfg)
     try:
-        counts = validate_data(path, _reader_options(ecfg, vocab_size), progress)
+        counts = validate_data(path, _reader_options(ecfg, vocab_size, objective), progress)
     except ValueError as e:
         raise type(e)(f"--eval-data: {e}") from None
     ecfg = dataclasses.replace(ecfg, batch_trees=counts.samples)

@@ -6,11 +6,17 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 
 from treetrain.data.grouping import GROUP_ROWS_HELP
 from treetrain.train.config import DEFAULT_STEPS, TrainConfig
 
-__all__ = ["add_parser", "add_train_arguments"]
+__all__ = ["INVALID_TOOL_ARGUMENTS_HELP", "add_parser", "add_train_arguments", "unknown_flag_hint"]
+
+INVALID_TOOL_ARGUMENTS_HELP = (
+    "messages data: accept tool-call arguments that are not a JSON object (by default an error: the "
+    "model would learn to emit them), for data that means it (default off)"
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -22,8 +28,30 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "With no arguments: a tiny random-init Qwen3 on the bundled sample, a few steps.",
     )
     add_train_arguments(p)
-    p.set_defaults(handler=_run)
+    p.set_defaults(handler=_run, flag_hint=unknown_flag_hint)
     return p
+
+
+def unknown_flag_hint(arg: str, flags: Sequence[str]) -> str | None:
+    """What an unknown ``treetrain train`` argument ``arg`` most likely means, as the config's unknown
+    keys are hinted (:func:`treetrain.train.config.merge`): another trainer's name for an option
+    (``--learning-rate``: ``--lr``), an option with no flag of its own or an objective option (``--set
+    peft_config=...``, ``--set loss.kl_coef=...``), else the nearest of ``flags`` (``--lrr``: ``--lr``);
+    None when nothing is near."""
+    import difflib
+
+    from treetrain.train.config import FIELDS, OTHER_NAMES, _loss_option_names
+
+    name = arg.split("=", 1)[0]
+    key = name.lstrip("-").replace("-", "_")
+    if key in OTHER_NAMES or key in FIELDS:
+        target = OTHER_NAMES.get(key, key)
+        flag = "--" + target.replace("_", "-")
+        return flag if flag in flags else f"--set {target}=..."
+    if key in _loss_option_names():  # before the nearest flag: --beta is DPO's beta, not --betas
+        return f"--set loss.{key}=... (an objective option)"
+    near = difflib.get_close_matches(name, flags, n=1)
+    return near[0] if near else None
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -73,6 +101,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "smollm2-135m-instruct: that model's own)",
     )
     _bool_flag(g, "skip-oversized", "drop paths longer than --capacity instead of failing (default off)")
+    _bool_flag(g, "allow-invalid-tool-arguments", INVALID_TOOL_ARGUMENTS_HELP)
     g.add_argument(
         "--model",
         help="local Hugging Face model directory; a directory with only config.json is randomly "

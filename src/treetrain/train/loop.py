@@ -60,6 +60,7 @@ from treetrain.train.batches import (
     _per_tree_budget,
     _reader_options,
     _tokenizer,
+    _tokenizer_name,
     data_path,
     make_batches,
     prefetched,
@@ -80,6 +81,7 @@ from treetrain.train.build import (
 )
 from treetrain.train.checkpoint import CheckpointError
 from treetrain.train.config import TrainConfig, config_from_args, validate
+from treetrain.train.console import show_progress_bars
 from treetrain.train.kit import RunKit, checkpoint_state, drop_empty_groups, export_extras
 from treetrain.train.outputs import (
     log_metrics,
@@ -185,9 +187,10 @@ def setup(cfg: TrainConfig, quiet: bool = False) -> Run:
         drop_empty_groups(optimizer)
     vocab_size = model.config.get_text_config().vocab_size
     counts = None  # the whole file read and checked before step 1 (--epochs counts its trees so)
+    bars = show_progress_bars(cfg.progress) and info.is_main  # a terminal's: validating a large file
     if not cfg.lazy_validate or cfg.epochs is not None:
-        options = _reader_options(_per_tree_budget(cfg), vocab_size)
-        counts = guards.validate_data(data_path(cfg), options, cfg.progress and info.is_main)
+        options = _reader_options(_per_tree_budget(cfg), vocab_size, objective)
+        counts = guards.validate_data(data_path(cfg), options, bars)
     steps, total_trees = total_steps(cfg, vocab_size, counts.samples if counts is not None else None)
     scheduler = build_scheduler(optimizer, cfg, steps)
     run = Run(cfg, device, autocast_dtype, model, objective, optimizer, scheduler, steps, out, quiet=quiet)
@@ -196,7 +199,7 @@ def setup(cfg: TrainConfig, quiet: bool = False) -> Run:
     if cfg.eval_data is not None:
         from treetrain.train.evaluate import eval_batch
 
-        run.eval_batch, eval_counts = eval_batch(cfg, vocab_size, objective, cfg.progress and info.is_main)
+        run.eval_batch, eval_counts = eval_batch(cfg, vocab_size, objective, bars)
     from treetrain.parallel.cp import init_cp
 
     run.cp = init_cp(cfg.cp)
@@ -261,7 +264,10 @@ def run_loop(run: Run, metrics_path: Path) -> list[dict[str, Any]]:
         if info.is_main
         else contextlib.nullcontext() as fh,
         tqdm(
-            total=run.steps, initial=run.start_step, unit="step", disable=not (cfg.progress and info.is_main)
+            total=run.steps,
+            initial=run.start_step,
+            unit="step",
+            disable=not (show_progress_bars(cfg.progress) and info.is_main),
         ) as bar,
         open_trackers(cfg.report_to, run.out, cfg.to_dict(), enabled=info.is_main) as trackers,
     ):
@@ -336,7 +342,7 @@ def train(cfg: TrainConfig | dict[str, Any], *, quiet: bool = False) -> TrainRes
     elif not isinstance(cfg, TrainConfig):
         raise ValueError(f"train: expected a TrainConfig or a dict of options, got {type(cfg).__name__}")
     cfg = validate(cfg)
-    with library_progress_bars(cfg.progress):  # --no-progress: transformers' bars too
+    with library_progress_bars(show_progress_bars(cfg.progress)):  # --no-progress: transformers' too
         return _train(cfg, quiet)
 
 
@@ -354,8 +360,9 @@ def _train(cfg: TrainConfig, quiet: bool) -> TrainResult:
     else:
         final = export_pretrained(run.model, run.out / "final")
     is_main = distributed.init_distributed().is_main
-    if cfg.tokenizer is not None and is_main:  # beside the model: AutoTokenizer and chat template load
-        _tokenizer(cfg.tokenizer, cfg.trust_remote_code).save_pretrained(final)
+    tokenizer = _tokenizer_name(cfg)  # a directory, "qwen", or a named model's cached directory
+    if tokenizer is not None and is_main:  # beside the model: AutoTokenizer and chat template load
+        _tokenizer(tokenizer, cfg.trust_remote_code).save_pretrained(final)
     plot = plot_metrics(records, run.out / "training.png") if cfg.plot and records and is_main else None
     outputs = {"metrics": metrics_path, "model": final} | ({"plot": plot} if plot else {})
     outputs |= export_extras(run.objective, run.out)  # a critic: OUTPUT/final_critic (transformers)
