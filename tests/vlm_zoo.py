@@ -74,6 +74,28 @@ PER_TYPE: dict[str, dict] = {
     "qwen2_vl": {"vision_config": {"hidden_size": 64}},
     # Gemma 3: 16 patches pooled to 4 tokens per image
     "gemma3": {"mm_tokens_per_image": 4},
+    # Gemma 4 has no default vision config: a small one, 2x2 patches pooled per token
+    # (and its image blocks attend bidirectionally: "vision", off by default)
+    "gemma4": {
+        "vision_config": {"model_type": "gemma4_vision", "pooling_kernel_size": 2, "patch_size": 4},
+        "text_config": {"use_bidirectional_attention": "vision"},
+    },
+    # LLaVA-NeXT / OneVision tile an image into crops of the vision tower's size: grids of 1x1 and 1x2
+    "llava_next": {"image_grid_pinpoints": [[32, 32], [32, 64]]},
+    "llava_onevision": {"image_grid_pinpoints": [[32, 32], [32, 64]]},
+    "lfm2_vl": {"vision_config": {"num_patches": 16}, "projector_hidden_size": 32},
+}
+# model type -> how its feature function takes an image (image_tensors): flattened patches with a
+# (t, h, w) grid (Qwen-style, the default where get_image_features takes image_grid_thw), one crop
+# (the default), crops of an anyres grid with the image's size ("tiles"), patch sequences padded to
+# a fixed count with their shapes or positions ("naflex", "positions"), sub-image stacks with a
+# pixel mask ("stack")
+SAMPLE_COUNTED = {"llava_onevision"}  # its images' features depend on how many share their sample
+LAYOUT = {
+    "llava_next": "tiles",
+    "llava_onevision": "tiles",
+    "lfm2_vl": "naflex",
+    "gemma4": "positions",
 }
 
 
@@ -84,7 +106,12 @@ def vlm_types() -> dict[str, str]:
 
 def _settable(cfg, key: str) -> bool:
     amap = getattr(cfg, "attribute_map", {})
-    return hasattr(cfg, key) and not isinstance(getattr(type(cfg), amap.get(key, key), None), property)
+    if isinstance(getattr(type(cfg), amap.get(key, key), None), property):
+        return False
+    try:
+        return hasattr(cfg, key)
+    except Exception:  # a per-layer attribute read globally (Gemma 4): settable, it is a field
+        return key in type(cfg).__dataclass_fields__ if hasattr(type(cfg), "__dataclass_fields__") else False
 
 
 def _shrunk(cfg, over: dict):
@@ -122,9 +149,12 @@ def vlm_config(model_type: str):
     if text is not None:
         subs["text_config"] = _shrunk(text, {**_text_over(text), **per.get("text_config", {})})
     vision = getattr(cfg, "vision_config", None)
+    vision_over = dict(per.get("vision_config", {}))
+    if vision is None and "model_type" in vision_over:  # no default vision config: build one
+        vision = CONFIG_MAPPING[vision_over.pop("model_type")]()
     if vision is not None:
         fixed = FIXED_SIZE if hasattr(vision, "image_size") else {"patch_size": 4}
-        subs["vision_config"] = _shrunk(vision, {**VISION_SMALL, **fixed, **per.get("vision_config", {})})
+        subs["vision_config"] = _shrunk(vision, {**VISION_SMALL, **fixed, **vision_over})
     top = {k: v for k, v in {**SPECIAL, "tie_word_embeddings": False}.items() if _settable(cfg, k)}
     top.update({k: v for k, v in per.items() if k not in ("text_config", "vision_config")})
     base = {k: v for k, v in cfg.to_dict().items() if k not in subs}
@@ -164,27 +194,53 @@ def image_tensors(model, seed: int, size: int = 0) -> dict[str, torch.Tensor]:
     params = _feature_params(model)
     C = getattr(vc, "in_channels", None) or getattr(vc, "num_channels", 3)
     P = vc.patch_size if isinstance(vc.patch_size, int) else vc.patch_size[0]
-    if "image_grid_thw" in params:
+    rand = lambda *shape: torch.randn(*shape, generator=g, dtype=dtype)  # noqa: E731
+    layout = LAYOUT.get(model.config.model_type)
+    if layout is None and "image_grid_thw" in params:
         merge = getattr(vc, "spatial_merge_size", 1)
         tps = getattr(vc, "temporal_patch_size", 1)
         h, w = 2 * merge, (2 + size) * merge
-        pv = torch.randn(h * w, C * tps * P * P, generator=g, dtype=dtype)
-        return {"pixel_values": pv, "image_grid_thw": torch.tensor([[1, h, w]])}
+        return {"pixel_values": rand(h * w, C * tps * P * P), "image_grid_thw": torch.tensor([[1, h, w]])}
+    if layout == "naflex":  # patches padded to the tower's count, the image's (h, w) in patches
+        n, (h, w) = vc.num_patches, (2, 2 + 2 * size)
+        mask = torch.zeros(1, n, dtype=torch.bool)
+        mask[0, : h * w] = True
+        return {"pixel_values": rand(1, n, C * P * P), "spatial_shapes": torch.tensor([[h, w]]),
+                "pixel_attention_mask": mask}  # fmt: skip
+    if layout == "positions":  # patches padded to 16, their (x, y) grid positions, -1 for padding
+        k = vc.pooling_kernel_size
+        h, w = 2 * k, (1 + size) * k
+        pos = torch.full((1, 16, 2), -1, dtype=torch.long)
+        ys, xs = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+        pos[0, : h * w] = torch.stack([xs.flatten(), ys.flatten()], -1)
+        return {"pixel_values": rand(1, 16, C * P * P), "image_position_ids": pos}
     S = vc.image_size if isinstance(vc.image_size, int) else vc.image_size[0]
+    if layout == "tiles":  # the base crop and the grid's crops, the image's size
+        H, W = S, S * (1 + size)
+        tiles = 1 + (1 + size)
+        return {"pixel_values": rand(1, tiles, C, S, S), "image_sizes": torch.tensor([[H, W]])}
     if "pixel_attention_mask" in params:
-        pv = torch.randn(1, 1, C, S, S, generator=g, dtype=dtype)
-        return {"pixel_values": pv, "pixel_attention_mask": torch.ones(1, 1, S, S, dtype=torch.long)}
+        return {
+            "pixel_values": rand(1, 1, C, S, S),
+            "pixel_attention_mask": torch.ones(1, 1, S, S, dtype=torch.long),
+        }
     if "image_sizes" in params and type(vc).__name__ == "PixtralVisionConfig":
-        pv = torch.randn(1, C, S, S, generator=g, dtype=dtype)
-        return {"pixel_values": pv, "image_sizes": torch.tensor([[S, S]])}
-    return {"pixel_values": torch.randn(1, C, S, S, generator=g, dtype=dtype)}
+        return {"pixel_values": rand(1, C, S, S), "image_sizes": torch.tensor([[S, S]])}
+    return {"pixel_values": rand(1, C, S, S)}
 
 
-def zoo_image(model, seed: int, size: int = 0) -> ImageInput:
-    """One random image for ``model`` as an ``ImageInput``, its placeholder count from one encode."""
+def zoo_image(model, seed: int, size: int = 0, sample_images: int = 1) -> ImageInput:
+    """One random image for ``model`` as an ``ImageInput``, its placeholder count from one encode.
+    ``sample_images``: how many images the path it goes in has (LLaVA-OneVision tiles only the image
+    of a one-image sample: its ``batch_num_images``)."""
     tensors = image_tensors(model, seed, size)
+    if model.config.model_type in SAMPLE_COUNTED:
+        tensors["batch_num_images"] = torch.tensor([sample_images])
     with torch.no_grad():
-        out = model.model.get_image_features(**tensors, return_dict=True).pooler_output
+        kwargs = dict(tensors)
+        if "batch_num_images" in kwargs and sample_images > 1:
+            kwargs["batch_num_images"] = torch.tensor([2])  # one untiled image (see vision_encode)
+        out = model.model.get_image_features(**kwargs, return_dict=True).pooler_output
     feats = out if isinstance(out, torch.Tensor) else torch.cat([o.reshape(-1, o.shape[-1]) for o in out])
     rows = feats.numel() // feats.shape[-1]
     return ImageInput(tensors, num_tokens=rows, token_id=IMAGE)
@@ -192,16 +248,21 @@ def zoo_image(model, seed: int, size: int = 0) -> ImageInput:
 
 def path_inputs(model, images) -> dict[str, torch.Tensor]:
     """A path's image tensors as its processor batches them for one sample: concatenated along the
-    image dimension (the sub-image dimension for stacked layouts)."""
+    image dimension (the sub-image dimension for stacked layouts, crops padded to the most)."""
     out: dict[str, torch.Tensor] = {}
+    layout = LAYOUT.get(model.config.model_type)
     for name in images[0].tensors if images else ():
         parts = [im.tensors[name] for im in images]
+        if name == "batch_num_images":
+            out[name] = torch.tensor([len(images)])
+            continue
+        if layout == "tiles" and name == "pixel_values":
+            most = max(p.shape[1] for p in parts)
+            parts = [torch.nn.functional.pad(p, (0, 0, 0, 0, 0, 0, 0, most - p.shape[1])) for p in parts]
         stacked = (
-            name in ("pixel_values", "pixel_attention_mask")
-            and parts[0].dim() >= 4
-            and ("pixel_attention_mask" in images[0].tensors)
+            name in ("pixel_values", "pixel_attention_mask") and "pixel_attention_mask" in images[0].tensors
         )
-        out[name] = torch.cat(parts, dim=1 if stacked else 0)
+        out[name] = torch.cat(parts, dim=1 if stacked and parts[0].dim() >= 4 else 0)
     return out
 
 
@@ -244,16 +305,17 @@ def vlm_tree(model, seed: int = 0):
     """
     g = torch.Generator().manual_seed(seed)
     draw = lambda n: torch.randint(3, 100, (n,), generator=g).tolist()  # noqa: E731
-    A = zoo_image(model, seed + 1, size=0)
-    B = zoo_image(model, seed + 2, size=1)
-    C = zoo_image(model, seed + 3, size=1)
+    A = zoo_image(model, seed + 1, size=0, sample_images=2)
+    A1 = zoo_image(model, seed + 1, size=0, sample_images=1)  # A in a one-image path (A itself but
+    B = zoo_image(model, seed + 2, size=1, sample_images=2)  # for LLaVA-OneVision's tiling)
+    C = zoo_image(model, seed + 3, size=1, sample_images=2)
     img = lambda im: [IMAGE] * im.num_tokens  # noqa: E731
-    prompt = draw(2) + img(A) + draw(1)
+    head, tail = draw(2), draw(1)
     tool = draw(2)
     paths = [
-        prompt + tool + img(B) + draw(2),
-        prompt + tool + img(C) + draw(1),
-        prompt + draw(1) + img(B) + draw(1),
-        prompt + draw(2),
+        head + img(A) + tail + tool + img(B) + draw(2),
+        head + img(A) + tail + tool + img(C) + draw(1),
+        head + img(A) + tail + draw(1) + img(B) + draw(1),
+        head + img(A1) + tail + draw(2),
     ]
-    return paths, [[A, B], [A, C], [A, B], [A]]
+    return paths, [[A, B], [A, C], [A, B], [A1]]

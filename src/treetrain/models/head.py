@@ -136,6 +136,10 @@ _TRANSFORMS: dict[str, Callable[[nn.Module], dict]] = {
     "InklingForCausalLM": _inkling,
     "Inkling2ForCausalLM": _final_softcap,
     "Inkling2LoopForCausalLM": _final_softcap,
+    # vision-language models: their ForConditionalGeneration's own forward (checked against 5.24)
+    "Gemma3nForConditionalGeneration": _final_softcap,
+    "Gemma4ForConditionalGeneration": _final_softcap,
+    "Gemma4UnifiedForConditionalGeneration": _final_softcap,
 }
 
 

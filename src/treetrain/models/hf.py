@@ -28,6 +28,7 @@ from torch import nn
 
 from treetrain.attention import backend_for, check_features, get_backend
 from treetrain.attention.mask import TreeMask
+from treetrain.models.head import unwrap
 from treetrain.models.inkling import attention_features as inkling_features
 from treetrain.models.layer_masks import layer_bidirectional, layer_window, mask_interface, padding_mask
 from treetrain.models.rope import patch_rotary, rotary_lengths, token_lengths
@@ -185,8 +186,7 @@ def prepare_model(model: nn.Module) -> nn.Module:
         check_model(model)
         model.__dict__["_treetrain_checked"] = True
     register()
-    if model.config._attn_implementation != ATTN_NAME:
-        model.set_attn_implementation(ATTN_NAME)
+    _set_tree_attention(model)
     from treetrain.models.alibi import patch_own_attention
     from treetrain.models.recurrent import patch_recurrent_layers
 
@@ -194,6 +194,20 @@ def prepare_model(model: nn.Module) -> nn.Module:
     model.__dict__["_treetrain_rotary"] = patch_rotary(model)
     patch_own_attention(model)  # ALiBi decoders (BLOOM, MPT, Falcon): their own attention classes
     return model
+
+
+def _set_tree_attention(model: nn.Module) -> None:
+    """Tree attention for the language model (and the multimodal model around it, whose forward builds
+    the masks); a vision tower's (audio tower's) attention stays the implementation it has."""
+    config = unwrap(model).config
+    text = config.get_text_config()
+    if text is config:
+        if config._attn_implementation != ATTN_NAME:
+            model.set_attn_implementation(ATTN_NAME)
+        return
+    key = next(k for k in config.sub_configs if getattr(config, k, None) is text)
+    if config._attn_implementation != ATTN_NAME or text._attn_implementation != ATTN_NAME:
+        model.set_attn_implementation({"": ATTN_NAME, key: ATTN_NAME})
 
 
 def rope_lengths(model: nn.Module, packed: PackedTree) -> torch.Tensor | None:

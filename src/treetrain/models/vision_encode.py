@@ -30,6 +30,9 @@ __all__ = ["EncodedImages", "dfs_encoder_outputs", "encode_images", "vision_mode
 _FEATURES = {"image": "get_image_features", "video": "get_video_features"}
 # what a forward may read from the encoder output besides pooler_output, gathered the same way
 _PER_LAYER = ("deepstack_features",)
+# an image tensor holding the number of images of the processor sample it came from: LLaVA-OneVision
+# tiles the image of a one-image sample and not those of a several-image sample ([k], int)
+_SAMPLE_COUNT = "batch_num_images"
 
 
 def vision_model(model: nn.Module) -> nn.Module:
@@ -53,8 +56,19 @@ class EncodedImages:
 
 
 def _signature(im: ImageInput) -> tuple:
-    """Images whose tensors agree beyond their first dim batch into one call."""
-    return tuple((k, v.dtype, tuple(v.shape[1:])) for k, v in sorted(im.tensors.items()))
+    """Images whose tensors agree beyond their first dim (and that are tiled alike) batch into one call."""
+    tiled = int(im.tensors[_SAMPLE_COUNT].item()) == 1 if _SAMPLE_COUNT in im.tensors else None
+    return (tiled,) + tuple((k, v.dtype, tuple(v.shape[1:])) for k, v in sorted(im.tensors.items()))
+
+
+def _sample_count(group: Sequence[ImageInput]) -> torch.Tensor:
+    """``batch_num_images`` for a call over ``group`` (all tiled alike): one-image samples when tiled,
+    else one sample of them all (at least 2: HF tiles the image of a one-image sample; with one
+    untiled image the flags it builds run past the images, which it zips away)."""
+    m = len(group)
+    if int(group[0].tensors[_SAMPLE_COUNT].item()) == 1:
+        return torch.ones(m, dtype=torch.long)
+    return torch.tensor([max(m, 2)])
 
 
 def _split(value, sizes: list[int], n: int):
@@ -75,8 +89,10 @@ def _call(outer: nn.Module, modality: str, group: Sequence[ImageInput]):
     if fn is None:
         raise ValueError(f"{type(outer).__name__} has no {_FEATURES[modality]}: it cannot read {modality}s")
     device = outer.get_input_embeddings().weight.device
-    names = group[0].tensors.keys()
+    names = [k for k in group[0].tensors if k != _SAMPLE_COUNT]
     kwargs = {k: torch.cat([im.tensors[k] for im in group]).to(device) for k in names}
+    if _SAMPLE_COUNT in group[0].tensors:
+        kwargs[_SAMPLE_COUNT] = _sample_count(group).to(device)
     for k, v in kwargs.items():  # pixels in the tower's dtype; grids and masks stay integer/bool
         if v.is_floating_point():
             kwargs[k] = v.to(outer.dtype)
