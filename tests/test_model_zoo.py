@@ -27,6 +27,7 @@ from treetrain.integrations.flat import flat_logprobs
 from treetrain.logprobs import path_logprobs
 from treetrain.models.rope import length_rules
 from treetrain.models.support import EXACT, NEWEST_ONLY, VERIFIED_FROM, _version, check_model, refusal
+from treetrain.models.support_vision import VISION_EXACT
 
 from .hybrid_models import float64_everywhere
 from .reference import grad_err, grads, random_coeffs, reference_logprobs, rel_err
@@ -58,7 +59,9 @@ def test_every_causal_lm_type_is_exact_or_refused_by_name():
     assert len(types) > 120  # the whole mapping, not a sample (142 in transformers 5.0, 196 in 5.24)
     for model_type in types:
         why = refusal(_bare(model_type))
-        if model_type in EXACT and not _too_old(model_type):
+        if model_type in VISION_EXACT:  # multimodal types: tests/test_vlm_zoo.py runs them
+            assert (why is None) == (_version(transformers.__version__) >= _version(VERIFIED_FROM)), why
+        elif model_type in EXACT and not _too_old(model_type):
             assert why is None, (model_type, why)
         elif model_type in EXACT:  # exact on the newest transformers only: refused on this one
             assert why is not None and "verified exact only with transformers >=" in why, (model_type, why)

@@ -21,7 +21,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_
 
 from treetrain.trees.images import ImageInput
 
-from .zoo import AWAY, SMALL
+from .zoo import _GDN_SMALL, AWAY, SMALL
+from .zoo import PER_TYPE as TEXT_PER_TYPE
 
 # special token ids inside the tiny vocabulary (text tokens of the zoo paths are drawn from 3..99)
 IMAGE, VIDEO = 100, 101
@@ -72,13 +73,20 @@ FIXED_SIZE = dict(image_size=32, patch_size=8)
 PER_TYPE: dict[str, dict] = {
     # Qwen2-VL's vision hidden_size is its merger's output width: the text model's
     "qwen2_vl": {"vision_config": {"hidden_size": 64}},
+    # Qwen3.5's Gated DeltaNet layers: as the text zoo's (2 key, 4 value heads of 8; conv width 3)
+    "qwen3_5": {"text_config": dict(_GDN_SMALL)},
+    "qwen3_5_moe": {"text_config": dict(_GDN_SMALL)},
     # Gemma 3: 16 patches pooled to 4 tokens per image
     "gemma3": {"mm_tokens_per_image": 4},
     # Gemma 4 has no default vision config: a small one, 2x2 patches pooled per token
     # (and its image blocks attend bidirectionally: "vision", off by default)
     "gemma4": {
         "vision_config": {"model_type": "gemma4_vision", "pooling_kernel_size": 2, "patch_size": 4},
-        "text_config": {"use_bidirectional_attention": "vision"},
+        "text_config": {
+            "use_bidirectional_attention": "vision",
+            "vocab_size_per_layer_input": 128,  # per-layer embeddings: small
+            "hidden_size_per_layer_input": 16,
+        },
     },
     # LLaVA-NeXT / OneVision tile an image into crops of the vision tower's size: grids of 1x1 and 1x2
     "llava_next": {"image_grid_pinpoints": [[32, 32], [32, 64]]},
@@ -121,7 +129,7 @@ def _shrunk(cfg, over: dict):
 
 
 def _text_over(text_cfg) -> dict:
-    over = {**SMALL, **AWAY, **SPECIAL}
+    over = {**SMALL, **AWAY, **SPECIAL, **TEXT_PER_TYPE.get(text_cfg.model_type, {})}
     # windows shorter than the paths where the model has sliding layers (Gemma 3's), none switched on
     # where it has a switch (Qwen2-VL's use_sliding_window: its mRoPE layers never slide in practice)
     over["sliding_window"] = 5

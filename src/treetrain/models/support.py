@@ -21,6 +21,7 @@ from torch import nn
 from treetrain.models.classes import own_class
 from treetrain.models.head import unwrap
 from treetrain.models.recurrent import ROUTES, route
+from treetrain.models.support_vision import VISION_EXACT, VISION_REFUSED, VISION_TYPES
 
 __all__ = ["EXACT", "REFUSED", "STATEFUL", "check_model", "refusal"]
 
@@ -132,9 +133,8 @@ REFUSED: dict[str, str] = {
     ),
     **dict.fromkeys(
         _words(
-            """gemma3 gemma3n gemma4 gemma4_unified got_ocr2 fuyu mllama emu3 git moss_transcribe_diarize
-            musicgen musicgen_melody moshi phi4_multimodal llama4 qwen3_5 qwen3_5_moe qwen4_exp
-            dots3_note"""
+            """gemma3n gemma4_unified got_ocr2 fuyu mllama emu3 git moss_transcribe_diarize musicgen
+            musicgen_melody moshi phi4_multimodal qwen4_exp dots3_note"""
         ),
         _MULTIMODAL,
     ),
@@ -224,9 +224,25 @@ def refusal(model: nn.Module) -> str | None:
             f"model type {model_type!r} is verified exact only with transformers >= {VERIFIED_FROM} "
             f"(installed: {installed}): upgrade transformers; {_DOCS}"
         )
+    if model_type in VISION_TYPES:
+        return _vision_refusal(model, model_type, installed)
     if model_type in EXACT:
         return None
     why = REFUSED.get(model_type, "not verified exact by treetrain's model-zoo test")
+    return f"model type {model_type!r} ({type(model).__name__}) is not supported: {why}; {_DOCS}"
+
+
+def _vision_refusal(model: nn.Module, model_type: str, installed: str) -> str | None:
+    """The multimodal types (:mod:`treetrain.models.support_vision`): verified on transformers 5.24,
+    whose vision-language forwards take precomputed encoder outputs (``mm_encoder_outputs``)."""
+    if model_type in VISION_EXACT and _version(installed) >= _version(VERIFIED_FROM):
+        return None
+    why = VISION_REFUSED.get(model_type)
+    if why is None:
+        why = (
+            f"its vision-language forward is verified exact only with transformers >= {VERIFIED_FROM} "
+            f"(installed: {installed}): upgrade transformers"
+        )
     return f"model type {model_type!r} ({type(model).__name__}) is not supported: {why}; {_DOCS}"
 
 
