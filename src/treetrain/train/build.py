@@ -179,6 +179,8 @@ def build_model(
     else:
         path = check_model_dir(model)
         weights = [*path.glob("*.safetensors"), *path.glob("*.bin")]
+        if auto_class is None and is_vision_language(path):  # the whole checkpoint, vision tower too
+            auto = transformers.AutoModelForImageTextToText
         if weights:
             with refuse_remote_code("--model", model):
                 net = auto.from_pretrained(
@@ -196,6 +198,21 @@ def build_model(
     # differ between float32 and float64 kernels), then cast
     net = auto.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
     return net.to(device=device, dtype=dtype)
+
+
+def is_vision_language(path: Path) -> bool:
+    """Whether the model directory's config is an image-text-to-text type (Qwen3.5, Gemma 3, ...):
+    loaded with ``AutoModelForImageTextToText`` so its vision tower is trained and saved too, where
+    ``AutoModelForCausalLM`` would give some of them (Qwen3.5's) a text-only model without it."""
+    import json
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    try:
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return False
+    return model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
 
 @contextlib.contextmanager
