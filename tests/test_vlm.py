@@ -151,7 +151,7 @@ def test_errors_name_the_cause():
     model = vlm_model("qwen2_vl")
     a = qwen2_image(4, 4, 1)
     with pytest.raises(ValueError, match="token 100 is an image placeholder, but DFS token"):
-        path_logprobs(model, [[5, 6] + [IMAGE] * 4, [5, 7] + [IMAGE] * 4], images=[[a], []])
+        path_logprobs(model, [[5, 6] + [IMAGE] * 4, [5, 7] + [IMAGE] * 4], images=[[a], None])
     small = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, head_dim=16)
     text_only = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(vocab_size=128, **small))
     with pytest.raises(ValueError, match="text-only model"):
@@ -201,3 +201,16 @@ def test_whole_checkpoint_saved_and_reloaded(tmp_path):
     want = reference_vlm_logprobs(model, paths[:1], images[:1])[0]
     got = torch.log_softmax(loaded(input_ids=ids, **kw).logits[0, :-1], -1).gather(1, ids[0, 1:, None])[:, 0]
     assert rel_err(got, want) < 1e-12
+
+
+def test_context_parallel_and_depth_first_refuse_images_by_name():
+    from treetrain.parallel.cp import CPChunk, cp_tree_forward
+    from treetrain.parallel.depth_first import depth_first_backward
+
+    model = vlm_model("qwen2_vl")
+    paths, images = vlm_tree(model)
+    packed = pack(TrajectoryTree.from_paths(paths, images=images))
+    with pytest.raises(ValueError, match="context parallelism with images"):
+        cp_tree_forward(model, packed, CPChunk(None, 0, (0, packed.num_tokens)))
+    with pytest.raises(ValueError, match="depth-first training with images"):
+        depth_first_backward(model, packed, lambda logp, *a: logp.sum())

@@ -215,6 +215,11 @@ def cp_tree_forward(model: nn.Module, packed: PackedTree, chunk: CPChunk) -> tor
     from treetrain.models.hf import prepare_model, rope_lengths, run_decoder
 
     prepare_model(model)
+    if packed.image_index is not None:
+        raise ValueError(
+            "context parallelism with images in the trees is not built (each image's features would be "
+            "needed on every rank holding one of its placeholders); run vision-language trees with --cp 1"
+        )
     device = model.get_input_embeddings().weight.device
     packed = packed.to(device)
     # position_ids: a sliding window that binds is refused by name (the cp backend has none)

@@ -228,6 +228,11 @@ def depth_first_backward(
     prepare_model(model)
     _check(model)
     packed = batch if isinstance(batch, PackedTree) else pack(batch)
+    if packed.image_index is not None:
+        raise ValueError(
+            "depth-first training with images in the trees is not built (a node's image features would be "
+            "encoded per node visit); train vision-language trees with the packed tree forward"
+        )
     device = model.get_input_embeddings().weight.device
     packed = packed.to(device)
     rope = rope_lengths(model, packed)  # a node's tokens keep their paths' rotary tables (models.rope)
