@@ -152,7 +152,7 @@ def test_errors_name_the_cause():
     a = qwen2_image(4, 4, 1)
     with pytest.raises(ValueError, match="token 100 is an image placeholder, but DFS token"):
         path_logprobs(model, [[5, 6] + [IMAGE] * 4, [5, 7] + [IMAGE] * 4], images=[[a], None])
-    small = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, head_dim=16)
+    small = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
     text_only = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(vocab_size=128, **small))
     with pytest.raises(ValueError, match="text-only model"):
         path_logprobs(text_only, [[5] + [IMAGE] * 4], images=[[a]])
