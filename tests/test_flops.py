@@ -155,3 +155,58 @@ def test_recurrent_flops_count_per_token():
     cost = CostModel(COST.linear, COST.per_pair, COST.head, recurrent=100.0)
     assert cost.per_token == 2304 + 100 + 160
     assert Work(8, 22, 7).flops(cost) == 3 * (8 * 2404 + 22 * 64 + 7 * 160)
+
+
+def test_vision_work_counts_each_distinct_image_once_in_the_tree():
+    """Paths ``1 P P 2`` (image a), ``1 P P 3`` (a again), ``4 P P`` (b): the tree encodes a and b
+    once each, the baseline a twice and b once; 4 patches each (a 28 x 28 image of 14-pixel patches),
+    16 patch pairs each. With a tower of 2 FLOPs per patch and 1 per pair the vision FLOPs are
+    ``2 * (2 * 4 + 16)`` for the tree and ``3 * (2 * 4 + 16)`` for the baseline."""
+    import torch
+
+    from treetrain.trees.flops import CostModel, Work, baseline_work, image_patches, tree_work
+    from treetrain.trees.images import ImageInput
+
+    a = ImageInput({"pixel_values": torch.zeros(1, 3, 28, 28)}, 2, 9)
+    b = ImageInput({"pixel_values": torch.ones(1, 3, 28, 28)}, 2, 9)
+    tree = TrajectoryTree.from_paths([[1, 9, 9, 2], [1, 9, 9, 3], [4, 9, 9]], images=[[a], [a], [b]])
+    assert image_patches(a) == 4
+    t, base = tree_work([tree]), baseline_work([tree])
+    assert (t.images, t.vision_tokens, t.vision_pairs) == (2, 8, 32)
+    assert (base.images, base.vision_tokens, base.vision_pairs) == (3, 12, 48)
+    vision_only = CostModel(0.0, 0.0, vision_linear=2.0, vision_pair=1.0)
+    assert Work(vision_tokens=8, vision_pairs=32).forward_flops(vision_only) == 2 * (2 * 4 + 16)
+    assert base.forward_flops(vision_only) == 3 * (2 * 4 + 16)
+
+
+def test_image_patches_of_every_layout():
+    import torch
+
+    from treetrain.trees.flops import image_patches
+    from treetrain.trees.images import ImageInput
+
+    def patches(**tensors):
+        return image_patches(ImageInput(tensors, 1, 9), patch=4)
+
+    assert patches(pixel_values=torch.zeros(24, 96), image_grid_thw=torch.tensor([[1, 4, 6]])) == 24
+    assert patches(pixel_values=torch.zeros(1, 3, 3, 32, 32)) == 3 * 64  # three crops
+    mask = torch.tensor([[True] * 6 + [False] * 10])
+    assert patches(pixel_values=torch.zeros(1, 16, 48), pixel_attention_mask=mask) == 6  # padded patches
+    pos = torch.full((1, 16, 2), -1)
+    pos[0, :5] = 0
+    assert patches(pixel_values=torch.zeros(1, 16, 48), image_position_ids=pos) == 5
+    stack = torch.zeros(1, 2, 3, 16, 16)  # sub-images with a pixel mask
+    assert patches(pixel_values=stack, pixel_attention_mask=torch.ones(1, 2, 16, 16)) == 32
+
+
+def test_cost_model_reads_the_vision_tower():
+    from types import SimpleNamespace
+
+    from treetrain.trees.flops import CostModel
+
+    text = dict(hidden_size=8, num_hidden_layers=1, vocab_size=10, num_attention_heads=2)
+    vision = SimpleNamespace(hidden_size=32, depth=2, intermediate_size=64, hidden_act="silu", patch_size=14)
+    c = CostModel.from_config(SimpleNamespace(**text, text_config=None, vision_config=vision))
+    assert c.vision_linear == 2 * 2 * (4 * 32 * 32 + 3 * 32 * 64)
+    assert (c.vision_pair, c.vision_patch) == (4 * 32 * 2, 14)
+    assert CostModel.from_config(SimpleNamespace(**text)).vision_linear == 0.0

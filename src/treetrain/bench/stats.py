@@ -184,6 +184,27 @@ def render_text(tree, tokenizer, chars: int = 100) -> str:
     return "\n".join(lines)
 
 
+def _image_rows(trees, cost) -> list[tuple[str, str]]:
+    """Images (each path's, and distinct per tree: what the tree encodes), the vision tower's patches,
+    and the share of its FLOPs the tree saves; none for text-only data."""
+    from treetrain.trees.flops import CostModel, baseline_work, tree_work
+
+    if all(t.image_table is None for t in trees):
+        return []
+    base, tree = baseline_work(trees, cost.vision_patch), tree_work(trees, cost.vision_patch)
+    vision = CostModel(0.0, 0.0, vision_linear=cost.vision_linear, vision_pair=cost.vision_pair)
+    rows = [
+        ("images (sum over paths)", f"{base.images:,}"),
+        ("distinct images (encoded by the tree)", f"{tree.images:,}"),
+        ("vision patches (baseline / tree)", f"{base.vision_tokens:,} / {tree.vision_tokens:,}"),
+    ]
+    if cost.vision_linear:
+        saved = 1 - tree.flops(vision) / base.flops(vision)
+        share = base.flops(vision) / base.flops(cost)
+        rows.append(("vision FLOPs saved", f"{saved:.1%} (the tower: {share:.1%} of the baseline's FLOPs)"))
+    return rows
+
+
 def main(args: argparse.Namespace) -> int:
     from treetrain.trees.flops import flop_bound, token_bound
 
@@ -239,6 +260,7 @@ def main(args: argparse.Namespace) -> int:
         (f"FLOP bound ({cost_name})", f"{flop_bound(trees, cost):.2f}x"),
         ("largest tree (distinct tokens)", f"{max(t.num_tokens for t in trees):,}"),
         ("longest path", f"{counts.max_path_len:,}"),
+        *_image_rows(trees, cost),
     ]
     if args.capacity:
         from treetrain.trees.partition import partition, partition_stats

@@ -10,7 +10,11 @@ Three kinds of work, counted for each mode from what it actually runs (:class:`W
   keys in the tree and in the baseline alike;
 - ``targets``: targets scored by the LM head. Both modes score only targets some path trains on
   (``loss_masks``; all targets when a tree has none): the tree each distinct (context, target)
-  once, the baseline once per path through it.
+  once, the baseline once per path through it;
+- ``vision_tokens`` and ``vision_pairs``: a vision-language model's tower runs every patch of an
+  image (``CostModel.vision_linear`` each, the tower's layers and merger) and attends each patch to
+  every patch of its image (``vision_pair`` each): the tree once per distinct image of each part it
+  runs, the baseline once per image of every path (:func:`image_patches`).
 
 Training = forward + backward = 3 x forward (model FLOPs: the head's recomputation in backward,
 the elementwise work outside the recurrences and the padding of a padded scan are not counted).
@@ -26,6 +30,7 @@ than a micro-batch is partitioned and its parts' recomputed prefixes are counted
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -41,6 +46,7 @@ __all__ = [
     "baseline_pairs",
     "baseline_work",
     "flop_bound",
+    "image_patches",
     "layer_kinds",
     "mixer_cost",
     "recomputed_targets",
@@ -66,6 +72,9 @@ class CostModel:
     head: float = 0.0
     recurrent: float = 0.0
     checkpointed: float = 0.0
+    vision_linear: float = 0.0  # per patch through the vision tower's layers (0: no tower)
+    vision_pair: float = 0.0  # per (patch, patch) pair of one image, summed over the tower's layers
+    vision_patch: int = 14  # pixels per patch side: an image's patch count from its pixels
 
     @property
     def per_token(self) -> float:
@@ -87,7 +96,35 @@ class CostModel:
         linear = 2 * layers * (attn_proj + mlp)
         per_pair = 4 * heads * head_dim * n_attn  # QK^T and PV, 2 FLOPs per multiply-add
         checkpointed = 2 * layers * (attn_proj + 2 * h * inter)  # all but the down projection
-        return cls(float(linear), float(per_pair), float(2 * h * vocab), checkpointed=float(checkpointed))
+        vision = _vision_costs(getattr(config, "vision_config", None))
+        return cls(
+            float(linear), float(per_pair), float(2 * h * vocab), checkpointed=float(checkpointed), **vision
+        )
+
+
+def _vision_costs(v) -> dict:
+    """A vision tower's forward FLOPs per patch (attention projections and MLP of every layer) and per
+    (patch, patch) pair, and its patch size; ``{}`` without a tower.
+
+    Example: Qwen2.5-VL's (width 1280, 32 layers, MLP 3420 gated): per patch ``2 * 32 * (4 * 1280^2 +
+    3 * 1280 * 3420) = 1.26e9``, per pair ``4 * 1280 * 32 = 163840``."""
+    if v is None:
+        return {}
+    def get(*names, default=None):
+        return next((getattr(v, n) for n in names if isinstance(getattr(v, n, None), (int, float))), default)
+
+    width = get("embed_dim", "hidden_size")  # Qwen2-VL: embed_dim the tower's, hidden_size the merger's
+    layers = get("depth", "num_hidden_layers", "n_layers", default=0)
+    inter = get("intermediate_size") or int(width * get("mlp_ratio", default=4))
+    gated = 3 if "silu" in str(getattr(v, "hidden_act", "")) else 2
+    patch = getattr(v, "patch_size", 14)
+    patch = patch[0] if isinstance(patch, (list, tuple)) else patch
+    per_patch = 2 * layers * (4 * width * width + gated * width * inter)
+    return {
+        "vision_linear": float(per_patch),
+        "vision_pair": float(4 * width * layers),
+        "vision_patch": int(patch),
+    }
 
 
 # A Qwen3-0.6B-shaped model: the reference shape when no model is given.
@@ -225,14 +262,12 @@ class Work:
     pairs: int = 0
     targets: int = 0
     recomputed: int = 0
+    vision_tokens: int = 0
+    vision_pairs: int = 0
+    images: int = 0
 
     def __add__(self, other: Work) -> Work:
-        return Work(
-            self.tokens + other.tokens,
-            self.pairs + other.pairs,
-            self.targets + other.targets,
-            self.recomputed + other.recomputed,
-        )
+        return Work(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
 
     def flops(self, cost: CostModel, checkpointing: bool = False) -> float:
         """Training FLOPs (3 x forward, plus the recomputed head matmuls; with ``checkpointing`` the
@@ -246,7 +281,8 @@ class Work:
     def forward_flops(self, cost: CostModel) -> float:
         """FLOPs of the forward alone (no-grad scoring: a reference model, old log-probs)."""
         per_token = cost.linear + cost.recurrent
-        return self.tokens * per_token + self.pairs * cost.per_pair + self.targets * cost.head
+        vision = self.vision_tokens * cost.vision_linear + self.vision_pairs * cost.vision_pair
+        return self.tokens * per_token + self.pairs * cost.per_pair + self.targets * cost.head + vision
 
 
 def _trained(tree: TrajectoryTree, p: int) -> np.ndarray:
@@ -276,14 +312,69 @@ def path_targets(tree: TrajectoryTree) -> int:
     return int(sum(_trained(tree, p).sum() for p in range(tree.num_paths)))
 
 
-def tree_work(parts: Sequence[TrajectoryTree]) -> Work:
-    """The tree mode's work over the trees (or partition parts) it runs, each once."""
-    return sum((Work(t.num_tokens, tree_pairs(t), tree_targets(t)) for t in parts), Work())
+def image_patches(image, patch: int = 14) -> int:
+    """Patches the vision tower runs for one image (``trees.images.ImageInput``), read from its
+    tensors: a ``(t, h, w)`` grid (Qwen-style), the valid entries of a padded patch sequence (a patch
+    mask or positions), flattened patch rows, or pixels ``[..., C, H, W]`` cut into ``patch``-pixel
+    squares (every crop of a tiled image).
+
+    >>> import torch
+    >>> from treetrain.trees.images import ImageInput
+    >>> image_patches(ImageInput({"pixel_values": torch.zeros(1, 3, 28, 42)}, 6, 9), patch=14)
+    6
+    """
+    t = image.tensors
+    for grid in ("image_grid_thw", "video_grid_thw"):
+        if grid in t:
+            return int(t[grid].prod(-1).sum())
+    if "image_position_ids" in t:
+        return int((t["image_position_ids"][..., 0] >= 0).sum())
+    pixels = t.get("pixel_values", t.get("pixel_values_videos"))
+    mask = t.get("pixel_attention_mask")
+    if mask is not None and pixels is not None and pixels.dim() == 3 and mask.dim() == 2:  # padded patches
+        return int(mask.bool().sum())
+    if pixels is None:
+        return 0
+    if pixels.dim() <= 3:  # flattened patches [(1,) N, D]
+        return int(pixels.shape[-2])
+    crops = int(np.prod(pixels.shape[:-3]))
+    return crops * (pixels.shape[-2] // patch) * (pixels.shape[-1] // patch)
 
 
-def baseline_work(trees: Sequence[TrajectoryTree]) -> Work:
-    """The per-path baseline's work: every path alone."""
-    return sum((Work(t.num_path_tokens, baseline_pairs(t), path_targets(t)) for t in trees), Work())
+def _image_work(images, patch: int) -> Work:
+    n = [image_patches(im, patch) for im in images]
+    return Work(vision_tokens=sum(n), vision_pairs=sum(k * k for k in n), images=len(n))
+
+
+def _tree_images(tree: TrajectoryTree) -> tuple:
+    return () if tree.image_table is None else tree.image_table.images
+
+
+def _path_images(tree: TrajectoryTree) -> list:
+    return [im for ims in tree.fields.get("images") or () for im in ims]
+
+
+def tree_work(parts: Sequence[TrajectoryTree], patch: int = 14) -> Work:
+    """The tree mode's work over the trees (or partition parts) it runs, each once (each distinct
+    image once per part)."""
+    return sum(
+        (
+            Work(t.num_tokens, tree_pairs(t), tree_targets(t)) + _image_work(_tree_images(t), patch)
+            for t in parts
+        ),
+        Work(),
+    )
+
+
+def baseline_work(trees: Sequence[TrajectoryTree], patch: int = 14) -> Work:
+    """The per-path baseline's work: every path alone (every image of every path encoded)."""
+    return sum(
+        (
+            Work(t.num_path_tokens, baseline_pairs(t), path_targets(t)) + _image_work(_path_images(t), patch)
+            for t in trees
+        ),
+        Work(),
+    )
 
 
 def train_flops(tokens: int, pairs: int, cost: CostModel) -> float:
@@ -301,7 +392,8 @@ def flop_bound(
         from treetrain.trees.partition import partition
 
         parts = [p for t in trees for p in partition(t, capacity)]
-    return baseline_work(trees).flops(cost) / tree_work(parts).flops(cost)
+    patch = cost.vision_patch
+    return baseline_work(trees, patch).flops(cost) / tree_work(parts, patch).flops(cost)
 
 
 def tree_cost(tree: TrajectoryTree, cost: CostModel = QWEN3_0_6B) -> float:
