@@ -53,8 +53,9 @@ def test_images_survive_subset_split_and_pack():
     split = tree.split_by([0, 1, 0])  # path 1 alone: the prefix 1 P P twice
     assert split.num_tokens == tree.num_tokens + 3
     packed = pack([tree, sub])
-    assert len(packed.images) == 2  # distinct across the forest
-    want = np.concatenate([tree.image_table.image, sub.image_table.image])  # same first-use order
+    assert len(packed.images) == 4  # each tree's own: a part encodes the images it holds
+    shifted = np.where(sub.image_table.image >= 0, sub.image_table.image + 2, -1)
+    want = np.concatenate([tree.image_table.image, shifted])
     assert packed.image_index.tolist() == want.tolist()
     assert packed.path_images(4)[0].key == b.key  # path 4 of the forest: sub's second path
 

@@ -33,7 +33,7 @@ class PackedTree:
     node_start, node_end, node_parent: ``[N]`` int64 (DFS order; parent ``-1`` for roots).
     path_index ``[sum len(p)]``, path_offsets ``[P + 1]``: DFS index of every path position.
     trees: the packed trees; paths are numbered tree by tree in input order.
-    images: the forest's distinct images (``trees.images.ImageInput``, by content hash), and for every
+    images: each tree's distinct images (``trees.images.ImageInput``, by content hash), and for every
     DFS token ``image_index [T]`` (into ``images``; -1 for text) and ``image_row [T]`` (its feature
     row in that image; -1 for text); ``image_index`` is None for a text-only forest.
     """
@@ -129,10 +129,13 @@ def pack(trees: TrajectoryTree | Sequence[TrajectoryTree]) -> PackedTree:
 
 
 def _forest_images(trees: Sequence[TrajectoryTree]) -> dict:
-    """The forest's distinct images and each DFS token's index into them and feature row."""
+    """The forest's images, tree by tree, and each DFS token's index into them and feature row.
+
+    Each tree's distinct images are its own: a forest of several trees (partition parts, a
+    micro-batch of records, the per-path baseline's one-path trees) encodes an image once per tree
+    that holds it, as the parts or paths run alone would, never once for all of them."""
     if all(t.image_table is None for t in trees):
         return {}
-    distinct: dict[bytes, int] = {}
     images, index, row = [], [], []
     for t in trees:
         table = t.image_table
@@ -140,13 +143,9 @@ def _forest_images(trees: Sequence[TrajectoryTree]) -> dict:
             index.append(np.full(t.num_tokens, -1, dtype=np.int64))
             row.append(np.full(t.num_tokens, -1, dtype=np.int64))
             continue
-        for im in table.images:
-            if im.key not in distinct:
-                distinct[im.key] = len(images)
-                images.append(im)
-        remap = np.array([distinct[im.key] for im in table.images], dtype=np.int64)
-        index.append(np.where(table.image >= 0, remap[np.maximum(table.image, 0)], -1))
+        index.append(np.where(table.image >= 0, table.image + len(images), -1))
         row.append(table.row)
+        images.extend(table.images)
     return {
         "image_index": torch.from_numpy(np.concatenate(index)),
         "image_row": torch.from_numpy(np.concatenate(row)),
