@@ -260,7 +260,7 @@ def case_flops(trees, capacity: int, cost: CostModel, vocab: int | None = None) 
     from treetrain.trees.partition import partition
 
     parts = [p for t in trees for p in partition(t, capacity)]
-    base, tree = baseline_work(trees), tree_work(parts)
+    base, tree = baseline_work(trees, cost.vision_patch), tree_work(parts, cost.vision_patch)
     if vocab is not None:
         for mode, work in (("sequence", base), ("tree", tree)):
             per_call = [
