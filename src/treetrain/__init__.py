@@ -24,6 +24,7 @@ __version__ = "0.1.0"
 _API = {
     # trees: build, pack, split
     "TrajectoryTree": "treetrain.trees.tree",
+    "ImageInput": "treetrain.trees.images",
     "PackedTree": "treetrain.trees.packing",
     "pack": "treetrain.trees.packing",
     "partition": "treetrain.trees.partition",
@@ -54,6 +55,7 @@ _API = {
 
 __all__ = [
     "DataError",
+    "ImageInput",
     "Objective",
     "PackedTree",
     "TrainConfig",
@@ -91,6 +93,7 @@ if TYPE_CHECKING:
     from treetrain.objectives.policy.loss import compute_loss, reference_logprobs
     from treetrain.train.build import tiny_model
     from treetrain.train.config import TrainConfig
+    from treetrain.trees.images import ImageInput
     from treetrain.trees.packing import PackedTree, pack
     from treetrain.trees.partition import pack_microbatches, partition
     from treetrain.trees.tree import TrajectoryTree
