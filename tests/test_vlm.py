@@ -214,3 +214,41 @@ def test_context_parallel_and_depth_first_refuse_images_by_name():
         cp_tree_forward(model, packed, CPChunk(None, 0, (0, packed.num_tokens)))
     with pytest.raises(ValueError, match="depth-first training with images"):
         depth_first_backward(model, packed, lambda logp, *a: logp.sum())
+
+
+def test_moe_router_aux_loss_with_images_is_the_padded_batch_loss():
+    """Qwen3-VL-MoE: the tree's path-weighted router loss over a tree with images equals HF's own
+    ``aux_loss`` of the paths as one right-padded batch with all their images (float64, casts
+    lifted), and so do the objective's and every gradient."""
+    from treetrain.models.moe import record_router_logits, tree_router_aux_loss
+
+    from .reference import grad_err
+
+    base = vlm_model("qwen3_vl_moe")
+    paths, images = vlm_tree(base)
+    coeffs = random_coeffs(paths, seed=5)
+    coef = base.config.text_config.router_aux_loss_coef
+    with float64_everywhere():
+        ref = copy.deepcopy(base)
+        L = max(map(len, paths))
+        ids = torch.zeros(len(paths), L, dtype=torch.long)
+        mask = torch.zeros(len(paths), L, dtype=torch.long)
+        for i, p in enumerate(paths):
+            ids[i, : len(p)], mask[i, : len(p)] = torch.tensor(p), 1
+        kw = path_inputs(ref, [im for ims in images for im in ims])
+        out = ref(input_ids=ids, attention_mask=mask, mm_token_type_ids=(ids == IMAGE).long() * mask,
+                  output_router_logits=True, use_cache=False, **kw)  # fmt: skip
+        lsm = torch.log_softmax(out.logits, -1)
+        objective = sum(
+            (c * lsm[i, : len(p) - 1].gather(1, ids[i, 1 : len(p), None])[:, 0]).sum()
+            for i, (p, c) in enumerate(zip(paths, coeffs))
+        )
+        (objective + coef * out.aux_loss).backward()
+        tree = copy.deepcopy(base)
+        packed = pack(TrajectoryTree.from_paths(paths, images=images))
+        with record_router_logits(tree) as logits:
+            lps = path_logprobs(tree, packed)
+        aux = tree_router_aux_loss(tree, packed, logits)
+        (sum((c * lp).sum() for c, lp in zip(coeffs, lps)) + coef * aux).backward()
+    assert rel_err(aux, out.aux_loss) < 1e-12
+    assert grad_err(grads(tree), grads(ref)) < 1e-10
