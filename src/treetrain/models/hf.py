@@ -33,7 +33,7 @@ from treetrain.models.inkling import attention_features as inkling_features
 from treetrain.models.layer_masks import layer_bidirectional, layer_window, mask_interface, padding_mask
 from treetrain.models.rope import patch_rotary, rotary_lengths, token_lengths
 from treetrain.models.support import check_model
-from treetrain.models.vision import vision_inputs, vision_runs
+from treetrain.models.vision import image_blocks_may_be_bidirectional, vision_inputs, vision_runs
 from treetrain.trees.packing import PackedTree
 
 ATTN_NAME = "treetrain"
@@ -220,7 +220,8 @@ def rope_lengths(model: nn.Module, packed: PackedTree) -> torch.Tensor | None:
 def attention_features(model: nn.Module) -> frozenset[str]:
     """What the model's attention computes besides the tree mask, as ``attention.FEATURES`` names it:
     ``softcap`` (Gemma 2's ``attn_logit_softcapping``), ``sinks`` (a ``sinks`` parameter: GPT-OSS),
-    ``window`` (a ``sliding_window`` in the config), and Inkling's ``rel_bias`` and per-query sinks."""
+    ``window`` (a ``sliding_window`` in the config), ``key_start`` (a vision-language model whose image
+    blocks may attend bidirectionally), and Inkling's ``rel_bias`` and per-query sinks."""
     config = model.config.get_text_config()
     features = set()
     if getattr(config, "attn_logit_softcapping", None):
@@ -229,6 +230,8 @@ def attention_features(model: nn.Module) -> frozenset[str]:
         features.add("window")
     if any(name.endswith("sinks") for name, _ in model.named_parameters()):
         features.add("sinks")
+    if image_blocks_may_be_bidirectional(model):
+        features.add("key_start")
     return frozenset(features | inkling_features(model))
 
 

@@ -19,7 +19,7 @@ from treetrain.models.vision_encode import dfs_encoder_outputs, vision_model
 from treetrain.models.vision_positions import mm_token_types, tree_rope_positions
 from treetrain.trees.packing import PackedTree
 
-__all__ = ["is_multimodal", "vision_inputs", "vision_runs"]
+__all__ = ["image_blocks_may_be_bidirectional", "is_multimodal", "vision_inputs", "vision_runs"]
 
 
 def is_multimodal(model: nn.Module) -> bool:
@@ -29,6 +29,21 @@ def is_multimodal(model: nn.Module) -> bool:
     except AttributeError:
         return False
     return callable(getattr(outer, "get_image_features", None))
+
+
+def image_blocks_may_be_bidirectional(model: nn.Module) -> bool:
+    """Whether the model's code builds block masks over image tokens (``block_sequence_ids``: Gemma
+    3/4, PaliGemma, ...): its tree attention may then need ``key_start``, so a backend that
+    computes it is picked (the forward decides per layer: :func:`.layer_masks.mask_interface`)."""
+    import sys
+
+    if not is_multimodal(model):
+        return False
+    module = sys.modules.get(type(vision_model(model)).__module__)
+    try:
+        return "block_sequence_ids" in inspect.getsource(module)
+    except (OSError, TypeError):
+        return True  # no source to read: assume it may
 
 
 def _forward_params(outer: nn.Module) -> set[str]:
