@@ -65,11 +65,24 @@ VISION_SMALL = dict(
     window_size=16,
     num_position_embeddings=64,
 )
+# audio towers (omni models: never run on images, shrunk so they build in milliseconds)
+AUDIO_SMALL = dict(
+    encoder_layers=1,
+    encoder_attention_heads=2,
+    encoder_ffn_dim=64,
+    d_model=32,
+    output_dim=64,
+    num_mel_bins=16,
+    downsample_hidden_size=16,
+    max_source_positions=64,
+)
 # vision configs whose image size sets the token count: small images of few patches
 FIXED_SIZE = dict(image_size=32, patch_size=8)
 
 # model type -> config overrides (text_config / vision_config keys as nested dicts)
-PER_TYPE: dict[str, dict] = {}
+PER_TYPE: dict[str, dict] = {
+    "kimi_k25": dict(projection_hidden_size=32),  # the projector's pre-norm width: the tower's
+}
 
 
 def vlm_types() -> dict[str, str]:
@@ -97,9 +110,16 @@ def _text_over(text_cfg) -> dict:
         over.pop(k)
     if "kv_lora_rank" in over and _settable(text_cfg, "kv_lora_rank"):
         over["num_key_value_heads"] = over["num_attention_heads"]
+        over["head_dim"] = over["qk_rope_head_dim"]  # latent attention's rotary width (DeepSeek-V3)
     rope = getattr(text_cfg, "rope_parameters", None)
     if isinstance(rope, dict) and "rope_type" in rope:  # 3D rotary sections (read by mRoPE models only)
-        over["rope_parameters"] = {**rope, "mrope_section": [2, 3, 3]}  # sum: head_dim / 2 = 8
+        # summing to half the rotary width: head_dim 16 (8: [2, 3, 3]), times a partial factor
+        factor = rope.get("partial_rotary_factor", getattr(text_cfg, "partial_rotary_factor", None)) or 1.0
+        half = int(SMALL["head_dim"] * factor) // 2
+        over["rope_parameters"] = {
+            **rope,
+            "mrope_section": [half - 2 * (half * 3 // 8), half * 3 // 8, half * 3 // 8],
+        }
     layer_types = getattr(text_cfg, "layer_types", None)
     if layer_types:
         kinds = list(dict.fromkeys(layer_types))
@@ -120,8 +140,11 @@ def vlm_config(model_type: str):
     if vision is not None:
         fixed = FIXED_SIZE if hasattr(vision, "image_size") else {"patch_size": 4}
         subs["vision_config"] = _shrunk(vision, {**VISION_SMALL, **fixed, **per.get("vision_config", {})})
+    audio = getattr(cfg, "audio_config", None)
+    if audio is not None:
+        subs["audio_config"] = _shrunk(audio, {**AUDIO_SMALL, **per.get("audio_config", {})})
     top = {k: v for k, v in {**SPECIAL, "tie_word_embeddings": False}.items() if _settable(cfg, k)}
-    top.update({k: v for k, v in per.items() if k not in ("text_config", "vision_config")})
+    top.update({k: v for k, v in per.items() if k not in ("text_config", "vision_config", "audio_config")})
     base = {k: v for k, v in cfg.to_dict().items() if k not in subs}
     return type(cfg)(**{**base, **subs, **top})
 
@@ -150,29 +173,95 @@ def _feature_params(model) -> list[str]:
     return [p for p in inspect.signature(fn).parameters if p not in ("self", "kwargs")]
 
 
+def _channels_patch(vc) -> tuple[int, int]:
+    C = getattr(vc, "in_channels", None) or getattr(vc, "num_channels", 3)
+    P = vc.patch_size if isinstance(vc.patch_size, int) else vc.patch_size[0]
+    return C, P
+
+
+def _side(vc) -> int:
+    return vc.image_size if isinstance(vc.image_size, int) else vc.image_size[0]
+
+
+def _grid(vc, size: int) -> tuple[int, int]:
+    """A ``(h, w)`` patch grid of whole merge windows; wider with ``size``."""
+    merge = getattr(vc, "spatial_merge_size", None) or getattr(vc, "merge_kernel_size", [1])[0]
+    return 2 * merge, (2 + size) * merge
+
+
+def _flat_patches(vc, g, size, dtype):
+    """Qwen-style: ``[h * w, C * t * P * P]`` flattened patches and their ``(t, h, w)`` grid."""
+    C, P = _channels_patch(vc)
+    h, w = _grid(vc, size)
+    tps = getattr(vc, "temporal_patch_size", 1)
+    pv = torch.randn(h * w, C * tps * P * P, generator=g, dtype=dtype)
+    return {"pixel_values": pv, "image_grid_thw": torch.tensor([[1, h, w]])}
+
+
+def _patch_images(vc, g, size, dtype):
+    """``[h * w, C, P, P]`` patches as small images and their ``(t, h, w)`` grid (Kimi-K2.5)."""
+    C, P = _channels_patch(vc)
+    h, w = _grid(vc, size)
+    pv = torch.randn(h * w, C, P, P, generator=g, dtype=dtype)
+    return {"pixel_values": pv, "image_grid_thw": torch.tensor([[1, h, w]])}
+
+
+def _stacked(vc, g, size, dtype):
+    """A stack of one sub-image with its pixel mask (Idefics-style)."""
+    C, S = _channels_patch(vc)[0], _side(vc)
+    pv = torch.randn(1, 1, C, S, S, generator=g, dtype=dtype)
+    return {"pixel_values": pv, "pixel_attention_mask": torch.ones(1, 1, S, S, dtype=torch.long)}
+
+
+def _sized(vc, g, size, dtype):
+    """A fixed-size image with its ``image_sizes`` (Pixtral towers)."""
+    C, S = _channels_patch(vc)[0], _side(vc)
+    pv = torch.randn(1, C, S, S, generator=g, dtype=dtype)
+    return {"pixel_values": pv, "image_sizes": torch.tensor([[S, S]])}
+
+
+def _square(vc, g, size, dtype):
+    """One ``[1, C, S, S]`` image of the tower's fixed size."""
+    C, S = _channels_patch(vc)[0], _side(vc)
+    return {"pixel_values": torch.randn(1, C, S, S, generator=g, dtype=dtype)}
+
+
+# layout name -> random pixels of one image: (vision config, generator, size, dtype) -> tensors
+LAYOUTS = {
+    "flat_patches": _flat_patches,
+    "patch_images": _patch_images,
+    "stacked": _stacked,
+    "sized": _sized,
+    "square": _square,
+}
+# model type -> its layout, where the feature function's parameters do not tell it
+IMAGE_LAYOUT: dict[str, str] = {
+    "kimi_k25": "patch_images",
+    "paddleocr_vl": "patch_images",
+}
+
+
+def image_layout(model) -> str:
+    """The layout name of ``model``'s images: :data:`IMAGE_LAYOUT`, else read from its feature
+    function's parameters."""
+    if model.config.model_type in IMAGE_LAYOUT:
+        return IMAGE_LAYOUT[model.config.model_type]
+    params = _feature_params(model)
+    if "image_grid_thw" in params:
+        return "flat_patches"
+    if "pixel_attention_mask" in params:
+        return "stacked"
+    if "image_sizes" in params and type(model.config.vision_config).__name__ == "PixtralVisionConfig":
+        return "sized"
+    return "square"
+
+
 def image_tensors(model, seed: int, size: int = 0) -> dict[str, torch.Tensor]:
     """Random pixels of one image in the layout ``model``'s feature function reads; ``size`` (0, 1, 2)
     picks one of a few shapes (so images of different shapes batch separately)."""
     g = torch.Generator().manual_seed(seed)
     dtype = next(model.parameters()).dtype
-    vc = model.config.vision_config
-    params = _feature_params(model)
-    C = getattr(vc, "in_channels", None) or getattr(vc, "num_channels", 3)
-    P = vc.patch_size if isinstance(vc.patch_size, int) else vc.patch_size[0]
-    if "image_grid_thw" in params:
-        merge = getattr(vc, "spatial_merge_size", 1)
-        tps = getattr(vc, "temporal_patch_size", 1)
-        h, w = 2 * merge, (2 + size) * merge
-        pv = torch.randn(h * w, C * tps * P * P, generator=g, dtype=dtype)
-        return {"pixel_values": pv, "image_grid_thw": torch.tensor([[1, h, w]])}
-    S = vc.image_size if isinstance(vc.image_size, int) else vc.image_size[0]
-    if "pixel_attention_mask" in params:
-        pv = torch.randn(1, 1, C, S, S, generator=g, dtype=dtype)
-        return {"pixel_values": pv, "pixel_attention_mask": torch.ones(1, 1, S, S, dtype=torch.long)}
-    if "image_sizes" in params and type(vc).__name__ == "PixtralVisionConfig":
-        pv = torch.randn(1, C, S, S, generator=g, dtype=dtype)
-        return {"pixel_values": pv, "image_sizes": torch.tensor([[S, S]])}
-    return {"pixel_values": torch.randn(1, C, S, S, generator=g, dtype=dtype)}
+    return LAYOUTS[image_layout(model)](model.config.vision_config, g, size, dtype)
 
 
 def zoo_image(model, seed: int, size: int = 0) -> ImageInput:

@@ -15,7 +15,7 @@ e.g. TRL's ``1 / temperature``.) What each architecture sets, read from the inst
 Cohere, Cohere2                           ``logit_scale = model.logit_scale`` (``logits * logit_scale``)
 Granite, Granite-SWA, GraniteMoE (+SWA,   ``logit_scale = 1 / config.logits_scaling``
 shared, hybrid)
-HyperCLOVA X                              ``logit_scale = config.logits_scaling``
+HyperCLOVA X (+ Vision V2)                ``logit_scale = config.logits_scaling``
 Falcon-H1                                 ``logit_scale = model.model.lm_head_multiplier``
 MiniCPM3                                  ``hidden_scale = 1 / config.logits_scaling``
 Gemma 2/3, VaultGemma, NanoChat           ``softcap = config.final_logit_softcapping``
@@ -114,7 +114,8 @@ def _final_softcap(model: nn.Module) -> dict:
     return {"softcap": getattr(_cfg(model), "final_logit_softcapping", None) or None}
 
 
-# ForCausalLM class name -> the transforms its forward applies (checked against transformers 5.24)
+# ForCausalLM (or vision-language ForConditionalGeneration) class name -> the transforms its forward
+# applies (checked against transformers 5.24)
 _TRANSFORMS: dict[str, Callable[[nn.Module], dict]] = {
     "CohereForCausalLM": _logit_scale_attr,
     "Cohere2ForCausalLM": _logit_scale_attr,
@@ -125,6 +126,7 @@ _TRANSFORMS: dict[str, Callable[[nn.Module], dict]] = {
     "GraniteMoeSharedForCausalLM": _divide_by_logits_scaling,
     "GraniteMoeHybridForCausalLM": _divide_by_logits_scaling,
     "HyperCLOVAXForCausalLM": _multiply_by_logits_scaling,
+    "HyperCLOVAXVisionV2ForConditionalGeneration": _multiply_by_logits_scaling,
     "FalconH1ForCausalLM": _falcon_h1,
     "MiniCPM3ForCausalLM": _hidden_divided_by_logits_scaling,
     "Gemma2ForCausalLM": _final_softcap,
