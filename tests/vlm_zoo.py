@@ -82,6 +82,31 @@ FIXED_SIZE = dict(image_size=32, patch_size=8)
 # model type -> config overrides (text_config / vision_config keys as nested dicts)
 PER_TYPE: dict[str, dict] = {
     "kimi_k25": dict(projection_hidden_size=32),  # the projector's pre-norm width: the tower's
+    "paligemma": dict(projection_dim=64),  # the projector's output: the text hidden size
+    "janus": dict(vision_config=dict(projection_dim=64)),  # the aligner's output: the text hidden size
+    # its own vocabulary and width beside the text config's (lm_head, the visual embedding table) and
+    # a small visual vocabulary (the tower's head is a softmax over it)
+    # separate text and vision experts: one size each
+    # (its rotary interleaves equal height and width sections: [h, w, t])
+    "ernie4_5_vl_moe": dict(
+        text_config=dict(
+            moe_intermediate_size=[32, 32],
+            moe_num_experts=4,
+            moe_k=2,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[3, 3, 2]),
+        )
+    ),
+    # rotary (3D sections) on its sliding layers, none on its full ones, as Cohere 2's text model
+    "cohere_compass": dict(
+        text_config=dict(
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3]),
+                "full_attention": None,
+            },
+        )
+    ),
+    "ovis2": dict(vocab_size=128, hidden_size=64, vision_config=dict(vocab_size=48)),
 }
 
 
@@ -125,6 +150,11 @@ def _text_over(text_cfg) -> dict:
         kinds = list(dict.fromkeys(layer_types))
         over["layer_types"] = (kinds + kinds)[: max(2, len(kinds))]
         over["num_hidden_layers"] = len(over["layer_types"])
+    # other per-layer lists (MLP kinds, NoPE flags, KV sources): each kind once, in order, to the new depth
+    n, deep = over["num_hidden_layers"], getattr(text_cfg, "num_hidden_layers", 0)
+    for k, v in text_cfg.to_dict().items():
+        if k not in over and isinstance(v, list) and deep > n and len(v) == deep:
+            over[k] = (list(dict.fromkeys(v)) * n)[:n]
     return over
 
 

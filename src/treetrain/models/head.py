@@ -12,7 +12,8 @@ e.g. TRL's ``1 / temperature``.) What each architecture sets, read from the inst
 ``ForCausalLM.forward``:
 
 ========================================  ============================================================
-Cohere, Cohere2                           ``logit_scale = model.logit_scale`` (``logits * logit_scale``)
+Cohere, Cohere2, Cohere Compass (VLM)     ``logit_scale = model.logit_scale`` (``logits * logit_scale``;
+                                          Compass: where not None)
 Granite, Granite-SWA, GraniteMoE (+SWA,   ``logit_scale = 1 / config.logits_scaling``
 shared, hybrid)
 HyperCLOVA X (+ Vision V2)                ``logit_scale = config.logits_scaling``
@@ -84,6 +85,10 @@ def _logit_scale_attr(model: nn.Module) -> dict:
     return {"logit_scale": float(model.logit_scale)}
 
 
+def _optional_logit_scale_attr(model: nn.Module) -> dict:
+    return {} if model.logit_scale is None else _logit_scale_attr(model)
+
+
 def _divide_by_logits_scaling(model: nn.Module) -> dict:
     return {"logit_scale": 1.0 / float(_cfg(model).logits_scaling)}
 
@@ -119,6 +124,7 @@ def _final_softcap(model: nn.Module) -> dict:
 _TRANSFORMS: dict[str, Callable[[nn.Module], dict]] = {
     "CohereForCausalLM": _logit_scale_attr,
     "Cohere2ForCausalLM": _logit_scale_attr,
+    "CohereCompassForConditionalGeneration": _optional_logit_scale_attr,
     "GraniteForCausalLM": _divide_by_logits_scaling,
     "GraniteSWAForCausalLM": _divide_by_logits_scaling,
     "GraniteMoeForCausalLM": _divide_by_logits_scaling,
