@@ -106,6 +106,22 @@ PER_TYPE: dict[str, dict] = {
             },
         )
     ),
+    "vipllava": dict(vision_feature_layers=[0, -1]),  # layers of its 2-layer tower (default: 5 of 24)
+    "llava_next_video": dict(image_grid_pinpoints=[[FIXED_SIZE["image_size"]] * 2]),  # one tile
+    # its high-resolution SAM tower: 2 layers, images of 64 pixels in 16-pixel patches
+    "deepseek_vl_hybrid": dict(
+        high_res_vision_config=dict(
+            hidden_size=32,
+            output_channels=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=64,
+            patch_size=16,
+            mlp_dim=64,
+            window_size=2,
+            global_attn_indexes=[1],
+        )
+    ),
     "ovis2": dict(vocab_size=128, hidden_size=64, vision_config=dict(vocab_size=48)),
 }
 
@@ -243,11 +259,35 @@ def _stacked(vc, g, size, dtype):
     return {"pixel_values": pv, "pixel_attention_mask": torch.ones(1, 1, S, S, dtype=torch.long)}
 
 
+def _tiles(vc, g, size, dtype):
+    """A stack of one tile with its tile mask (Granite Docling: ``[1, 1]`` bool, real tiles true)."""
+    C, S = _channels_patch(vc)[0], _side(vc)
+    pv = torch.randn(1, 1, C, S, S, generator=g, dtype=dtype)
+    return {"pixel_values": pv, "pixel_attention_mask": torch.ones(1, 1, dtype=torch.bool)}
+
+
 def _sized(vc, g, size, dtype):
     """A fixed-size image with its ``image_sizes`` (Pixtral towers)."""
     C, S = _channels_patch(vc)[0], _side(vc)
     pv = torch.randn(1, C, S, S, generator=g, dtype=dtype)
     return {"pixel_values": pv, "image_sizes": torch.tensor([[S, S]])}
+
+
+def _anyres(vc, g, size, dtype):
+    """LLaVA-NeXT tiles: the base image and one tile of the tower's size (grid pinpoints ``[[S, S]]``)
+    as ``[1, 2, C, S, S]`` with ``image_sizes``."""
+    C, S = _channels_patch(vc)[0], _side(vc)
+    pv = torch.randn(1, 2, C, S, S, generator=g, dtype=dtype)
+    return {"pixel_values": pv, "image_sizes": torch.tensor([[S, S]])}
+
+
+def _dual(vc, g, size, dtype):
+    """A low-resolution image and its high-resolution copy for a second (SAM) tower, twice the side."""
+    C, S = _channels_patch(vc)[0], _side(vc)
+    return {
+        "pixel_values": torch.randn(1, C, S, S, generator=g, dtype=dtype),
+        "high_res_pixel_values": torch.randn(1, C, 2 * S, 2 * S, generator=g, dtype=dtype),
+    }
 
 
 def _square(vc, g, size, dtype):
@@ -262,12 +302,18 @@ LAYOUTS = {
     "patch_images": _patch_images,
     "stacked": _stacked,
     "sized": _sized,
+    "tiles": _tiles,
+    "dual": _dual,
+    "anyres": _anyres,
     "square": _square,
 }
 # model type -> its layout, where the feature function's parameters do not tell it
 IMAGE_LAYOUT: dict[str, str] = {
     "kimi_k25": "patch_images",
     "paddleocr_vl": "patch_images",
+    "llava_next_video": "anyres",
+    "granite_docling": "tiles",
+    "deepseek_vl_hybrid": "dual",
 }
 
 
@@ -312,7 +358,7 @@ def path_inputs(model, images) -> dict[str, torch.Tensor]:
         parts = [im.tensors[name] for im in images]
         stacked = (
             name in ("pixel_values", "pixel_attention_mask")
-            and parts[0].dim() >= 4
+            and images[0].tensors["pixel_values"].dim() == 5
             and ("pixel_attention_mask" in images[0].tensors)
         )
         out[name] = torch.cat(parts, dim=1 if stacked else 0)

@@ -11,10 +11,31 @@ rounding noise against its floor of 1e-3 of the largest gradient: named where it
 """
 
 STATUS: dict[str, tuple[str, str]] = {
+    "apertus1p5": (
+        "refused",
+        "VQ image (and audio) tokenizer: images become discrete visual-code tokens of the extended "
+        "vocabulary (image_token_offset), not features scattered into placeholders",
+    ),
     "aya_vision": (
         "exact",
         "4e-08 / 1e-05, f64 3e-16 / 8e-14 (as-shipped gradient worst at the SigLIP tower k_proj.bias "
         "(true gradient 0); next 2e-06)",
+    ),
+    "blip": (
+        "refused",
+        "cross-attention to image states: BLIP's text decoder (BERT with cross-attention layers) attends "
+        "the vision encoder's outputs, no image placeholders in the sequence",
+    ),
+    "blip-2": (
+        "refused",
+        "no multimodal ...Model to run as the tree's decoder: Blip2ForConditionalGeneration holds the "
+        "vision tower, the Q-Former and a whole ...ForCausalLM (OPT by default) whose forward returns "
+        "logits, not the hidden states the tree head reads",
+    ),
+    "chameleon": (
+        "refused",
+        "VQ image tokenizer: images become discrete codebook tokens in the vocabulary (no differentiable "
+        "image features to scatter)",
     ),
     "cohere2_vision": (
         "exact",
@@ -33,22 +54,93 @@ STATUS: dict[str, tuple[str, str]] = {
         "3e-08 / 3e-05, f64 3e-16 / 1e-13 (as-shipped gradient worst at the SigLIP tower k_proj.bias "
         "(true gradient 0); next 3e-06)",
     ),
+    "deepseek_vl_hybrid": (
+        "exact",
+        "4e-08 / 2e-05, f64 3e-16 / 9e-14 (as-shipped gradient worst at the SigLIP tower k_proj.bias "
+        "(true gradient 0); next 3e-06)",
+    ),
+    "diffusion_gemma": (
+        "refused",
+        "not an autoregressive decoder: block diffusion (DiffusionGemmaForBlockDiffusion), tokens of a "
+        "block denoised together with bidirectional attention inside the block",
+    ),
+    "emu3": ("refused", "VQ image tokenizer (as chameleon): images are VQ-VAE codes in the vocabulary"),
     "ernie4_5_vl_moe": ("exact", "2e-08 / 9e-07, f64 3e-16 / 6e-15"),
+    "evolla": (
+        "refused",
+        "not images: a protein-sequence encoder (SaProt) whose features reach the text decoder through "
+        "cross-attention (sequence-aligned resampler)",
+    ),
     "exaone4_5": ("exact", "5e-08 / 4e-07, f64 4e-16 / 4e-15"),
+    "fast_vlm": (
+        "refused",
+        "its vision tower is timm's FastViT (vision_config model_type timm_wrapper): timm (and "
+        "torchvision) are not installed in this environment, so the model cannot be built here; its data "
+        "flow is LLaVA's (placeholders scattered in order)",
+    ),
+    "florence2": (
+        "refused",
+        "encoder-decoder (DaViT image features and the prompt go through a BART encoder; the decoder "
+        "cross-attends)",
+    ),
+    "git": (
+        "refused",
+        "images prepended to the sequence as a prefix (no placeholder tokens), one image per sample, "
+        "attended bidirectionally inside GIT's own BERT-style mask",
+    ),
     "glm46v": ("exact", "5e-08 / 8e-07, f64 3e-16 / 4e-15"),
     "glm4v_moe": ("exact", "2e-08 / 6e-07, f64 2e-16 / 3e-15"),
+    "glm5_next": (
+        "refused",
+        "indexed sparse attention (DSA layers: a learned indexer picks each query's top-k keys), a per-"
+        "query key subset the tree mask cannot express",
+    ),
     "glm_ocr": ("exact", "2e-08 / 3e-07, f64 3e-16 / 4e-15"),
     "glmga": ("exact", "5e-08 / 8e-07, f64 3e-16 / 4e-15"),
     "got_ocr2": ("exact", "2e-08 / 5e-07, f64 3e-16 / 3e-15"),
+    "granite4_vision": (
+        "refused",
+        "its encoder output has no pooler_output: get_image_features returns deepstack_features as "
+        "(decoder layer, per-image features) pairs, which its decoder adds at those layers (placeholders "
+        "zeroed first); treetrain's vision_encode gathers pooler_output and per-layer deepstack lists "
+        "only (not implemented)",
+    ),
+    "granite_docling": (
+        "exact",
+        "6e-09 / 4e-07, f64 2e-16 / 2e-15 (head: logits / logits_scaling (models.head))",
+    ),
     "hunyuan_vl": ("exact", "3e-08 / 5e-07, f64 2e-16 / 3e-15"),
     "hyperclovax_vision_v2": (
         "exact",
         "9e-08 / 5e-07, f64 7e-16 / 3e-15 (head: logits * logits_scaling (models.head))",
     ),
     "idefics2": ("exact", "3e-08 / 5e-07, f64 3e-16 / 7e-15"),
+    "instructblip": (
+        "refused",
+        "no multimodal ...Model (vision tower, Q-Former and a whole ...ForCausalLM side by side, as "
+        "BLIP-2); and its Q-Former reads the prompt's qformer_input_ids, so an image's features depend on"
+        " the text beside it",
+    ),
+    "instructblipvideo": (
+        "refused",
+        "as instructblip (no multimodal ...Model; Q-Former reads qformer_input_ids); video frames only "
+        "through the same Q-Former path",
+    ),
     "janus": ("exact", "2e-08 / 4e-07, f64 3e-16 / 3e-15"),
     "kimi_k25": ("exact", "2e-08 / 5e-07, f64 2e-16 / 2e-15"),
+    "kosmos-2": (
+        "refused",
+        "no multimodal ...Model: Kosmos2ForConditionalGeneration feeds image embeddings into its own text"
+        " decoder (Kosmos2TextForCausalLM) at image_embeds_position_mask, with sinusoidal positions "
+        "offset by padding; no get_image_features to encode once",
+    ),
+    "kosmos-2.5": (
+        "refused",
+        "no multimodal ...Model: as kosmos-2 (image embeddings placed by image_embeds_position_mask "
+        "inside its own text decoder), with flattened-patch (Pix2Struct) images",
+    ),
     "lighton_ocr": ("exact", "4e-08 / 6e-07, f64 2e-16 / 3e-15"),
+    "llava_next_video": ("exact", "3e-08 / 4e-06, f64 3e-16 / 3e-14"),
     "minimax_m3_vl": (
         "refused",
         "block-sparse indexed attention (MiniMaxM3VLIndexer): each query keeps its own top-"
@@ -66,6 +158,10 @@ STATUS: dict[str, tuple[str, str]] = {
         " its own top-index_topk keys picked by a learned indexer, a per-query key subset the tree mask "
         "(one query interval per key) cannot express",
     ),
+    "mllama": (
+        "refused",
+        "no image placeholders: cross-attention layers to the image states (mllama), no get_image_features",
+    ),
     "ovis2": ("exact", "3e-08 / 1e-06, f64 3e-16 / 6e-15"),
     "paddleocr_vl": ("exact", "2e-08 / 3e-07, f64 3e-16 / 2e-15"),
     "paligemma": (
@@ -74,13 +170,40 @@ STATUS: dict[str, tuple[str, str]] = {
         "over the whole prefix), so a prefix token sees later prefix tokens; tree attention refuses that "
         "mask (text-only trees, plain causal, are exact: 1e-08 / 3e-07, f64 2e-16 / 2e-15)",
     ),
+    "pi0": (
+        "refused",
+        "not a next-token model: a vision-language-action policy (PaliGemma prefix-LM with a flow-"
+        "matching action expert), no per-token log-probs",
+    ),
+    "pix2struct": (
+        "refused",
+        "encoder-decoder (the image is the encoder's input; the text decoder cross-attends)",
+    ),
     "pp_chart2table": ("exact", "2e-08 / 5e-07, f64 3e-16 / 3e-15"),
+    "pp_formulanet": (
+        "refused",
+        "encoder-decoder (an image encoder and a cross-attending formula decoder; no get_image_features)",
+    ),
     "qianfan_ocr": ("exact", "2e-08 / 4e-07, f64 2e-16 / 2e-15"),
     "qwen2_5_omni_thinker": ("exact", "3e-08 / 6e-07, f64 2e-16 / 2e-15"),
     "qwen3_omni_moe_thinker": ("exact", "3e-08 / 5e-07, f64 3e-16 / 3e-15"),
+    "t5gemma2": (
+        "refused",
+        "encoder-decoder (images and prompt in the T5Gemma 2 encoder; the decoder cross-attends)",
+    ),
+    "udop": ("refused", "encoder-decoder (T5 with layout and image patches in the encoder)"),
     "video_llava": (
         "exact",
         "3e-08 / 1e-05, f64 3e-16 / 6e-14 (as-shipped gradient worst at the CLIP tower k_proj.bias (true "
         "gradient 0); next 4e-07)",
+    ),
+    "vipllava": (
+        "exact",
+        "2e-08 / 1e-05, f64 3e-16 / 6e-14 (as-shipped gradient worst at the CLIP tower k_proj.bias (true "
+        "gradient 0); next 6e-07)",
+    ),
+    "vision-encoder-decoder": (
+        "refused",
+        "encoder-decoder (a vision encoder and a cross-attending text decoder)",
     ),
 }

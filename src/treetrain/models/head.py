@@ -15,7 +15,7 @@ e.g. TRL's ``1 / temperature``.) What each architecture sets, read from the inst
 Cohere, Cohere2, Cohere Compass (VLM)     ``logit_scale = model.logit_scale`` (``logits * logit_scale``;
                                           Compass: where not None)
 Granite, Granite-SWA, GraniteMoE (+SWA,   ``logit_scale = 1 / config.logits_scaling``
-shared, hybrid)
+shared, hybrid), Granite Docling (VLM)
 HyperCLOVA X (+ Vision V2)                ``logit_scale = config.logits_scaling``
 Falcon-H1                                 ``logit_scale = model.model.lm_head_multiplier``
 MiniCPM3                                  ``hidden_scale = 1 / config.logits_scaling``
@@ -131,6 +131,7 @@ _TRANSFORMS: dict[str, Callable[[nn.Module], dict]] = {
     "GraniteMoeSWAForCausalLM": _divide_by_logits_scaling,
     "GraniteMoeSharedForCausalLM": _divide_by_logits_scaling,
     "GraniteMoeHybridForCausalLM": _divide_by_logits_scaling,
+    "GraniteDoclingForConditionalGeneration": _divide_by_logits_scaling,
     "HyperCLOVAXForCausalLM": _multiply_by_logits_scaling,
     "HyperCLOVAXVisionV2ForConditionalGeneration": _multiply_by_logits_scaling,
     "FalconH1ForCausalLM": _falcon_h1,
