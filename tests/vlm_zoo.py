@@ -56,7 +56,7 @@ VISION_SMALL = dict(
     num_heads=2,
     num_key_value_heads=2,
     head_dim=16,
-    mlp_ratio=2,
+    mlp_ratio=2.0,
     projection_dim=32,
     out_hidden_size=64,  # the merger's output: the text hidden size
     text_hidden_size=64,
@@ -166,12 +166,20 @@ def _text_over(text_cfg) -> dict:
         kinds = list(dict.fromkeys(layer_types))
         over["layer_types"] = (kinds + kinds)[: max(2, len(kinds))]
         over["num_hidden_layers"] = len(over["layer_types"])
-    # other per-layer lists (MLP kinds, NoPE flags, KV sources): each kind once, in order, to the new depth
-    n, deep = over["num_hidden_layers"], getattr(text_cfg, "num_hidden_layers", 0)
-    for k, v in text_cfg.to_dict().items():
-        if k not in over and isinstance(v, list) and deep > n and len(v) == deep:
-            over[k] = (list(dict.fromkeys(v)) * n)[:n]
-    return over
+    return {**over, **_per_layer(text_cfg, over)}
+
+
+def _per_layer(cfg, over: dict) -> dict:
+    """``cfg``'s per-layer lists (layer and MLP kinds, NoPE flags, KV sources) cut to the new depth:
+    each kind once, in order, repeated."""
+    n, deep = over.get("num_hidden_layers"), getattr(cfg, "num_hidden_layers", 0)
+    if not isinstance(n, int) or not isinstance(deep, int):
+        return {}
+    return {
+        k: (list(dict.fromkeys(v)) * n)[:n]
+        for k, v in cfg.to_dict().items()
+        if k not in over and isinstance(v, list) and deep > n and len(v) == deep
+    }
 
 
 def vlm_config(model_type: str):
@@ -185,7 +193,8 @@ def vlm_config(model_type: str):
     vision = getattr(cfg, "vision_config", None)
     if vision is not None:
         fixed = FIXED_SIZE if hasattr(vision, "image_size") else {"patch_size": 4}
-        subs["vision_config"] = _shrunk(vision, {**VISION_SMALL, **fixed, **per.get("vision_config", {})})
+        over = {**VISION_SMALL, **fixed, **per.get("vision_config", {})}
+        subs["vision_config"] = _shrunk(vision, {**over, **_per_layer(vision, over)})
     audio = getattr(cfg, "audio_config", None)
     if audio is not None:
         subs["audio_config"] = _shrunk(audio, {**AUDIO_SMALL, **per.get("audio_config", {})})

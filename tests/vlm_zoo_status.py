@@ -92,8 +92,8 @@ STATUS: dict[str, tuple[str, str]] = {
     "glm4v_moe": ("exact", "2e-08 / 6e-07, f64 2e-16 / 3e-15"),
     "glm5_next": (
         "refused",
-        "indexed sparse attention (DSA layers: a learned indexer picks each query's top-k keys), a per-"
-        "query key subset the tree mask cannot express",
+        "DSA indexed attention layers (Glm5NextTextIndexer: each query attends only its own top-"
+        "index_topk pooled key groups), a per-query key subset the tree mask cannot express",
     ),
     "glm_ocr": ("exact", "2e-08 / 3e-07, f64 3e-16 / 4e-15"),
     "glmga": ("exact", "5e-08 / 8e-07, f64 3e-16 / 4e-15"),
@@ -139,6 +139,11 @@ STATUS: dict[str, tuple[str, str]] = {
         "no multimodal ...Model: as kosmos-2 (image embeddings placed by image_embeds_position_mask "
         "inside its own text decoder), with flattened-patch (Pix2Struct) images",
     ),
+    "lfm3_vl": (
+        "exact",
+        "3e-08 / 5e-07, f64 5e-16 / 8e-15 (its vision tower's Lfm3VlVisionShortConv (2D conv over one "
+        "image's patch grid) is not a sequence recurrence (support.NOT_STATEFUL))",
+    ),
     "lighton_ocr": ("exact", "4e-08 / 6e-07, f64 2e-16 / 3e-15"),
     "llava_next_video": ("exact", "3e-08 / 4e-06, f64 3e-16 / 3e-14"),
     "minimax_m3_vl": (
@@ -169,6 +174,11 @@ STATUS: dict[str, tuple[str, str]] = {
         "prefix-LM: token_type_ids 0 (image and prompt) form one bidirectional block (block_sequence_ids "
         "over the whole prefix), so a prefix token sees later prefix tokens; tree attention refuses that "
         "mask (text-only trees, plain causal, are exact: 1e-08 / 3e-07, f64 2e-16 / 2e-15)",
+    ),
+    "perception_lm": (
+        "refused",
+        "its vision tower is timm's (vision_config model_type timm_wrapper, Perception Encoder): timm "
+        "(and torchvision) are not installed in this environment, so the model cannot be built here",
     ),
     "pi0": (
         "refused",
