@@ -114,6 +114,11 @@ STATUS: dict[str, tuple[str, str]] = {
         "exact",
         "9e-08 / 5e-07, f64 7e-16 / 3e-15 (head: logits * logits_scaling (models.head))",
     ),
+    "idefics": (
+        "refused",
+        "no image placeholders: gated cross-attention layers (IdeficsGatedCrossAttentionLayer) attend the"
+        " image states (Idefics 1 / Flamingo)",
+    ),
     "idefics2": ("exact", "3e-08 / 5e-07, f64 3e-16 / 7e-15"),
     "instructblip": (
         "refused",
@@ -167,6 +172,11 @@ STATUS: dict[str, tuple[str, str]] = {
         "refused",
         "no image placeholders: cross-attention layers to the image states (mllama), no get_image_features",
     ),
+    "nemotron_h_omni": (
+        "refused",
+        "no multimodal ...Model to run as the tree's decoder: NemotronH_Omni_Reasoning_V3 holds its "
+        "vision model, projector, sound encoder and a whole ...ForCausalLM (NemotronH) side by side",
+    ),
     "ovis2": ("exact", "3e-08 / 1e-06, f64 3e-16 / 6e-15"),
     "paddleocr_vl": ("exact", "2e-08 / 3e-07, f64 3e-16 / 2e-15"),
     "paligemma": (
@@ -197,6 +207,11 @@ STATUS: dict[str, tuple[str, str]] = {
     "qianfan_ocr": ("exact", "2e-08 / 4e-07, f64 2e-16 / 2e-15"),
     "qwen2_5_omni_thinker": ("exact", "3e-08 / 6e-07, f64 2e-16 / 2e-15"),
     "qwen3_omni_moe_thinker": ("exact", "3e-08 / 5e-07, f64 3e-16 / 3e-15"),
+    "qwen4_exp": (
+        "refused",
+        "QSA indexed attention in its text model (Qwen4ExpTextQSAIndexer: each query attends its own "
+        "top-k pooled blocks), as qwen4_exp_text in models.support",
+    ),
     "t5gemma2": (
         "refused",
         "encoder-decoder (images and prompt in the T5Gemma 2 encoder; the decoder cross-attends)",
