@@ -56,7 +56,7 @@ VISION_SMALL = dict(
     num_heads=2,
     num_key_value_heads=2,
     head_dim=16,
-    mlp_ratio=2.0,
+    mlp_ratio=2,
     projection_dim=32,
     out_hidden_size=64,  # the merger's output: the text hidden size
     text_hidden_size=64,
@@ -86,6 +86,14 @@ PER_TYPE: dict[str, dict] = {
     "janus": dict(vision_config=dict(projection_dim=64)),  # the aligner's output: the text hidden size
     # its own vocabulary and width beside the text config's (lm_head, the visual embedding table) and
     # a small visual vocabulary (the tower's head is a softmax over it)
+    # rotary on half of each head (partial_rotary_factor 0.5): 3D sections summing to 4
+    "glm4v_moe": dict(
+        text_config=dict(
+            rope_parameters=dict(
+                rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5, mrope_section=[2, 1, 1]
+            )
+        )
+    ),
     # separate text and vision experts: one size each
     # (its rotary interleaves equal height and width sections: [h, w, t])
     "ernie4_5_vl_moe": dict(
@@ -154,13 +162,7 @@ def _text_over(text_cfg) -> dict:
         over["head_dim"] = over["qk_rope_head_dim"]  # latent attention's rotary width (DeepSeek-V3)
     rope = getattr(text_cfg, "rope_parameters", None)
     if isinstance(rope, dict) and "rope_type" in rope:  # 3D rotary sections (read by mRoPE models only)
-        # summing to half the rotary width: head_dim 16 (8: [2, 3, 3]), times a partial factor
-        factor = rope.get("partial_rotary_factor", getattr(text_cfg, "partial_rotary_factor", None)) or 1.0
-        half = int(SMALL["head_dim"] * factor) // 2
-        over["rope_parameters"] = {
-            **rope,
-            "mrope_section": [half - 2 * (half * 3 // 8), half * 3 // 8, half * 3 // 8],
-        }
+        over["rope_parameters"] = {**rope, "mrope_section": [2, 3, 3]}  # sum: head_dim / 2 = 8
     layer_types = getattr(text_cfg, "layer_types", None)
     if layer_types:
         kinds = list(dict.fromkeys(layer_types))
