@@ -105,9 +105,11 @@ def _warm_dynamo_rules():
 def float64_everywhere():
     """``float64_casts`` plus what MoE code adds: routers take ``softmax(..., dtype=torch.float)``
     (float32 routing weights in a float64 model), transformers' ``load_balancing_loss_func``
-    accumulates into ``torch.zeros(..., dtype=torch.float32)`` and Inkling2's experts into
-    ``torch.zeros_like(..., dtype=torch.float32)``."""
+    accumulates into ``torch.zeros(..., dtype=torch.float32)``, Inkling2's experts into
+    ``torch.zeros_like(..., dtype=torch.float32)`` and Kimi-K2.5's vision merge into
+    ``hidden.new_zeros(..., dtype=torch.float32)``."""
     orig_softmax, orig_zeros, orig_zeros_like = torch.nn.functional.softmax, torch.zeros, torch.zeros_like
+    orig_new_zeros = torch.Tensor.new_zeros
 
     def softmax(x, dim=None, _stacklevel=3, dtype=None):
         if dtype is torch.float32 and x.dtype is torch.float64:
@@ -124,13 +126,20 @@ def float64_everywhere():
             kwargs["dtype"] = torch.float64
         return orig_zeros_like(x, **kwargs)
 
+    def new_zeros(self, *size, **kwargs):
+        if kwargs.get("dtype") is torch.float32:
+            kwargs["dtype"] = torch.float64
+        return orig_new_zeros(self, *size, **kwargs)
+
     _warm_dynamo_rules()
     torch.nn.functional.softmax, torch.zeros, torch.zeros_like = softmax, zeros, zeros_like
+    torch.Tensor.new_zeros = new_zeros
     try:
         with float64_casts():
             yield
     finally:
         torch.nn.functional.softmax, torch.zeros, torch.zeros_like = orig_softmax, orig_zeros, orig_zeros_like
+        torch.Tensor.new_zeros = orig_new_zeros
 
 
 def float32_runs(build, paths, tree=None, *, truth_inside: bool = True, seed: int = 0):

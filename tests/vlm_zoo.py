@@ -66,6 +66,17 @@ VISION_SMALL = dict(
     window_size=16,
     num_position_embeddings=64,
 )
+# audio towers (omni models: never run on images, shrunk so they build in milliseconds)
+AUDIO_SMALL = dict(
+    encoder_layers=1,
+    encoder_attention_heads=2,
+    encoder_ffn_dim=64,
+    d_model=32,
+    output_dim=64,
+    num_mel_bins=16,
+    downsample_hidden_size=16,
+    max_source_positions=64,
+)
 # vision configs whose image size sets the token count: small images of few patches
 FIXED_SIZE = dict(image_size=32, patch_size=8)
 
@@ -92,18 +103,56 @@ PER_TYPE: dict[str, dict] = {
     "llava_next": {"image_grid_pinpoints": [[32, 32], [32, 64]]},
     "llava_onevision": {"image_grid_pinpoints": [[32, 32], [32, 64]]},
     "lfm2_vl": {"vision_config": {"num_patches": 16}, "projector_hidden_size": 32},
-}
-# model type -> how its feature function takes an image (image_tensors): flattened patches with a
-# (t, h, w) grid (Qwen-style, the default where get_image_features takes image_grid_thw), one crop
-# (the default), crops of an anyres grid with the image's size ("tiles"), patch sequences padded to
-# a fixed count with their shapes or positions ("naflex", "positions"), sub-image stacks with a
-# pixel mask ("stack")
-SAMPLE_COUNTED = {"llava_onevision"}  # its images' features depend on how many share their sample
-LAYOUT = {
-    "llava_next": "tiles",
-    "llava_onevision": "tiles",
-    "lfm2_vl": "naflex",
-    "gemma4": "positions",
+    "kimi_k25": dict(projection_hidden_size=32),  # the projector's pre-norm width: the tower's
+    "paligemma": dict(projection_dim=64),  # the projector's output: the text hidden size
+    "janus": dict(vision_config=dict(projection_dim=64)),  # the aligner's output: the text hidden size
+    # its own vocabulary and width beside the text config's (lm_head, the visual embedding table) and
+    # a small visual vocabulary (the tower's head is a softmax over it)
+    # rotary on half of each head (partial_rotary_factor 0.5): 3D sections summing to 4
+    "glm4v_moe": dict(
+        text_config=dict(
+            rope_parameters=dict(
+                rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5, mrope_section=[2, 1, 1]
+            )
+        )
+    ),
+    # separate text and vision experts: one size each
+    # (its rotary interleaves equal height and width sections: [h, w, t])
+    "ernie4_5_vl_moe": dict(
+        text_config=dict(
+            moe_intermediate_size=[32, 32],
+            moe_num_experts=4,
+            moe_k=2,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[3, 3, 2]),
+        )
+    ),
+    # rotary (3D sections) on its sliding layers, none on its full ones, as Cohere 2's text model
+    "cohere_compass": dict(
+        text_config=dict(
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3]),
+                "full_attention": None,
+            },
+        )
+    ),
+    "vipllava": dict(vision_feature_layers=[0, -1]),  # layers of its 2-layer tower (default: 5 of 24)
+    "llava_next_video": dict(image_grid_pinpoints=[[FIXED_SIZE["image_size"]] * 2]),  # one tile
+    # its high-resolution SAM tower: 2 layers, images of 64 pixels in 16-pixel patches
+    "deepseek_vl_hybrid": dict(
+        high_res_vision_config=dict(
+            hidden_size=32,
+            output_channels=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=64,
+            patch_size=16,
+            mlp_dim=64,
+            window_size=2,
+            global_attn_indexes=[1],
+        )
+    ),
+    "ovis2": dict(vocab_size=128, hidden_size=64, vision_config=dict(vocab_size=48)),
 }
 
 
@@ -137,6 +186,7 @@ def _text_over(text_cfg) -> dict:
         over.pop(k)
     if "kv_lora_rank" in over and _settable(text_cfg, "kv_lora_rank"):
         over["num_key_value_heads"] = over["num_attention_heads"]
+        over["head_dim"] = over["qk_rope_head_dim"]  # latent attention's rotary width (DeepSeek-V3)
     rope = getattr(text_cfg, "rope_parameters", None)
     if isinstance(rope, dict) and "rope_type" in rope:  # 3D rotary sections (read by mRoPE models only)
         over["rope_parameters"] = {**rope, "mrope_section": [2, 3, 3]}  # sum: head_dim / 2 = 8
@@ -145,7 +195,20 @@ def _text_over(text_cfg) -> dict:
         kinds = list(dict.fromkeys(layer_types))
         over["layer_types"] = (kinds + kinds)[: max(2, len(kinds))]
         over["num_hidden_layers"] = len(over["layer_types"])
-    return over
+    return {**over, **_per_layer(text_cfg, over)}
+
+
+def _per_layer(cfg, over: dict) -> dict:
+    """``cfg``'s per-layer lists (layer and MLP kinds, NoPE flags, KV sources) cut to the new depth:
+    each kind once, in order, repeated."""
+    n, deep = over.get("num_hidden_layers"), getattr(cfg, "num_hidden_layers", 0)
+    if not isinstance(n, int) or not isinstance(deep, int):
+        return {}
+    return {
+        k: (list(dict.fromkeys(v)) * n)[:n]
+        for k, v in cfg.to_dict().items()
+        if k not in over and isinstance(v, list) and deep > n and len(v) == deep
+    }
 
 
 def vlm_config(model_type: str):
@@ -162,9 +225,13 @@ def vlm_config(model_type: str):
         vision = CONFIG_MAPPING[vision_over.pop("model_type")]()
     if vision is not None:
         fixed = FIXED_SIZE if hasattr(vision, "image_size") else {"patch_size": 4}
-        subs["vision_config"] = _shrunk(vision, {**VISION_SMALL, **fixed, **vision_over})
+        over = {**VISION_SMALL, **fixed, **vision_over}
+        subs["vision_config"] = _shrunk(vision, {**over, **_per_layer(vision, over)})
+    audio = getattr(cfg, "audio_config", None)
+    if audio is not None:
+        subs["audio_config"] = _shrunk(audio, {**AUDIO_SMALL, **per.get("audio_config", {})})
     top = {k: v for k, v in {**SPECIAL, "tie_word_embeddings": False}.items() if _settable(cfg, k)}
-    top.update({k: v for k, v in per.items() if k not in ("text_config", "vision_config")})
+    top.update({k: v for k, v in per.items() if k not in ("text_config", "vision_config", "audio_config")})
     base = {k: v for k, v in cfg.to_dict().items() if k not in subs}
     return type(cfg)(**{**base, **subs, **top})
 
@@ -193,48 +260,166 @@ def _feature_params(model) -> list[str]:
     return [p for p in inspect.signature(fn).parameters if p not in ("self", "kwargs")]
 
 
+def _channels_patch(vc) -> tuple[int, int]:
+    C = getattr(vc, "in_channels", None) or getattr(vc, "num_channels", 3)
+    P = vc.patch_size if isinstance(vc.patch_size, int) else vc.patch_size[0]
+    return C, P
+
+
+def _side(vc) -> int:
+    return vc.image_size if isinstance(vc.image_size, int) else vc.image_size[0]
+
+
+def _grid(vc, size: int) -> tuple[int, int]:
+    """A ``(h, w)`` patch grid of whole merge windows; wider with ``size``."""
+    merge = getattr(vc, "spatial_merge_size", None) or getattr(vc, "merge_kernel_size", [1])[0]
+    return 2 * merge, (2 + size) * merge
+
+
+def _flat_patches(vc, g, size, dtype):
+    """Qwen-style: ``[h * w, C * t * P * P]`` flattened patches and their ``(t, h, w)`` grid."""
+    C, P = _channels_patch(vc)
+    h, w = _grid(vc, size)
+    tps = getattr(vc, "temporal_patch_size", 1)
+    pv = torch.randn(h * w, C * tps * P * P, generator=g, dtype=dtype)
+    return {"pixel_values": pv, "image_grid_thw": torch.tensor([[1, h, w]])}
+
+
+def _patch_images(vc, g, size, dtype):
+    """``[h * w, C, P, P]`` patches as small images and their ``(t, h, w)`` grid (Kimi-K2.5)."""
+    C, P = _channels_patch(vc)
+    h, w = _grid(vc, size)
+    pv = torch.randn(h * w, C, P, P, generator=g, dtype=dtype)
+    return {"pixel_values": pv, "image_grid_thw": torch.tensor([[1, h, w]])}
+
+
+def _stacked(vc, g, size, dtype):
+    """A stack of one sub-image with its pixel mask (Idefics-style)."""
+    C, S = _channels_patch(vc)[0], _side(vc)
+    pv = torch.randn(1, 1, C, S, S, generator=g, dtype=dtype)
+    return {"pixel_values": pv, "pixel_attention_mask": torch.ones(1, 1, S, S, dtype=torch.long)}
+
+
+def _tiles(vc, g, size, dtype):
+    """A stack of one tile with its tile mask (Granite Docling: ``[1, 1]`` bool, real tiles true)."""
+    C, S = _channels_patch(vc)[0], _side(vc)
+    pv = torch.randn(1, 1, C, S, S, generator=g, dtype=dtype)
+    return {"pixel_values": pv, "pixel_attention_mask": torch.ones(1, 1, dtype=torch.bool)}
+
+
+def _sized(vc, g, size, dtype):
+    """A fixed-size image with its ``image_sizes`` (Pixtral towers)."""
+    C, S = _channels_patch(vc)[0], _side(vc)
+    pv = torch.randn(1, C, S, S, generator=g, dtype=dtype)
+    return {"pixel_values": pv, "image_sizes": torch.tensor([[S, S]])}
+
+
+def _anyres(vc, g, size, dtype):
+    """LLaVA-NeXT tiles: the base image and one tile of the tower's size (grid pinpoints ``[[S, S]]``)
+    as ``[1, 2, C, S, S]`` with ``image_sizes``."""
+    C, S = _channels_patch(vc)[0], _side(vc)
+    pv = torch.randn(1, 2, C, S, S, generator=g, dtype=dtype)
+    return {"pixel_values": pv, "image_sizes": torch.tensor([[S, S]])}
+
+
+def _dual(vc, g, size, dtype):
+    """A low-resolution image and its high-resolution copy for a second (SAM) tower, twice the side."""
+    C, S = _channels_patch(vc)[0], _side(vc)
+    return {
+        "pixel_values": torch.randn(1, C, S, S, generator=g, dtype=dtype),
+        "high_res_pixel_values": torch.randn(1, C, 2 * S, 2 * S, generator=g, dtype=dtype),
+    }
+
+
+def _square(vc, g, size, dtype):
+    """One ``[1, C, S, S]`` image of the tower's fixed size."""
+    C, S = _channels_patch(vc)[0], _side(vc)
+    return {"pixel_values": torch.randn(1, C, S, S, generator=g, dtype=dtype)}
+
+
+def _anyres_grid(vc, g, size, dtype):
+    """LLaVA-NeXT / OneVision tiles of an anyres grid (pinpoints ``[[S, S], [S, 2S]]``): the base crop
+    and ``1 + size`` grid crops as ``[1, crops, C, S, S]`` with the image's size."""
+    C, S = _channels_patch(vc)[0], _side(vc)
+    pv = torch.randn(1, 2 + size, C, S, S, generator=g, dtype=dtype)
+    return {"pixel_values": pv, "image_sizes": torch.tensor([[S, S * (1 + size)]])}
+
+
+def _naflex(vc, g, size, dtype):
+    """Patches padded to the tower's count with the image's ``(h, w)`` in patches and the valid
+    patches' mask (LFM2-VL's Siglip2)."""
+    C, P = _channels_patch(vc)
+    n, (h, w) = vc.num_patches, (2, 2 + 2 * size)
+    mask = torch.zeros(1, n, dtype=torch.bool)
+    mask[0, : h * w] = True
+    pv = torch.randn(1, n, C * P * P, generator=g, dtype=dtype)
+    return {"pixel_values": pv, "spatial_shapes": torch.tensor([[h, w]]), "pixel_attention_mask": mask}
+
+
+def _positions(vc, g, size, dtype):
+    """Patches padded to 16 with their ``(x, y)`` grid positions, -1 for padding (Gemma 4)."""
+    C, P = _channels_patch(vc)
+    k = vc.pooling_kernel_size
+    h, w = 2 * k, (1 + size) * k
+    pos = torch.full((1, 16, 2), -1, dtype=torch.long)
+    ys, xs = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+    pos[0, : h * w] = torch.stack([xs.flatten(), ys.flatten()], -1)
+    return {
+        "pixel_values": torch.randn(1, 16, C * P * P, generator=g, dtype=dtype),
+        "image_position_ids": pos,
+    }
+
+
+# layout name -> random pixels of one image: (vision config, generator, size, dtype) -> tensors
+LAYOUTS = {
+    "anyres_grid": _anyres_grid,
+    "naflex": _naflex,
+    "positions": _positions,
+    "flat_patches": _flat_patches,
+    "patch_images": _patch_images,
+    "stacked": _stacked,
+    "sized": _sized,
+    "tiles": _tiles,
+    "dual": _dual,
+    "anyres": _anyres,
+    "square": _square,
+}
+SAMPLE_COUNTED = {"llava_onevision"}  # its images' features depend on how many share their sample
+# model type -> its layout, where the feature function's parameters do not tell it
+IMAGE_LAYOUT: dict[str, str] = {
+    "llava_next": "anyres_grid",
+    "llava_onevision": "anyres_grid",
+    "lfm2_vl": "naflex",
+    "gemma4": "positions",
+    "kimi_k25": "patch_images",
+    "paddleocr_vl": "patch_images",
+    "llava_next_video": "anyres",
+    "granite_docling": "tiles",
+    "deepseek_vl_hybrid": "dual",
+}
+
+
+def image_layout(model) -> str:
+    """The layout name of ``model``'s images: :data:`IMAGE_LAYOUT`, else read from its feature
+    function's parameters."""
+    if model.config.model_type in IMAGE_LAYOUT:
+        return IMAGE_LAYOUT[model.config.model_type]
+    params = _feature_params(model)
+    if "image_grid_thw" in params:
+        return "flat_patches"
+    if "pixel_attention_mask" in params:
+        return "stacked"
+    if "image_sizes" in params and type(model.config.vision_config).__name__ == "PixtralVisionConfig":
+        return "sized"
+    return "square"
+
+
 def image_tensors(model, seed: int, size: int = 0) -> dict[str, torch.Tensor]:
     """Random pixels of one image in the layout ``model``'s feature function reads; ``size`` (0, 1, 2)
     picks one of a few shapes (so images of different shapes batch separately)."""
     g = torch.Generator().manual_seed(seed)
     dtype = next(model.parameters()).dtype
-    vc = model.config.vision_config
-    params = _feature_params(model)
-    C = getattr(vc, "in_channels", None) or getattr(vc, "num_channels", 3)
-    P = vc.patch_size if isinstance(vc.patch_size, int) else vc.patch_size[0]
-    rand = lambda *shape: torch.randn(*shape, generator=g, dtype=dtype)  # noqa: E731
-    layout = LAYOUT.get(model.config.model_type)
-    if layout is None and "image_grid_thw" in params:
-        merge = getattr(vc, "spatial_merge_size", 1)
-        tps = getattr(vc, "temporal_patch_size", 1)
-        h, w = 2 * merge, (2 + size) * merge
-        return {"pixel_values": rand(h * w, C * tps * P * P), "image_grid_thw": torch.tensor([[1, h, w]])}
-    if layout == "naflex":  # patches padded to the tower's count, the image's (h, w) in patches
-        n, (h, w) = vc.num_patches, (2, 2 + 2 * size)
-        mask = torch.zeros(1, n, dtype=torch.bool)
-        mask[0, : h * w] = True
-        return {"pixel_values": rand(1, n, C * P * P), "spatial_shapes": torch.tensor([[h, w]]),
-                "pixel_attention_mask": mask}  # fmt: skip
-    if layout == "positions":  # patches padded to 16, their (x, y) grid positions, -1 for padding
-        k = vc.pooling_kernel_size
-        h, w = 2 * k, (1 + size) * k
-        pos = torch.full((1, 16, 2), -1, dtype=torch.long)
-        ys, xs = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
-        pos[0, : h * w] = torch.stack([xs.flatten(), ys.flatten()], -1)
-        return {"pixel_values": rand(1, 16, C * P * P), "image_position_ids": pos}
-    S = vc.image_size if isinstance(vc.image_size, int) else vc.image_size[0]
-    if layout == "tiles":  # the base crop and the grid's crops, the image's size
-        H, W = S, S * (1 + size)
-        tiles = 1 + (1 + size)
-        return {"pixel_values": rand(1, tiles, C, S, S), "image_sizes": torch.tensor([[H, W]])}
-    if "pixel_attention_mask" in params:
-        return {
-            "pixel_values": rand(1, 1, C, S, S),
-            "pixel_attention_mask": torch.ones(1, 1, S, S, dtype=torch.long),
-        }
-    if "image_sizes" in params and type(vc).__name__ == "PixtralVisionConfig":
-        return {"pixel_values": rand(1, C, S, S), "image_sizes": torch.tensor([[S, S]])}
-    return {"pixel_values": rand(1, C, S, S)}
+    return LAYOUTS[image_layout(model)](model.config.vision_config, g, size, dtype)
 
 
 def zoo_image(model, seed: int, size: int = 0, sample_images: int = 1) -> ImageInput:
@@ -258,19 +443,21 @@ def path_inputs(model, images) -> dict[str, torch.Tensor]:
     """A path's image tensors as its processor batches them for one sample: concatenated along the
     image dimension (the sub-image dimension for stacked layouts, crops padded to the most)."""
     out: dict[str, torch.Tensor] = {}
-    layout = LAYOUT.get(model.config.model_type)
+    layout = image_layout(model) if images else None
     for name in images[0].tensors if images else ():
         parts = [im.tensors[name] for im in images]
         if name == "batch_num_images":
             out[name] = torch.tensor([len(images)])
             continue
-        if layout == "tiles" and name == "pixel_values":
+        if layout == "anyres_grid" and name == "pixel_values":
             most = max(p.shape[1] for p in parts)
             parts = [torch.nn.functional.pad(p, (0, 0, 0, 0, 0, 0, 0, most - p.shape[1])) for p in parts]
         stacked = (
-            name in ("pixel_values", "pixel_attention_mask") and "pixel_attention_mask" in images[0].tensors
+            name in ("pixel_values", "pixel_attention_mask")
+            and images[0].tensors["pixel_values"].dim() == 5
+            and ("pixel_attention_mask" in images[0].tensors)
         )
-        out[name] = torch.cat(parts, dim=1 if stacked and parts[0].dim() >= 4 else 0)
+        out[name] = torch.cat(parts, dim=1 if stacked else 0)
     return out
 
 

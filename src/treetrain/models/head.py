@@ -12,10 +12,11 @@ e.g. TRL's ``1 / temperature``.) What each architecture sets, read from the inst
 ``ForCausalLM.forward``:
 
 ========================================  ============================================================
-Cohere, Cohere2                           ``logit_scale = model.logit_scale`` (``logits * logit_scale``)
+Cohere, Cohere2, Cohere Compass (VLM)     ``logit_scale = model.logit_scale`` (``logits * logit_scale``;
+                                          Compass: where not None)
 Granite, Granite-SWA, GraniteMoE (+SWA,   ``logit_scale = 1 / config.logits_scaling``
-shared, hybrid)
-HyperCLOVA X                              ``logit_scale = config.logits_scaling``
+shared, hybrid), Granite Docling (VLM)
+HyperCLOVA X (+ Vision V2)                ``logit_scale = config.logits_scaling``
 Falcon-H1                                 ``logit_scale = model.model.lm_head_multiplier``
 MiniCPM3                                  ``hidden_scale = 1 / config.logits_scaling``
 Gemma 2/3, VaultGemma, NanoChat           ``softcap = config.final_logit_softcapping``
@@ -84,6 +85,10 @@ def _logit_scale_attr(model: nn.Module) -> dict:
     return {"logit_scale": float(model.logit_scale)}
 
 
+def _optional_logit_scale_attr(model: nn.Module) -> dict:
+    return {} if model.logit_scale is None else _logit_scale_attr(model)
+
+
 def _divide_by_logits_scaling(model: nn.Module) -> dict:
     return {"logit_scale": 1.0 / float(_cfg(model).logits_scaling)}
 
@@ -114,17 +119,21 @@ def _final_softcap(model: nn.Module) -> dict:
     return {"softcap": getattr(_cfg(model), "final_logit_softcapping", None) or None}
 
 
-# ForCausalLM class name -> the transforms its forward applies (checked against transformers 5.24)
+# ForCausalLM (or vision-language ForConditionalGeneration) class name -> the transforms its forward
+# applies (checked against transformers 5.24)
 _TRANSFORMS: dict[str, Callable[[nn.Module], dict]] = {
     "CohereForCausalLM": _logit_scale_attr,
     "Cohere2ForCausalLM": _logit_scale_attr,
+    "CohereCompassForConditionalGeneration": _optional_logit_scale_attr,
     "GraniteForCausalLM": _divide_by_logits_scaling,
     "GraniteSWAForCausalLM": _divide_by_logits_scaling,
     "GraniteMoeForCausalLM": _divide_by_logits_scaling,
     "GraniteMoeSWAForCausalLM": _divide_by_logits_scaling,
     "GraniteMoeSharedForCausalLM": _divide_by_logits_scaling,
     "GraniteMoeHybridForCausalLM": _divide_by_logits_scaling,
+    "GraniteDoclingForConditionalGeneration": _divide_by_logits_scaling,
     "HyperCLOVAXForCausalLM": _multiply_by_logits_scaling,
+    "HyperCLOVAXVisionV2ForConditionalGeneration": _multiply_by_logits_scaling,
     "FalconH1ForCausalLM": _falcon_h1,
     "MiniCPM3ForCausalLM": _hidden_divided_by_logits_scaling,
     "Gemma2ForCausalLM": _final_softcap,

@@ -168,6 +168,7 @@ _STATEFUL = [(re.compile(p), what) for p, what in STATEFUL.items()]
 NOT_STATEFUL = {
     "OlmoHybridLinearAttentionDecoderLayer": "a decoder layer; its OlmoHybridGatedDeltaNet is checked itself",
     "KimiLinearAttention": "Kimi Linear's full (latent) softmax attention",
+    "Lfm3VlVisionShortConv": "LFM3-VL's vision tower: a 2D convolution over one image's patch grid",
 }
 
 _DOCS = "docs/architectures.md lists what runs exactly and why the rest is refused"

@@ -46,4 +46,157 @@ VISION_REFUSED: dict[str, str] = {
     "model's chunked attention and NoPE layers are not built either",
 }
 
+
+VISION_EXACT |= {
+    "aya_vision": "pixel-shuffle projector",
+    "cohere2_vision": "pixel-shuffle projector",
+    "cohere_compass": "3D positions on its sliding layers, NoPE full layers; head: logits * logit_scale",
+    "cosmos3_edge": "3D positions",
+    "cosmos3_omni": "3D positions; deepstack",
+    "deepseek_vl": "",
+    "deepseek_vl_hybrid": "a second high-resolution (SAM) tower",
+    "ernie4_5_vl_moe": "3D positions (interleaved h, w, t); separate text and vision experts",
+    "exaone4_5": "3D positions",
+    "glm46v": "3D positions (GLM's)",
+    "glm4v_moe": "3D positions on half the head; MoE",
+    "glm_ocr": "3D positions (GLM's)",
+    "glmga": "3D positions (GLM's)",
+    "got_ocr2": "SAM-style tower",
+    "granite_docling": "tiles with a tile mask; head: logits / logits_scaling",
+    "hunyuan_vl": "3D positions",
+    "hyperclovax_vision_v2": "3D positions; head: logits * logits_scaling",
+    "idefics2": "perceiver resampler; pixel masks",
+    "janus": "",
+    "kimi_k25": "patch images with a (t, h, w) grid; MLA text model",
+    "lfm3_vl": "3D positions; a 2D convolution in the tower (not a recurrence); short convolutions",
+    "lighton_ocr": "Pixtral tower",
+    "llava_next_video": "anyres crops",
+    "ovis2": "visual vocabulary embedding",
+    "paddleocr_vl": "3D positions",
+    "pp_chart2table": "SAM-style tower",
+    "qianfan_ocr": "pixel-shuffle projector",
+    "qwen2_5_omni_thinker": "3D positions (audio tower present, not run)",
+    "qwen3_omni_moe_thinker": "3D positions; deepstack; MoE (audio tower present, not run)",
+    "video_llava": "",
+    "vipllava": "features of several tower layers",
+}
+VISION_REFUSED |= {
+    "apertus1p5": (
+        "VQ image (and audio) tokenizer: images become discrete visual-code tokens of the extended "
+        "vocabulary (image_token_offset), not features scattered into placeholders"
+    ),
+    "blip": (
+        "cross-attention to image states: BLIP's text decoder (BERT with cross-attention layers) attends "
+        "the vision encoder's outputs, no image placeholders in the sequence"
+    ),
+    "blip-2": (
+        "no multimodal ...Model to run as the tree's decoder: Blip2ForConditionalGeneration holds the "
+        "vision tower, the Q-Former and a whole ...ForCausalLM (OPT by default) whose forward returns "
+        "logits, not the hidden states the tree head reads"
+    ),
+    "chameleon": (
+        "VQ image tokenizer: images become discrete codebook tokens in the vocabulary (no differentiable "
+        "image features to scatter)"
+    ),
+    "diffusion_gemma": (
+        "not an autoregressive decoder: block diffusion (DiffusionGemmaForBlockDiffusion), tokens of a "
+        "block denoised together with bidirectional attention inside the block"
+    ),
+    "emu3": ("VQ image tokenizer (as chameleon): images are VQ-VAE codes in the vocabulary"),
+    "evolla": (
+        "not images: a protein-sequence encoder (SaProt) whose features reach the text decoder through "
+        "cross-attention (sequence-aligned resampler)"
+    ),
+    "fast_vlm": (
+        "its vision tower is timm's FastViT (vision_config model_type timm_wrapper): timm (and "
+        "torchvision) are not installed in this environment, so the model cannot be built here; its data "
+        "flow is LLaVA's (placeholders scattered in order)"
+    ),
+    "florence2": (
+        "encoder-decoder (DaViT image features and the prompt go through a BART encoder; the decoder "
+        "cross-attends)"
+    ),
+    "git": (
+        "images prepended to the sequence as a prefix (no placeholder tokens), one image per sample, "
+        "attended bidirectionally inside GIT's own BERT-style mask"
+    ),
+    "glm5_next": (
+        "DSA indexed attention layers (Glm5NextTextIndexer: each query attends only its own top-"
+        "index_topk pooled key groups), a per-query key subset the tree mask cannot express"
+    ),
+    "granite4_vision": (
+        "its encoder output has no pooler_output: get_image_features returns deepstack_features as "
+        "(decoder layer, per-image features) pairs, which its decoder adds at those layers (placeholders "
+        "zeroed first); treetrain's vision_encode gathers pooler_output and per-layer deepstack lists "
+        "only (not implemented)"
+    ),
+    "idefics": (
+        "no image placeholders: gated cross-attention layers (IdeficsGatedCrossAttentionLayer) attend the"
+        " image states (Idefics 1 / Flamingo)"
+    ),
+    "instructblip": (
+        "no multimodal ...Model (vision tower, Q-Former and a whole ...ForCausalLM side by side, as "
+        "BLIP-2); and its Q-Former reads the prompt's qformer_input_ids, so an image's features depend on"
+        " the text beside it"
+    ),
+    "instructblipvideo": (
+        "as instructblip (no multimodal ...Model; Q-Former reads qformer_input_ids); video frames only "
+        "through the same Q-Former path"
+    ),
+    "kosmos-2": (
+        "no multimodal ...Model: Kosmos2ForConditionalGeneration feeds image embeddings into its own text"
+        " decoder (Kosmos2TextForCausalLM) at image_embeds_position_mask, with sinusoidal positions "
+        "offset by padding; no get_image_features to encode once"
+    ),
+    "kosmos-2.5": (
+        "no multimodal ...Model: as kosmos-2 (image embeddings placed by image_embeds_position_mask "
+        "inside its own text decoder), with flattened-patch (Pix2Struct) images"
+    ),
+    "minimax_m3_vl": (
+        "block-sparse indexed attention (MiniMaxM3VLIndexer): each query keeps its own top-"
+        "index_topk_blocks blocks of index_block_size keys, a per-query key subset the tree mask cannot "
+        "express"
+    ),
+    "mistral4": (
+        "not a vision-language model: Mistral4ForCausalLM has no vision tower or get_image_features (a "
+        "text decoder; Mistral 4's images go through the mistral3 type)"
+    ),
+    "mistral_large4": (
+        "indexed sparse attention (DeepSeek-V3.2-style MistralLarge4TextIndexer): each query attends only"
+        " its own top-index_topk keys picked by a learned indexer, a per-query key subset the tree mask "
+        "(one query interval per key) cannot express"
+    ),
+    "mllama": (
+        "no image placeholders: cross-attention layers to the image states (mllama), no get_image_features"
+    ),
+    "nemotron_h_omni": (
+        "no multimodal ...Model to run as the tree's decoder: NemotronH_Omni_Reasoning_V3 holds its "
+        "vision model, projector, sound encoder and a whole ...ForCausalLM (NemotronH) side by side"
+    ),
+    "paligemma": (
+        "prefix-LM: token_type_ids 0 (image and prompt) form one bidirectional block (block_sequence_ids "
+        "over the whole prefix), so a prefix token sees later prefix tokens; tree attention refuses that "
+        "mask (text-only trees, plain causal, are exact: 1e-08 / 3e-07, f64 2e-16 / 2e-15)"
+    ),
+    "perception_lm": (
+        "its vision tower is timm's (vision_config model_type timm_wrapper, Perception Encoder): timm "
+        "(and torchvision) are not installed in this environment, so the model cannot be built here"
+    ),
+    "pi0": (
+        "not a next-token model: a vision-language-action policy (PaliGemma prefix-LM with a flow-"
+        "matching action expert), no per-token log-probs"
+    ),
+    "pix2struct": ("encoder-decoder (the image is the encoder's input; the text decoder cross-attends)"),
+    "pp_formulanet": (
+        "encoder-decoder (an image encoder and a cross-attending formula decoder; no get_image_features)"
+    ),
+    "qwen4_exp": (
+        "QSA indexed attention in its text model (Qwen4ExpTextQSAIndexer: each query attends its own "
+        "top-k pooled blocks), as qwen4_exp_text in models.support"
+    ),
+    "t5gemma2": ("encoder-decoder (images and prompt in the T5Gemma 2 encoder; the decoder cross-attends)"),
+    "udop": ("encoder-decoder (T5 with layout and image patches in the encoder)"),
+    "vision-encoder-decoder": ("encoder-decoder (a vision encoder and a cross-attending text decoder)"),
+}
+
 VISION_TYPES = frozenset(VISION_EXACT) | frozenset(VISION_REFUSED)
