@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from treetrain.models.head import unwrap
+from treetrain.models.vision import is_multimodal
 from treetrain.trees.images import ImageInput
 
 __all__ = ["IMAGE_FIELDS", "LAYOUTS", "TOKEN_TYPE_FIELDS", "image_layout", "row_images", "split_images"]
@@ -248,6 +249,12 @@ def row_images(
         if any(k in fields for k in IMAGE_FIELDS):
             raise ValueError(f"image inputs: {sorted(fields)} without pixel_values")
         return None
+    if not is_multimodal(unwrap(model)):
+        name = type(unwrap(model)).__name__
+        raise ValueError(
+            f"image inputs ({', '.join(sorted(fields))}) given, but {name} is a text-only model: load the "
+            "vision-language model (AutoModelForImageTextToText) to score images"
+        )
     config = unwrap(model).config
     token_id = image_token_id(config)
     ids = input_ids.detach().cpu().numpy()
