@@ -94,12 +94,15 @@ PROCESSORS = {"qwen2_vl": _qwen, "qwen2_5_vl": _qwen, "gemma3": _gemma3, "llava"
 
 
 def save_vlm_policy(model_type: str, path: Path, dtype=torch.float32, seed: int = 0):
-    """A tiny ``model_type`` policy (its init halved: well-conditioned in float32) saved under ``path``;
-    returns ``(path, processor)``. ``<eos>`` 1, ``<pad>`` 0."""
+    """A tiny ``model_type`` policy (its init halved: well-conditioned in float32; weights initialized to
+    zero drawn at random) saved under ``path``; returns ``(path, processor)``. ``<eos>`` 1, ``<pad>`` 0."""
     model = vlm_model(model_type, dtype=dtype, seed=seed)
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
-            if p.ndim >= 2:
+            if p.ndim >= 2 and not p.any():  # zero-initialized (Gemma 3's image projection): random, so
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))  # the tower gets gradients (any dtype: same)
+            elif p.ndim >= 2:
                 p.mul_(0.5)
     text = model.config.get_text_config()
     text.eos_token_id, text.pad_token_id = 1, 0
@@ -108,6 +111,11 @@ def save_vlm_policy(model_type: str, path: Path, dtype=torch.float32, seed: int 
         # (only its text-only class applies it), while TRL's fused head applies the config's: with the
         # zoo's cap of 3.0 TRL itself would differ from the model by 6e-3 nats (measured)
         text.final_logit_softcapping = None
+        # nor a SigLIP pooling head (Gemma 3 reads the patch states): unused weights would get no gradient
+        model.config.vision_config.vision_use_head = False
+        tower = model.model.vision_tower
+        tower.use_head = False
+        del tower.head
     model.generation_config.eos_token_id, model.generation_config.pad_token_id = 1, 0
     model.save_pretrained(path)
     return str(path), PROCESSORS[model_type](model)
@@ -129,16 +137,19 @@ def image_prompts(n: int = 4, multi: bool = False) -> Dataset:
     return Dataset.from_dict({"prompt": prompts, "image": images})
 
 
-def image_pairs(n: int = 4) -> Dataset:
-    """Conversational preference pairs with one image each."""
+def image_pairs(n: int = 4, multi: bool = False) -> Dataset:
+    """Conversational preference pairs with one image each (``image``), or two (``images``)."""
     chosen = ["a cat.", "red", "two dots", "it is blue"]
     rejected = ["a dog", "blue.", "three", "no idea"]
     return Dataset.from_dict({
         "prompt": [[{"role": "user", "content": QUESTIONS[i % 4]}] for i in range(n)],
         "chosen": [[{"role": "assistant", "content": chosen[i % 4]}] for i in range(n)],
         "rejected": [[{"role": "assistant", "content": rejected[i % 4]}] for i in range(n)],
-        "image": [pil_image(i, (16, 16 + 8 * (i % 2))) for i in range(n)],
-    })  # fmt: skip
+    } | (
+        {"images": [[pil_image(i, (16, 16 + 8 * (i % 2))), pil_image(100 + i)] for i in range(n)]}
+        if multi
+        else {"image": [pil_image(i, (16, 16 + 8 * (i % 2))) for i in range(n)]}
+    ))  # fmt: skip
 
 
 def reward_len(completions, **kwargs) -> list[float]:
