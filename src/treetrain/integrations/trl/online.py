@@ -9,6 +9,11 @@ method: the rows become one tree (the prompt once, each completion a branch; mul
 part, so turns shared by several rows also run once), which runs once and returns TRL's
 ``[B, logits_to_keep]`` layout, so every TRL loss type, metric and mask downstream runs unchanged.
 
+Vision-language policies: TRL passes the batch's image tensors (``pixel_values``, ``image_grid_thw``,
+``num_images``, ``image_sizes``, token types, ...) to the same method; they are split into each row's
+images (:func:`treetrain.integrations.flat_images.row_images`) and the tree encodes each distinct
+image once (the ``G`` rows of a prompt carry the same image).
+
 MoE policies: when TRL asks for the router load-balancing loss (``compute_aux_loss``: the config has
 ``output_router_logits`` and ``router_aux_loss_coef != 0``), the tree forward records the router
 logits and returns the loss TRL's padded forwards give (:func:`router_aux_loss`); TRL then adds
