@@ -209,7 +209,7 @@ def test_rejects_vision_inputs_and_liger(policies, tmp_path):
     kw = dict(model=policies["qwen3"], reward_funcs=reward_short_answer, train_dataset=chat_dataset(4))
     tree_tr = TreeGRPOTrainer(args=config(tmp_path), **kw)
     ids, mask, K = _padded_rows(tree_tr.processing_class)
-    with pytest.raises(ValueError, match=r"pixel_values.*Vision-language"):
+    with pytest.raises(ValueError, match=r"pixel_values.*text-only model"):
         tree_tr._get_per_token_logps_and_entropies(tree_tr.model, ids, mask, K, pixel_values=torch.zeros(1))
     with pytest.raises(ValueError, match="use_liger_kernel=True"):
         TreeGRPOTrainer(args=config(tmp_path, use_liger_kernel=True), **kw)

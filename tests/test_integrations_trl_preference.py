@@ -153,8 +153,9 @@ def test_dpo_moe_aux_loss_equal_trl(tmp_path):
 
 
 def test_fused_request_refuses_what_the_tree_cannot_give():
-    """Vision inputs, pre-shifted labels (context/sequence parallelism) and labels that are not the row's
-    own tokens raise naming the problem; a call without ``fused_lm_head`` is the model's own forward."""
+    """Image inputs to a text-only model, pre-shifted labels (context/sequence parallelism) and labels
+    that are not the row's own tokens raise naming the problem; a call without ``fused_lm_head`` is the
+    model's own forward."""
     from trl.trainer.utils import add_fused_lm_head
 
     from treetrain.integrations.trl.preference import FusedTreeRequest
@@ -172,7 +173,7 @@ def test_fused_request_refuses_what_the_tree_cannot_give():
     out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True, **req)
     assert out.log_probs.shape == (2, 3) and out.log_probs[1, 2] == 0 and (out.log_probs[:, :2] < 0).all()
     assert model(input_ids=ids, attention_mask=mask, **req).logits.shape == (2, 4, 97)
-    with pytest.raises(ValueError, match=r"pixel_values.*vision inputs"):
+    with pytest.raises(ValueError, match=r"pixel_values.*text-only model"):
         model(
             input_ids=ids,
             attention_mask=mask,

@@ -24,16 +24,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
 
+from treetrain.integrations.flat_images import row_images
 from treetrain.logprobs import auto_chunk, target_logprobs
 from treetrain.models.head import lm_head
 from treetrain.models.hf import tree_forward
 from treetrain.models.rope import split_regimes
+from treetrain.trees.images import ImageInput
 from treetrain.trees.packing import PackedTree, pack
 from treetrain.trees.partition import partition
 from treetrain.trees.tree import TrajectoryTree
@@ -67,6 +70,7 @@ class FlatBatch:
         logits_to_keep: int | None = None,
         score_mask: torch.Tensor | None = None,
         model: nn.Module | None = None,
+        images: Sequence[Sequence[ImageInput]] | None = None,
     ) -> FlatBatch:
         """``input_ids [B, L]``; ``attention_mask [B, L]`` (1 real, 0 padding; None: all real).
 
@@ -94,7 +98,12 @@ class FlatBatch:
         if rows.size == 0:  # nothing to run: every output is 0
             empty = np.zeros(0, dtype=np.int64)
             return cls(None, rows, empty, empty, empty, (B, width))  # type: ignore[arg-type]
-        tree = TrajectoryTree.from_paths([ids[b, start[b] : start[b] + length[b]] for b in rows])
+        if images is not None and len(images) != B:
+            raise ValueError(f"images: expected one list of images per row ({B}), got {len(images)}")
+        tree = TrajectoryTree.from_paths(
+            [ids[b, start[b] : start[b] + length[b]] for b in rows],
+            images=None if images is None else [images[b] for b in rows],
+        )
         if model is not None:
             tree = split_regimes(model, tree)
         # every target (path position j >= 1) with its batch column; keep the requested ones
@@ -239,13 +248,16 @@ def score_packed(
     return full_logp, (full_ent.index_copy(0, targets, ent) if entropy else full_ent)
 
 
-def score_parts(input_ids, attention_mask, logits_to_keep, score_mask, max_tokens, score, model=None):
-    """The rows as a :class:`FlatBatch` (split by ``model``'s rope regimes), its parts under
-    ``max_tokens``, and ``score(part) -> (logp [T], ent [T])`` of each: ``(batch, parts, logps,
-    ents)``, ready for ``batch.scatter``."""
+def score_parts(
+    input_ids, attention_mask, logits_to_keep, score_mask, max_tokens, score, model=None, images=None
+):
+    """The rows as a :class:`FlatBatch` (split by ``model``'s rope regimes; ``images`` per row), its
+    parts under ``max_tokens``, and ``score(part) -> (logp [T], ent [T])`` of each: ``(batch, parts,
+    logps, ents)``, ready for ``batch.scatter``."""
     batch = FlatBatch.build(
-        input_ids, attention_mask, logits_to_keep=logits_to_keep, score_mask=score_mask, model=model
-    )
+        input_ids, attention_mask, logits_to_keep=logits_to_keep, score_mask=score_mask, model=model,
+        images=images,
+    )  # fmt: skip
     parts = batch.parts(max_tokens)
     scored = [score(part) for part in parts]
     return batch, parts, [lp for lp, _ in scored], [ent for _, ent in scored]
@@ -263,6 +275,7 @@ def flat_logprobs(
     max_tokens: int | None = None,
     backend: str | None = None,
     chunk: int | None = None,
+    images: Sequence[Sequence[ImageInput]] | Mapping[str, torch.Tensor] | None = None,
 ):
     """Per-token log-probs of a padded batch from tree forwards, in the batch's layout.
 
@@ -271,12 +284,18 @@ def flat_logprobs(
     ``[B, L]`` (entry ``[b, c]`` scores ``input_ids[b, c]``); padding, unrequested positions and a
     row's first real token are 0. With ``return_entropy``, also the entropies (same layout).
     ``max_tokens`` caps the distinct tokens of one forward (several forwards, same result).
+    ``images`` (vision-language models): per row its ``ImageInput``s, or the processor's batched image
+    fields as TRL passes them (``pixel_values``, ``image_grid_thw``, ``num_images``, ``image_sizes``,
+    ``token_type_ids``, ...), split per image per row by
+    :func:`treetrain.integrations.flat_images.row_images`; each distinct image is encoded once.
 
     >>> ids = torch.tensor([[0, 5, 6, 7], [5, 6, 8, 9]]); am = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
     >>> flat_logprobs(model, ids, am, logits_to_keep=2).shape  # [5, 6] runs once
     torch.Size([2, 2])
     """
     device = model.get_input_embeddings().weight.device
+    if isinstance(images, Mapping):
+        images = row_images(model, input_ids, attention_mask, **images)
     batch, parts, logps, ents = score_parts(
         input_ids,
         attention_mask,
@@ -293,6 +312,7 @@ def flat_logprobs(
             chunk=chunk,
         ),
         model,
+        images,
     )
     dtype = _out_dtype(model)
     out = batch.scatter(parts, logps, dtype=dtype, device=device)

@@ -94,10 +94,12 @@ def wrapped_score(
     max_tokens: int | None = None,
     autocast=None,
     record_router: bool = False,
+    images=None,
     **options,
 ) -> WrappedScores:
     """Each tree forward of the padded batch called as ``model(...)`` (see :func:`wrapped_flat_logprobs`);
-    ``record_router`` also keeps every forward's MoE router logits. ``options``: ``score_packed``'s."""
+    ``record_router`` also keeps every forward's MoE router logits; ``images``: per row its
+    ``ImageInput``s (vision-language models). ``options``: ``score_packed``'s."""
     requests = []
 
     def score(part):
@@ -106,7 +108,7 @@ def wrapped_score(
             return model(**{REQUEST_KWARG: requests[-1]})
 
     batch, parts, logps, ents = score_parts(
-        input_ids, attention_mask, logits_to_keep, score_mask, max_tokens, score, model
+        input_ids, attention_mask, logits_to_keep, score_mask, max_tokens, score, model, images
     )
     routers = [r.router_logits for r in requests] if record_router else None
     return WrappedScores(batch, parts, logps, ents, routers)

@@ -9,6 +9,11 @@ method: the rows become one tree (the prompt once, each completion a branch; mul
 part, so turns shared by several rows also run once), which runs once and returns TRL's
 ``[B, logits_to_keep]`` layout, so every TRL loss type, metric and mask downstream runs unchanged.
 
+Vision-language policies: TRL passes the batch's image tensors (``pixel_values``, ``image_grid_thw``,
+``num_images``, ``image_sizes``, token types, ...) to the same method; they are split into each row's
+images (:func:`treetrain.integrations.flat_images.row_images`) and the tree encodes each distinct
+image once (the ``G`` rows of a prompt carry the same image).
+
 MoE policies: when TRL asks for the router load-balancing loss (``compute_aux_loss``: the config has
 ``output_router_logits`` and ``router_aux_loss_coef != 0``), the tree forward records the router
 logits and returns the loss TRL's padded forwards give (:func:`router_aux_loss`); TRL then adds
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 from trl import GRPOTrainer, RLOOTrainer
 
+from treetrain.integrations.flat_images import IMAGE_FIELDS, TOKEN_TYPE_FIELDS, row_images
 from treetrain.integrations.trl.shared import TESTED_TRL, check_trl, refuse_untreeable, router_aux_loss
 from treetrain.integrations.wrapped import install_tree_scoring, wrapped_score
 from treetrain.models.head import unwrap
@@ -36,18 +42,8 @@ from treetrain.models.head import unwrap
 __all__ = ["TreeGRPOTrainer", "TreeRLOOTrainer"]
 
 
-_MULTIMODAL = (
-    "pixel_values",
-    "image_grid_thw",
-    "num_images",
-    "pixel_attention_mask",
-    "spatial_shapes",
-    "num_tiles",
-    "image_sizes",
-    "token_type_ids",
-    "mm_token_type_ids",
-    "image_position_ids",
-)
+# TRL's image arguments of the scoring method (1.16): split per image per row, one tree of the rows
+_MULTIMODAL = {*IMAGE_FIELDS, *TOKEN_TYPE_FIELDS, "num_images", "num_tiles"} - {"batch_num_images"}
 
 
 class _TreeScoring:
@@ -80,20 +76,22 @@ class _TreeScoring:
     ):
         """TRL's contract: ``(logps [B, K], entropies [B, K] or None, aux_loss or None)``.
 
+        ``multimodal``: TRL's batched image inputs (``pixel_values``, ``image_grid_thw``, ``num_images``,
+        ``image_sizes``, ``token_type_ids``, ...), split into each row's images
+        (:func:`treetrain.integrations.flat_images.row_images`); a prompt's image is encoded once.
+
         ``batch_size`` (rows per forward in TRL, to bound memory) becomes a token budget of
         ``batch_size * L`` distinct tokens per tree forward; a longer row still runs whole. The aux
         loss is TRL's mean over its ``batch_size``-row chunks all the same.
         """
         name = type(self).__name__
-        given = sorted(k for k, v in multimodal.items() if v is not None)
-        unknown = sorted(set(multimodal) - set(_MULTIMODAL))
+        unknown = sorted(set(multimodal) - _MULTIMODAL)
         if unknown:
             raise TypeError(f"{name}: unexpected scoring arguments {unknown} (tested with TRL {TESTED_TRL})")
-        if given:
-            raise ValueError(
-                f"{name} scores text-only batches; got {given}. Vision-language models (image inputs) are "
-                f"not supported yet: use trl.{self._trl_base.__name__} for them."
-            )
+        try:
+            images = row_images(self.model, input_ids, attention_mask, **multimodal)
+        except ValueError as err:
+            raise ValueError(f"{name}: {err}") from None
         s = wrapped_score(
             model,
             input_ids,
@@ -107,6 +105,7 @@ class _TreeScoring:
             backend=self.tree_backend,
             chunk=self.tree_chunk,
             head_fp32=getattr(self.args, "cast_lm_head_to_fp32", False),
+            images=images,
         )
         logps = s.batch.scatter(s.parts, s.logps, device=input_ids.device)
         entropies = s.batch.scatter(s.parts, s.ents, device=input_ids.device) if compute_entropy else None
@@ -121,8 +120,9 @@ class TreeGRPOTrainer(_TreeScoring, GRPOTrainer):
     """``trl.GRPOTrainer`` whose policy, old-policy and reference scoring run as prefix trees.
 
     Same constructor and ``GRPOConfig`` (tools, environments, rollout functions, MoE policies
-    included); two optional keywords: ``tree_backend`` and ``tree_chunk``. Text-only causal LMs:
-    vision inputs and Liger kernels raise a ``ValueError``.
+    included); two optional keywords: ``tree_backend`` and ``tree_chunk``. Causal LMs and the
+    vision-language models treetrain runs exactly (``models.support_vision``), with TRL's image
+    datasets; Liger kernels and tile-indexed images (InternVL, LFM2-VL) raise a ``ValueError``.
     """
 
     _trl_base = GRPOTrainer
@@ -131,6 +131,6 @@ class TreeGRPOTrainer(_TreeScoring, GRPOTrainer):
 class TreeRLOOTrainer(_TreeScoring, RLOOTrainer):
     """``trl.RLOOTrainer`` whose policy, old-policy and reference scoring run as prefix trees (the
     ``G`` samples of a prompt share it). Same constructor and ``RLOOConfig``, plus ``tree_backend`` and
-    ``tree_chunk``; text-only causal LMs."""
+    ``tree_chunk``; causal LMs and exact vision-language models, as ``TreeGRPOTrainer``."""
 
     _trl_base = RLOOTrainer

@@ -32,6 +32,7 @@ from trl.kernels import ChunkedLogProbFunction
 from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE, FusedCausalLMOutput
 
 from treetrain.integrations.flat import FlatBatch
+from treetrain.integrations.flat_images import IMAGE_FIELDS, TOKEN_TYPE_FIELDS, row_images
 from treetrain.integrations.trl.shared import check_trl, refuse_untreeable, router_aux_loss
 from treetrain.integrations.wrapped import REQUEST_KWARG, WrappedScores, install_tree_scoring
 from treetrain.models.head import lm_head, unwrap
@@ -45,9 +46,9 @@ def _refuse_kwargs(name: str, args: tuple, kwargs: dict, known: set[str]) -> Non
     given = sorted(k for k, v in kwargs.items() if v is not None and k not in known)
     if args or given:
         raise ValueError(
-            f"{name}: the tree forward takes input_ids and attention_mask only; got "
-            f"{given or f'{len(args)} positional arguments'} (vision inputs and other model inputs are not "
-            "supported yet: use the TRL trainer for them)"
+            f"{name}: the tree forward takes input_ids, attention_mask and (DPO) image inputs only; got "
+            f"{given or f'{len(args)} positional arguments'} (these model inputs are not supported: use the "
+            "TRL trainer for them)"
         )
 
 
@@ -75,7 +76,12 @@ class FusedTreeRequest:
         input_ids, attention_mask = kwargs.pop("input_ids"), kwargs.pop("attention_mask", None)
         router = kwargs.pop("output_router_logits", None)
         kwargs.pop("use_cache", None)
+        image_fields = {k: kwargs.pop(k) for k in IMAGE_FIELDS + TOKEN_TYPE_FIELDS if k in kwargs}
         _refuse_kwargs(self.name, args, kwargs, set())
+        try:  # DPO's collator gives no images per row: the placeholders say whose they are
+            images = row_images(lm, input_ids, attention_mask, **image_fields)
+        except ValueError as err:
+            raise ValueError(f"{self.name}: {err}") from None
         text = lm.config.get_text_config()
         router = bool(getattr(text, "output_router_logits", False) if router is None else router)
         if attention_mask is None:
@@ -91,7 +97,7 @@ class FusedTreeRequest:
             )
         score_mask = torch.zeros_like(real)
         score_mask[:, 1:] = mask
-        batch = FlatBatch.build(input_ids, attention_mask, score_mask=score_mask, model=lm)
+        batch = FlatBatch.build(input_ids, attention_mask, score_mask=score_mask, model=lm, images=images)
         parts = batch.parts()
         fields, routers = [], []
         for part in parts:
@@ -181,8 +187,9 @@ class RewardTreeRequest:
 class TreeDPOTrainer(DPOTrainer):
     """``trl.DPOTrainer`` whose policy and reference forwards run each batch's pairs as one prefix tree.
 
-    Same constructor and ``DPOConfig``, plus ``tree_backend``; text-only causal LMs (vision datasets and
-    Liger kernels raise a ``ValueError``).
+    Same constructor and ``DPOConfig``, plus ``tree_backend``; causal LMs and the vision-language models
+    treetrain runs exactly, with TRL's image datasets (each row's images read from its placeholders:
+    :func:`treetrain.integrations.flat_images.row_images`); Liger kernels raise a ``ValueError``.
     """
 
     def __init__(self, *args, tree_backend: str | None = None, **kwargs):
@@ -190,11 +197,6 @@ class TreeDPOTrainer(DPOTrainer):
         self.tree_backend = tree_backend
         super().__init__(*args, **kwargs)
         refuse_untreeable(type(self).__name__, self.model, self.args)
-        if self._is_vision_dataset:
-            raise ValueError(
-                f"{type(self).__name__}: vision datasets (image inputs) are not supported by the tree "
-                "forward; use trl.DPOTrainer for them"
-            )
 
     def _tree_request(self) -> FusedTreeRequest:
         """Installed on first use (TRL may score the reference inside its constructor, before
