@@ -49,6 +49,7 @@ _API = {
     "group_advantages": "treetrain.objectives.advantages",
     # integrations and training
     "flat_logprobs": "treetrain.integrations.flat",
+    "row_images": "treetrain.integrations.flat_images",
     "TrainConfig": "treetrain.train.config",
     "tiny_model": "treetrain.train.build",
 }
@@ -73,6 +74,7 @@ __all__ = [
     "path_logprobs",
     "pretrained_dir",
     "reference_logprobs",
+    "row_images",
     "sample_path",
     "tiny_model",
     "tree_logprobs",
@@ -85,6 +87,7 @@ if TYPE_CHECKING:
     from treetrain.data.reader import iter_trees, sample_path, validate_file
     from treetrain.data.records import parse_record
     from treetrain.integrations.flat import flat_logprobs
+    from treetrain.integrations.flat_images import row_images
     from treetrain.logprobs import expand_to_paths, path_logprobs, tree_logprobs
     from treetrain.models.pretrained import pretrained_dir
     from treetrain.objectives.advantages import group_advantages
