@@ -56,6 +56,8 @@ SMALL = dict(
     mamba_d_head=16,
     mamba_d_ssm=128,
     num_heads=8,
+    index_head_dim=16,  # sparse attention's indexers (DSA, MiniMax-M3): one key head per key/value head
+    index_n_heads=2,
 )
 _GDN_SMALL = dict(
     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
@@ -75,6 +77,40 @@ PER_TYPE = {
     # Gated DeltaNet hybrids: grouped value heads (2 key, 4 value heads of 8), conv width 3 (default 4)
     "lara_mini": dict(_GDN_SMALL),
     "olmo_hybrid": dict(_GDN_SMALL, linear_a_log_min=0.05, linear_a_log_max=0.5),  # slow decays
+    # rotary on part of each head (its default 64 is wider than the zoo's heads of 16)
+    "codegen": dict(rotary_dim=8),
+    "gptj": dict(rotary_dim=8),
+    # 2 layers (of two attention and MLP sublayers each); its own widths: dense and expert MLPs, qk
+    # head (given, not derived); top-k over 4 real and 2 zero (identity) experts
+    "longcat_flash": dict(
+        num_layers=2,
+        qk_head_dim=16,
+        ffn_hidden_size=64,
+        expert_ffn_hidden_size=32,
+        moe_topk=2,
+        zero_expert_num=2,
+    ),
+    # its H and L stacks of 2 layers each (the default's 16 per stack given, not derived), 2 L cycles
+    # per H cycle, the first without gradient (L_bp_cycles)
+    "hrm_text": dict(num_layers_per_stack=None, L_cycles=2, L_bp_cycles=[1]),
+    # a dense and a sparse-attention (indexer) layer, a dense and an MoE MLP, small dense widths
+    "minimax_m3_vl_text": dict(
+        layer_types=["full_attention", "minimax_m3_sparse"],
+        mlp_layer_types=["dense", "sparse"],
+        dense_intermediate_size=64,
+        shared_intermediate_size=32,
+    ),
+    # a sliding layer beside the full one (the defaults have full layers only), Laguna's heads per
+    # layer differing and its router's logit cap on
+    "laguna": dict(
+        layer_types=["full_attention", "sliding_attention"],
+        num_attention_heads_per_layer=[4, 8],
+        moe_router_logit_softcapping=2.0,
+    ),
+    "mellum": dict(layer_types=["full_attention", "sliding_attention"]),
+    # DSA with a layer that reuses the previous layer's key selection
+    "glm_moe_dsa": dict(indexer_types=["full", "shared"]),
+    "hy_v4": dict(indexer_types=["full", "shared"]),
     # refused (QSA attention), built for tests/test_linear_families.py's check of its GDN layer
     "qwen4_exp_text": dict(
         _GDN_SMALL,
@@ -295,7 +331,17 @@ AWAY = dict(
     ssm_out_multiplier=0.9,
     mlp_multipliers=[0.8, 1.3],
     key_multiplier=0.6,
+    # sparse attention keeps every key of a path up to 9 tokens long, the longest zoo path: its
+    # selection at its limit (DSA's top-k, MiniMax-M3's top-k blocks of 3)
+    index_topk=9,
+    index_block_size=3,
+    index_topk_blocks=3,
 )
+
+
+# per-layer lists a config derives from its layer count when not given (MoE layer kinds from
+# first_k_dense_replace, heads per layer, indexer kinds)
+PER_LAYER = ("mlp_layer_types", "num_attention_heads_per_layer", "indexer_types")
 
 
 def causal_lm_types() -> dict[str, str]:
@@ -310,8 +356,9 @@ def zoo_config(model_type: str):
     prop = lambda k: isinstance(getattr(type(cfg), amap.get(k, k), None), property)  # noqa: E731
     settable = lambda k: hasattr(cfg, k) and not prop(k)  # noqa: E731
     over = {k: v for k, v in {**SMALL, **AWAY}.items() if settable(k)}
-    if "kv_lora_rank" in over:  # multi-head latent attention: one key/value head per query head
-        over["num_key_value_heads"] = over["num_attention_heads"]
+    if "kv_lora_rank" in over:  # multi-head latent attention: one key/value head per query head, and
+        over["num_key_value_heads"] = over["num_attention_heads"]  # the rotary table as wide as its
+        over["head_dim"] = over["qk_rope_head_dim"]  # rotary part (DeepSeek-V3 keeps a head_dim given)
     over.update(PER_TYPE.get(model_type, {}))
     base = {k: v for k, v in cfg.to_dict().items() if not prop(k)}
     layer_types = getattr(cfg, "layer_types", None)
@@ -320,6 +367,9 @@ def zoo_config(model_type: str):
         over["layer_types"] = (kinds + kinds)[: max(2, len(kinds))]
     if "layer_types" in over:
         over["num_hidden_layers"] = len(over["layer_types"])
+    for k in PER_LAYER:  # the default's per-layer lists: derived again for the small layer count
+        if settable(k) and k not in over and getattr(cfg, k, None) is not None:
+            over[k] = None
     small = type(cfg)(**{**base, **over})
     length_dependent_rope(small, rope_kind(model_type), ROPE_EXTRA.get(model_type, {}))
     return small
