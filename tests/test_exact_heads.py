@@ -78,6 +78,7 @@ def test_post_scale_and_gradients_match_autograd(softcap):
 HEADS = {
     "cohere": dict(logit_scale=2.5),
     "cohere2": dict(logit_scale=2.5),
+    "cohere2_moe": dict(logit_scale=2.5),
     "granite": dict(logit_scale=1 / 3.0),
     "granitemoe": dict(logit_scale=1 / 3.0),
     "hyperclovax": dict(logit_scale=3.0),
@@ -86,6 +87,7 @@ HEADS = {
     "gemma2": dict(softcap=3.0),
     "gemma3_text": dict(softcap=3.0),
     "vaultgemma": dict(softcap=3.0),
+    "beam": dict(softcap=3.0),
     "recurrent_gemma": dict(softcap=5.0),  # logits_soft_cap
     "xlstm": dict(softcap=6.0),  # output_logit_soft_cap
     "llama": dict(),

@@ -12,13 +12,13 @@ e.g. TRL's ``1 / temperature``.) What each architecture sets, read from the inst
 ``ForCausalLM.forward``:
 
 ========================================  ============================================================
-Cohere, Cohere2                           ``logit_scale = model.logit_scale`` (``logits * logit_scale``)
+Cohere, Cohere2, Cohere2-MoE              ``logit_scale = model.logit_scale`` (``logits * logit_scale``)
 Granite, Granite-SWA, GraniteMoE (+SWA,   ``logit_scale = 1 / config.logits_scaling``
 shared, hybrid)
 HyperCLOVA X                              ``logit_scale = config.logits_scaling``
 Falcon-H1                                 ``logit_scale = model.model.lm_head_multiplier``
 MiniCPM3                                  ``hidden_scale = 1 / config.logits_scaling``
-Gemma 2/3, VaultGemma, NanoChat           ``softcap = config.final_logit_softcapping``
+Gemma 2/3/4, VaultGemma, NanoChat, Beam   ``softcap = config.final_logit_softcapping``
 RecurrentGemma                            ``softcap = config.logits_soft_cap``
 xLSTM                                     ``softcap = config.output_logit_soft_cap``
 Inkling                                   ``hidden_scale = 1 / config.logits_mup_width_multiplier``;
@@ -118,6 +118,7 @@ def _final_softcap(model: nn.Module) -> dict:
 _TRANSFORMS: dict[str, Callable[[nn.Module], dict]] = {
     "CohereForCausalLM": _logit_scale_attr,
     "Cohere2ForCausalLM": _logit_scale_attr,
+    "Cohere2MoeForCausalLM": _logit_scale_attr,
     "GraniteForCausalLM": _divide_by_logits_scaling,
     "GraniteSWAForCausalLM": _divide_by_logits_scaling,
     "GraniteMoeForCausalLM": _divide_by_logits_scaling,
@@ -131,6 +132,8 @@ _TRANSFORMS: dict[str, Callable[[nn.Module], dict]] = {
     "Gemma3ForCausalLM": _final_softcap,
     "VaultGemmaForCausalLM": _final_softcap,
     "NanoChatForCausalLM": _final_softcap,
+    "BeamForCausalLM": _final_softcap,
+    "Gemma4UnifiedForCausalLM": _final_softcap,
     "RecurrentGemmaForCausalLM": lambda model: {"softcap": float(_cfg(model).logits_soft_cap)},
     "xLSTMForCausalLM": lambda model: {"softcap": _cfg(model).output_logit_soft_cap},
     "InklingForCausalLM": _inkling,
