@@ -108,6 +108,17 @@ PER_TYPE = {
         moe_router_logit_softcapping=2.0,
     ),
     "mellum": dict(layer_types=["full_attention", "sliding_attention"]),
+    # Gemma 4: full-attention layers with heads of their own width and count (global_head_dim,
+    # num_global_key_value_heads) and keys as values (attention_k_eq_v); the last two layers reuse
+    # the first two's keys and values (num_kv_shared_layers), with double-wide MLPs
+    "gemma4_unified_text": dict(
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        global_head_dim=32,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        num_kv_shared_layers=2,
+        use_double_wide_mlp=True,
+    ),
     # DSA with a layer that reuses the previous layer's key selection
     "glm_moe_dsa": dict(indexer_types=["full", "shared"]),
     "hy_v4": dict(indexer_types=["full", "shared"]),
@@ -349,18 +360,36 @@ def causal_lm_types() -> dict[str, str]:
     return dict(sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()))
 
 
+def _has(cfg, name: str) -> bool:
+    """``hasattr``, true for an attribute a heterogeneous config sets per layer (reading it raises)."""
+    try:
+        return hasattr(cfg, name)
+    except RuntimeError:  # AmbiguousGlobalPerLayerAttributeError: a per-layer value, settable globally
+        return True
+
+
+def _global(cfg, name: str) -> bool:
+    """Whether ``name`` has one value for every layer (a heterogeneous config sets some per layer)."""
+    try:
+        getattr(cfg, name, None)
+    except RuntimeError:  # AmbiguousGlobalPerLayerAttributeError
+        return False
+    return True
+
+
 def zoo_config(model_type: str):
     """The tiny config of ``model_type`` (may raise: not every type builds from its defaults)."""
     cfg = CONFIG_MAPPING[model_type]()
     amap = getattr(cfg, "attribute_map", {})
     prop = lambda k: isinstance(getattr(type(cfg), amap.get(k, k), None), property)  # noqa: E731
-    settable = lambda k: hasattr(cfg, k) and not prop(k)  # noqa: E731
+    settable = lambda k: _has(cfg, k) and not prop(k)  # noqa: E731
     over = {k: v for k, v in {**SMALL, **AWAY}.items() if settable(k)}
     if "kv_lora_rank" in over:  # multi-head latent attention: one key/value head per query head, and
         over["num_key_value_heads"] = over["num_attention_heads"]  # the rotary table as wide as its
         over["head_dim"] = over["qk_rope_head_dim"]  # rotary part (DeepSeek-V3 keeps a head_dim given)
     over.update(PER_TYPE.get(model_type, {}))
-    base = {k: v for k, v in cfg.to_dict().items() if not prop(k)}
+    # a heterogeneous config's per-layer overrides are the default's layers': PER_TYPE sets its own
+    base = {k: v for k, v in cfg.to_dict().items() if not prop(k) and k != "per_layer_config"}
     layer_types = getattr(cfg, "layer_types", None)
     if layer_types and settable("layer_types") and "layer_types" not in over:
         kinds = list(dict.fromkeys(layer_types + _derived_layer_types(type(cfg), base, over)))
@@ -392,6 +421,12 @@ ROPE_EXTRA = {
 ROPE_KIND = {"recurrent_gemma": None, "lfm3": None, "gemma3_text": "dynamic"}
 
 
+# rope types a layer's code relies on that depend on positions only: Gemma 4's full-attention layers
+# rotate part of a head with a table as wide as the head ("proportional"), which no length-dependent
+# type gives (their other layers switch)
+POSITION_ONLY_ROPE = ("proportional",)
+
+
 def rope_kind(model_type: str) -> str | None:
     """``dynamic`` or ``longrope``, half the types each (a hash of the name: stable across versions);
     None where the type's rotary code cannot run either (``ROPE_KIND``)."""
@@ -410,9 +445,14 @@ def length_dependent_rope(cfg, kind: str | None, extra: dict | None = None) -> N
     if kind is None or not isinstance(params, dict) or not params:
         return
     per_type = {k: v for k, v in params.items() if isinstance(v, dict)}  # per layer type (Gemma 3)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    head_dim = (getattr(cfg, "head_dim", None) if _global(cfg, "head_dim") else None) or (
+        cfg.hidden_size // cfg.num_attention_heads
+    )
     new = {}
     for key, p in per_type.items() if per_type else [(None, params)]:
+        if p.get("rope_type") in POSITION_ONLY_ROPE:  # kept: the layer's head needs its table
+            new[key] = p
+            continue
         q = {k: v for k, v in p.items() if k in _KEEP}
         if isinstance(getattr(cfg, "partial_rotary_factor", None), float):  # older versions copy it in
             q["partial_rotary_factor"] = cfg.partial_rotary_factor
