@@ -77,6 +77,10 @@ PER_TYPE = {
     # Gated DeltaNet hybrids: grouped value heads (2 key, 4 value heads of 8), conv width 3 (default 4)
     "lara_mini": dict(_GDN_SMALL),
     "olmo_hybrid": dict(_GDN_SMALL, linear_a_log_min=0.05, linear_a_log_max=0.5),  # slow decays
+    # refused (its own attention): a global and a local layer, a window shorter than the paths
+    "gpt_neo": dict(
+        attention_types=[[["global", "local"], 1]], attention_layers=["global", "local"], window_size=3
+    ),
     # rotary on part of each head (its default 64 is wider than the zoo's heads of 16)
     "codegen": dict(rotary_dim=8),
     "gptj": dict(rotary_dim=8),
