@@ -79,6 +79,7 @@ HEADS = {
     "cohere": dict(logit_scale=2.5),
     "cohere2": dict(logit_scale=2.5),
     "cohere2_moe": dict(logit_scale=2.5),
+    "cohere_compass_text": dict(logit_scale=2.5),
     "granite": dict(logit_scale=1 / 3.0),
     "granitemoe": dict(logit_scale=1 / 3.0),
     "hyperclovax": dict(logit_scale=3.0),
@@ -88,8 +89,12 @@ HEADS = {
     "gemma3_text": dict(softcap=3.0),
     "vaultgemma": dict(softcap=3.0),
     "beam": dict(softcap=3.0),
+    "gemma3n_text": dict(softcap=3.0),
+    "gemma4_text": dict(softcap=3.0),
+    "gemma4_unified_text": dict(softcap=3.0),
     "recurrent_gemma": dict(softcap=5.0),  # logits_soft_cap
     "xlstm": dict(softcap=6.0),  # output_logit_soft_cap
+    "dory": dict(),  # its per-token logit scale folded into the weight rows
     "llama": dict(),
 }
 
