@@ -104,17 +104,31 @@ def _warm_dynamo_rules():
 @contextlib.contextmanager
 def float64_everywhere():
     """``float64_casts`` plus what MoE code adds: routers take ``softmax(..., dtype=torch.float)``
-    (float32 routing weights in a float64 model), transformers' ``load_balancing_loss_func``
-    accumulates into ``torch.zeros(..., dtype=torch.float32)``, Inkling2's experts into
-    ``torch.zeros_like(..., dtype=torch.float32)`` and Kimi-K2.5's vision merge into
-    ``hidden.new_zeros(..., dtype=torch.float32)``."""
+    (float32 routing weights in a float64 model; DeepSeek-V2's as ``Tensor.softmax``), transformers'
+    ``load_balancing_loss_func`` accumulates into ``torch.zeros(..., dtype=torch.float32)``,
+    Inkling2's experts into ``torch.zeros_like(..., dtype=torch.float32)`` and Kimi-K2.5's vision merge
+    into ``hidden.new_zeros(..., dtype=torch.float32)``; DiffLlama sums its lambda products with
+    ``torch.sum(..., dtype=torch.float32)``. Their forward rounding is the same in a tree and a per-path
+    forward (the values are per token, or parameters only), but the gradient through them is rounded
+    to float32 after summing over tokens in a different order (5e-8)."""
     orig_softmax, orig_zeros, orig_zeros_like = torch.nn.functional.softmax, torch.zeros, torch.zeros_like
+    orig_tensor_softmax, orig_sum, orig_tensor_sum = torch.Tensor.softmax, torch.sum, torch.Tensor.sum
     orig_new_zeros = torch.Tensor.new_zeros
 
+    def f64(x, dtype):
+        return torch.float64 if dtype is torch.float32 and x.dtype is torch.float64 else dtype
+
     def softmax(x, dim=None, _stacklevel=3, dtype=None):
-        if dtype is torch.float32 and x.dtype is torch.float64:
-            dtype = torch.float64
-        return orig_softmax(x, dim=dim, _stacklevel=_stacklevel, dtype=dtype)
+        return orig_softmax(x, dim=dim, _stacklevel=_stacklevel, dtype=f64(x, dtype))
+
+    def tensor_softmax(x, dim, dtype=None):
+        return orig_tensor_softmax(x, dim, dtype=f64(x, dtype))
+
+    def sum_(x, *args, dtype=None, **kwargs):
+        return orig_sum(x, *args, dtype=f64(x, dtype), **kwargs)
+
+    def tensor_sum(x, *args, dtype=None, **kwargs):
+        return orig_tensor_sum(x, *args, dtype=f64(x, dtype), **kwargs)
 
     def zeros(*size, **kwargs):
         if kwargs.get("dtype") is torch.float32:
@@ -134,12 +148,14 @@ def float64_everywhere():
     _warm_dynamo_rules()
     torch.nn.functional.softmax, torch.zeros, torch.zeros_like = softmax, zeros, zeros_like
     torch.Tensor.new_zeros = new_zeros
+    torch.Tensor.softmax, torch.sum, torch.Tensor.sum = tensor_softmax, sum_, tensor_sum
     try:
         with float64_casts():
             yield
     finally:
         torch.nn.functional.softmax, torch.zeros, torch.zeros_like = orig_softmax, orig_zeros, orig_zeros_like
         torch.Tensor.new_zeros = orig_new_zeros
+        torch.Tensor.softmax, torch.sum, torch.Tensor.sum = orig_tensor_softmax, orig_sum, orig_tensor_sum
 
 
 def float32_runs(build, paths, tree=None, *, truth_inside: bool = True, seed: int = 0):

@@ -14,6 +14,7 @@ from torch import nn
 from treetrain.integrations.flat import flat_logprobs
 from treetrain.logprobs import path_logprobs, target_logprobs
 from treetrain.models.head import LMHead, lm_head
+from treetrain.models.hf import decoder_of
 from treetrain.objectives.baseline import baseline_path_logprobs
 from treetrain.trees.tree import TrajectoryTree
 
@@ -78,6 +79,8 @@ def test_post_scale_and_gradients_match_autograd(softcap):
 HEADS = {
     "cohere": dict(logit_scale=2.5),
     "cohere2": dict(logit_scale=2.5),
+    "cohere2_moe": dict(logit_scale=2.5),
+    "cohere_compass_text": dict(logit_scale=2.5),
     "granite": dict(logit_scale=1 / 3.0),
     "granitemoe": dict(logit_scale=1 / 3.0),
     "hyperclovax": dict(logit_scale=3.0),
@@ -86,8 +89,13 @@ HEADS = {
     "gemma2": dict(softcap=3.0),
     "gemma3_text": dict(softcap=3.0),
     "vaultgemma": dict(softcap=3.0),
+    "beam": dict(softcap=3.0),
+    "gemma3n_text": dict(softcap=3.0),
+    "gemma4_text": dict(softcap=3.0),
+    "gemma4_unified_text": dict(softcap=3.0),
     "recurrent_gemma": dict(softcap=5.0),  # logits_soft_cap
     "xlstm": dict(softcap=6.0),  # output_logit_soft_cap
+    "dory": dict(),  # its per-token logit scale folded into the weight rows
     "llama": dict(),
 }
 
@@ -100,8 +108,11 @@ def test_derived_head_reproduces_the_models_logits(model_type):
         assert getattr(head, k) == pytest.approx(v), (k, getattr(head, k))
     ids = torch.tensor([[5, 9, 17, 3, 44]])
     with float64_everywhere(), torch.no_grad():
-        out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
-        assert rel_err(head.logits(out.hidden_states[-1][0]), out.logits[0]) < 1e-13
+        # the decoder's output, what the head reads (Gemma 3n's last hidden_states entry precedes its
+        # AltUp collapse and final norm)
+        hidden = decoder_of(model)(input_ids=ids, use_cache=False).last_hidden_state
+        logits = model(input_ids=ids, use_cache=False).logits
+        assert rel_err(head.logits(hidden[0]), logits[0]) < 1e-13
 
 
 def _trees(paths):

@@ -26,9 +26,18 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from treetrain.integrations.flat import flat_logprobs
 from treetrain.logprobs import path_logprobs
 from treetrain.models.rope import length_rules
-from treetrain.models.support import EXACT, NEWEST_ONLY, VERIFIED_FROM, _version, check_model, refusal
-from treetrain.models.support_vision import VISION_EXACT
+from treetrain.models.support import (
+    EXACT,
+    NEWEST_ONLY,
+    REFUSED,
+    VERIFIED_FROM,
+    _version,
+    check_model,
+    refusal,
+)
+from treetrain.models.support_vision import VISION_EXACT, VISION_TYPES
 
+from . import zoo
 from .hybrid_models import float64_everywhere
 from .reference import grad_err, grads, random_coeffs, reference_logprobs, rel_err
 from .zoo import causal_lm_types, zoo_model, zoo_paths
@@ -69,6 +78,82 @@ def test_every_causal_lm_type_is_exact_or_refused_by_name():
             assert why is not None and repr(model_type) in why, (model_type, why)
             with pytest.raises(ValueError, match="not supported"):
                 check_model(_bare(model_type))
+
+
+def test_no_causal_lm_type_is_refused_as_not_verified():
+    """Every causal-LM type of the installed transformers is verified exact or refused by its cause;
+    the fallback is left for types of a newer transformers."""
+    for model_type in causal_lm_types():
+        # multimodal types (Gemma 3, Qwen3.5, ...): the VLM zoo's (tests/test_vlm_zoo.py)
+        assert model_type in EXACT or model_type in REFUSED or model_type in VISION_TYPES, model_type
+        why = refusal(_bare(model_type))
+        assert why is None or "not verified" not in why, (model_type, why)
+    newer = nn.Module()
+    newer.config = SimpleNamespace(model_type="from_a_newer_transformers")
+    assert "not verified exact by treetrain's model-zoo test" in refusal(newer)
+
+
+# types the zoo does not build, and why: each is refused (REFUSED names the cause)
+UNBUILT = {
+    "blt": "a byte latent transformer: no decoder config of its own to shrink (local encoder, global "
+    "transformer, local decoder and entropy patcher sub-configs)",
+    "gemma4_assistant": "a drafter whose default config fails its own validation "
+    "(hidden_size_per_layer_input); it needs the target model's embeddings and key/value states to run",
+    "gemma4_unified_assistant": "a drafter around a full-size default text config (a 262k vocabulary); "
+    "it needs the target model's embeddings and key/value states to run",
+}
+COMPOSITE = (
+    "a composite model refused whole (vision or audio towers, encoders, a drafter's target beside its "
+    "text model, each its own sub-config): the zoo builds its text model's type"
+)
+
+
+def _unbuilt(model_type: str) -> str | None:
+    """Why the zoo does not build ``model_type`` (None: it does)."""
+    if model_type in UNBUILT:
+        return UNBUILT[model_type]
+    if model_type not in EXACT and getattr(CONFIG_MAPPING[model_type], "sub_configs", None):
+        return COMPOSITE
+    return None
+
+
+def test_unbuilt_types_are_refused():
+    unbuilt = [t for t in causal_lm_types() if _unbuilt(t)]
+    assert set(UNBUILT) <= set(unbuilt) and len(unbuilt) < 30, unbuilt
+    for model_type in unbuilt:
+        if model_type in VISION_TYPES:  # a multimodal type: tests/test_vlm_zoo.py builds and runs it
+            continue
+        assert model_type in REFUSED and model_type not in EXACT, model_type
+        assert refusal(_bare(model_type)) is not None
+
+
+@pytest.mark.parametrize("model_type", [t for t in causal_lm_types() if not _unbuilt(t)])
+def test_every_causal_lm_type_builds_small(model_type):
+    """``zoo_model`` builds every other type of the mapping as a tiny model of its causal-LM class: the
+    shrink reached its widths, depth and vocabulary (per-type fixes where the defaults do not shrink)."""
+    model = zoo_model(model_type, dtype=torch.float32)
+    assert type(model).__name__ == causal_lm_types()[model_type]
+    assert model.get_input_embeddings().weight.shape[0] <= 2 * zoo.VOCAB
+    assert sum(p.numel() for p in model.parameters()) < 3_000_000  # the largest, ctrl: 2.2M
+
+
+# sparse attention keeping fewer keys than a zoo path sees: DSA's index_topk 8 (the longest path has
+# 9 tokens), MiniMax-M3's 2 blocks of 3
+SPARSE_SELECTION = ["axk2", "deepseek_v32", "dots3_note_text", "glm_moe_dsa", "hy_v4", "minimax_m3_vl_text"]
+
+
+@pytest.mark.parametrize("model_type", SPARSE_SELECTION)
+def test_sparse_attention_beyond_its_selection_is_refused(model_type, monkeypatch):
+    """A path longer than the sparse attention's selection keeps (where the indexer drops keys the
+    tree would attend) is refused by name, as a tree and as an ordinary call of the prepared model;
+    up to the selection the zoo's exact tests run it (index_topk 9, the longest path)."""
+    monkeypatch.setitem(zoo.AWAY, "index_topk", 8)
+    monkeypatch.setitem(zoo.AWAY, "index_topk_blocks", 2)
+    model = zoo_model(model_type)
+    with pytest.raises(ValueError, match="its sparse attention keeps .* keys per query"):
+        path_logprobs(model, zoo_paths())
+    with pytest.raises(ValueError, match="fewer than a path of 9 tokens"), torch.no_grad():
+        model(input_ids=torch.tensor([zoo_paths()[1]]), use_cache=False)
 
 
 @pytest.mark.slow
@@ -117,7 +202,7 @@ class FooMamba2Mixer(nn.Module):
 # such layer transformers 5.24 ships in a causal LM is routed (Inkling's short convolutions were last)
 STATEFUL_LAYERS = [
     "FooShortConvolution", "FooMamba2Mixer", "FooGatedDeltaNet", "FooLinearAttention", "FooRglru",
-    "FooRwkvFeedForward", "FoomLSTM",
+    "FooRwkvFeedForward", "FoomLSTM", "FooCCAProjection",
 ]  # fmt: skip
 
 

@@ -56,11 +56,31 @@ SMALL = dict(
     mamba_d_head=16,
     mamba_d_ssm=128,
     num_heads=8,
+    # the decoders of encoder-decoder models (refused; built small all the same)
+    encoder_layers=2,
+    decoder_layers=2,
+    encoder_ffn_dim=64,
+    decoder_ffn_dim=64,
+    encoder_attention_heads=4,
+    decoder_attention_heads=4,
+    index_head_dim=16,  # sparse attention's indexers (DSA, MiniMax-M3): one key head per key/value head
+    index_n_heads=2,
 )
 _GDN_SMALL = dict(
     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
     linear_conv_kernel_dim=3,
 )  # fmt: skip
+# Gemma 4: full-attention layers with heads of their own width and count (global_head_dim,
+# num_global_key_value_heads) and keys as values (attention_k_eq_v); the last two layers reuse the
+# first two's keys and values (num_kv_shared_layers), with double-wide MLPs
+_GEMMA4 = dict(
+    layer_types=["sliding_attention", "full_attention"] * 2,
+    global_head_dim=32,
+    num_global_key_value_heads=1,
+    attention_k_eq_v=True,
+    num_kv_shared_layers=2,
+    use_double_wide_mlp=True,
+)
 # per type: what its defaults lack for a hybrid to show its layer mix
 PER_TYPE = {
     # its NoPE layers are its sliding ones: one layer of two
@@ -75,6 +95,107 @@ PER_TYPE = {
     # Gated DeltaNet hybrids: grouped value heads (2 key, 4 value heads of 8), conv width 3 (default 4)
     "lara_mini": dict(_GDN_SMALL),
     "olmo_hybrid": dict(_GDN_SMALL, linear_a_log_min=0.05, linear_a_log_max=0.5),  # slow decays
+    # Gemma 3n: sliding and full layers, the last two reusing the first two's keys and values; top-k
+    # activation sparsity on the first two; small per-layer inputs and LAuReL rank
+    "gemma3n_text": dict(
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        num_kv_shared_layers=2,
+        activation_sparsity_pattern=[0.95, 0.95, 0.0, 0.0],
+        vocab_size_per_layer_input=VOCAB,
+        hidden_size_per_layer_input=8,
+        laurel_rank=8,
+    ),
+    # dots.llm3: a DSA (latent attention) and a sliding latent-attention layer with widths of its own
+    # (swa_*: rotary on the head_dim - qk_nope_head_dim = 8 channels of 16)
+    "dots3_note_text": dict(
+        layer_types=["indexed_attention", "sliding_attention"],
+        swa_num_attention_heads=8,
+        swa_num_key_value_heads=8,
+        swa_q_lora_rank=16,
+        swa_kv_lora_rank=16,
+        swa_head_dim=16,
+        swa_qk_nope_head_dim=8,
+        swa_v_head_dim=16,
+    ),
+    # Dory: an input, a recurrent (run twice) and an output section of one layer each, sliding and full
+    "dory": dict(
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        n_input_layers=1,
+        n_recurrent_layers=1,
+        n_output_layers=1,
+    ),
+    # refused (CCA: q/k convolutions and a delayed value along the packed sequence); one expert per
+    # token, the only routing ZAYA supports
+    "zaya": dict(num_experts_per_tok=1),
+    # refused types' own widths beyond the shared names (encoders, decoders of encoder-decoders)
+    "marian": dict(decoder_vocab_size=VOCAB),
+    "roc_bert": dict(shape_vocab_size=VOCAB, pronunciation_vocab_size=VOCAB),
+    "cpmant": dict(prompt_types=2, prompt_length=4, dim_ff=64, dim_head=16),
+    "xlnet": dict(d_head=16),
+    "reformer": dict(is_decoder=True, attn_layers=["local", "lsh"], axial_pos_embds_dim=[32, 32]),
+    # refused (its own attention): a global and a local layer, a window shorter than the paths
+    "gpt_neo": dict(
+        attention_types=[[["global", "local"], 1]], attention_layers=["global", "local"], window_size=3
+    ),
+    # its defaults cannot build a model (no rope parameters for their full-attention layers): RoPE
+    # (3-axis mrope sections, all at the text position) on sliding layers, NoPE on full ones
+    "cohere_compass_text": dict(
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={
+            "sliding_attention": dict(rope_type="default", rope_theta=10000.0, mrope_section=[4, 2, 2]),
+            "full_attention": None,
+        },
+    ),
+    # its attention reads attn_config.rope_theta, which the sub-config no longer defines (a
+    # checkpoint's config still carries it); clip_qkv that binds; a small MoE of its own
+    "dbrx": dict(
+        d_model=64,  # by name: its experts' width is copied from it before the alias hidden_size is set
+        attn_config=dict(kv_n_heads=2, clip_qkv=4.0, rope_theta=10000.0),
+        ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2),
+    ),
+    # rotary on part of each head (its default 64 is wider than the zoo's heads of 16)
+    "codegen": dict(rotary_dim=8),
+    "gptj": dict(rotary_dim=8),
+    # 2 layers (of two attention and MLP sublayers each); its own widths: dense and expert MLPs, qk
+    # head (given, not derived); top-k over 4 real and 2 zero (identity) experts
+    "longcat_flash": dict(
+        num_layers=2,
+        qk_head_dim=16,
+        ffn_hidden_size=64,
+        expert_ffn_hidden_size=32,
+        moe_topk=2,
+        zero_expert_num=2,
+    ),
+    # its H and L stacks of 2 layers each (the default's 16 per stack given, not derived), 2 L cycles
+    # per H cycle, the first without gradient (L_bp_cycles)
+    "hrm_text": dict(num_layers_per_stack=None, L_cycles=2, L_bp_cycles=[1]),
+    # a dense and a sparse-attention (indexer) layer, a dense and an MoE MLP, small dense widths
+    "minimax_m3_vl_text": dict(
+        layer_types=["full_attention", "minimax_m3_sparse"],
+        mlp_layer_types=["dense", "sparse"],
+        dense_intermediate_size=64,
+        shared_intermediate_size=32,
+    ),
+    # a sliding layer beside the full one (the defaults have full layers only), Laguna's heads per
+    # layer differing and its router's logit cap on
+    "laguna": dict(
+        layer_types=["full_attention", "sliding_attention"],
+        num_attention_heads_per_layer=[4, 8],
+        moe_router_logit_softcapping=2.0,
+    ),
+    "mellum": dict(layer_types=["full_attention", "sliding_attention"]),
+    "gemma4_unified_text": _GEMMA4,
+    # and Gemma 4's per-layer token embeddings (a second, narrow embedding per layer) and MoE blocks
+    "gemma4_text": dict(
+        _GEMMA4,
+        vocab_size_per_layer_input=VOCAB,
+        hidden_size_per_layer_input=8,
+        enable_moe_block=True,
+        top_k_experts=2,
+    ),
+    # DSA with a layer that reuses the previous layer's key selection
+    "glm_moe_dsa": dict(indexer_types=["full", "shared"]),
+    "hy_v4": dict(indexer_types=["full", "shared"]),
     # refused (QSA attention), built for tests/test_linear_families.py's check of its GDN layer
     "qwen4_exp_text": dict(
         _GDN_SMALL,
@@ -295,7 +416,17 @@ AWAY = dict(
     ssm_out_multiplier=0.9,
     mlp_multipliers=[0.8, 1.3],
     key_multiplier=0.6,
+    # sparse attention keeps every key of a path up to 9 tokens long, the longest zoo path: its
+    # selection at its limit (DSA's top-k, MiniMax-M3's top-k blocks of 3)
+    index_topk=9,
+    index_block_size=3,
+    index_topk_blocks=3,
 )
+
+
+# per-layer lists a config derives from its layer count when not given (MoE layer kinds from
+# first_k_dense_replace, heads per layer, indexer kinds)
+PER_LAYER = ("mlp_layer_types", "num_attention_heads_per_layer", "indexer_types")
 
 
 def causal_lm_types() -> dict[str, str]:
@@ -303,23 +434,45 @@ def causal_lm_types() -> dict[str, str]:
     return dict(sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()))
 
 
+def _has(cfg, name: str) -> bool:
+    """``hasattr``, true for an attribute a heterogeneous config sets per layer (reading it raises)."""
+    try:
+        return hasattr(cfg, name)
+    except RuntimeError:  # AmbiguousGlobalPerLayerAttributeError: a per-layer value, settable globally
+        return True
+
+
+def _global(cfg, name: str) -> bool:
+    """Whether ``name`` has one value for every layer (a heterogeneous config sets some per layer)."""
+    try:
+        getattr(cfg, name, None)
+    except RuntimeError:  # AmbiguousGlobalPerLayerAttributeError
+        return False
+    return True
+
+
 def zoo_config(model_type: str):
     """The tiny config of ``model_type`` (may raise: not every type builds from its defaults)."""
     cfg = CONFIG_MAPPING[model_type]()
     amap = getattr(cfg, "attribute_map", {})
     prop = lambda k: isinstance(getattr(type(cfg), amap.get(k, k), None), property)  # noqa: E731
-    settable = lambda k: hasattr(cfg, k) and not prop(k)  # noqa: E731
+    settable = lambda k: _has(cfg, k) and not prop(k)  # noqa: E731
     over = {k: v for k, v in {**SMALL, **AWAY}.items() if settable(k)}
-    if "kv_lora_rank" in over:  # multi-head latent attention: one key/value head per query head
-        over["num_key_value_heads"] = over["num_attention_heads"]
+    if "kv_lora_rank" in over:  # multi-head latent attention: one key/value head per query head, and
+        over["num_key_value_heads"] = over["num_attention_heads"]  # the rotary table as wide as its
+        over["head_dim"] = over["qk_rope_head_dim"]  # rotary part (DeepSeek-V3 keeps a head_dim given)
     over.update(PER_TYPE.get(model_type, {}))
-    base = {k: v for k, v in cfg.to_dict().items() if not prop(k)}
+    # a heterogeneous config's per-layer overrides are the default's layers': PER_TYPE sets its own
+    base = {k: v for k, v in cfg.to_dict().items() if not prop(k) and k != "per_layer_config"}
     layer_types = getattr(cfg, "layer_types", None)
     if layer_types and settable("layer_types") and "layer_types" not in over:
         kinds = list(dict.fromkeys(layer_types + _derived_layer_types(type(cfg), base, over)))
         over["layer_types"] = (kinds + kinds)[: max(2, len(kinds))]
     if "layer_types" in over:
         over["num_hidden_layers"] = len(over["layer_types"])
+    for k in PER_LAYER:  # the default's per-layer lists: derived again for the small layer count
+        if settable(k) and k not in over and getattr(cfg, k, None) is not None:
+            over[k] = None
     small = type(cfg)(**{**base, **over})
     length_dependent_rope(small, rope_kind(model_type), ROPE_EXTRA.get(model_type, {}))
     return small
@@ -342,12 +495,25 @@ ROPE_EXTRA = {
 ROPE_KIND = {"recurrent_gemma": None, "lfm3": None, "gemma3_text": "dynamic"}
 
 
+# rope types a layer's code relies on that depend on positions only: Gemma 4's full-attention layers
+# rotate part of a head with a table as wide as the head ("proportional"), which no length-dependent
+# type gives (their other layers switch)
+POSITION_ONLY_ROPE = ("proportional",)
+
+
 def rope_kind(model_type: str) -> str | None:
     """``dynamic`` or ``longrope``, half the types each (a hash of the name: stable across versions);
     None where the type's rotary code cannot run either (``ROPE_KIND``)."""
     if model_type in ROPE_KIND:
         return ROPE_KIND[model_type]
     return "longrope" if zlib.crc32(model_type.encode()) % 2 else "dynamic"
+
+
+def _head_dim(cfg, layer_type: str | None) -> int:
+    """The head width of ``layer_type``'s layers (a heterogeneous config's first such layer's)."""
+    if not (_global(cfg, "head_dim") and _global(cfg, "num_attention_heads")):
+        cfg = cfg.per_layer_config[cfg.layer_types.index(layer_type)]
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
 def length_dependent_rope(cfg, kind: str | None, extra: dict | None = None) -> None:
@@ -360,16 +526,18 @@ def length_dependent_rope(cfg, kind: str | None, extra: dict | None = None) -> N
     if kind is None or not isinstance(params, dict) or not params:
         return
     per_type = {k: v for k, v in params.items() if isinstance(v, dict)}  # per layer type (Gemma 3)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     new = {}
     for key, p in per_type.items() if per_type else [(None, params)]:
+        if p.get("rope_type") in POSITION_ONLY_ROPE:  # kept: the layer's head needs its table
+            new[key] = p
+            continue
         q = {k: v for k, v in p.items() if k in _KEEP}
         if isinstance(getattr(cfg, "partial_rotary_factor", None), float):  # older versions copy it in
             q["partial_rotary_factor"] = cfg.partial_rotary_factor
         if kind == "dynamic":
             q.update(rope_type="dynamic", factor=2.0)
         else:
-            half = int(head_dim * q.get("partial_rotary_factor", 1.0)) // 2
+            half = int(_head_dim(cfg, key) * q.get("partial_rotary_factor", 1.0)) // 2
             q.update(
                 rope_type="longrope",
                 original_max_position_embeddings=ROPE_THRESHOLD,
@@ -411,6 +579,8 @@ def zoo_model(model_type: str, dtype=torch.float64, seed: int = 0, attn: str = "
                 p.copy_(-torch.rand(p.shape, generator=g))
             elif name.endswith(("static_weight", ".query")) and not p.any():  # Inkling2's zero inits:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)  # dynamic conv taps, depth-attention queries
+            elif name.endswith("lm_head.logit_scale"):  # Dory's per-token logit scale: 1 at init
+                p.mul_(torch.rand(p.shape, generator=g) * 1.5 + 0.5)
             elif p.ndim >= 2:
                 p.mul_(3.0)
             elif name.endswith("sinks"):  # GPT-OSS: sinks comparable to the scores, so they matter

@@ -12,19 +12,22 @@ e.g. TRL's ``1 / temperature``.) What each architecture sets, read from the inst
 ``ForCausalLM.forward``:
 
 ========================================  ============================================================
-Cohere, Cohere2, Cohere Compass (VLM)     ``logit_scale = model.logit_scale`` (``logits * logit_scale``;
-                                          Compass: where not None)
+Cohere, Cohere2, Cohere2-MoE, Compass     ``logit_scale = model.logit_scale`` (``logits * logit_scale``;
+                                          Compass's vision model: where not None)
 Granite, Granite-SWA, GraniteMoE (+SWA,   ``logit_scale = 1 / config.logits_scaling``
 shared, hybrid), Granite Docling (VLM)
 HyperCLOVA X (+ Vision V2)                ``logit_scale = config.logits_scaling``
 Falcon-H1                                 ``logit_scale = model.model.lm_head_multiplier``
 MiniCPM3                                  ``hidden_scale = 1 / config.logits_scaling``
-Gemma 2/3, VaultGemma, NanoChat           ``softcap = config.final_logit_softcapping``
+Gemma 2/3/3n/4, VaultGemma, NanoChat,     ``softcap = config.final_logit_softcapping``
+Beam
 RecurrentGemma                            ``softcap = config.logits_soft_cap``
 xLSTM                                     ``softcap = config.output_logit_soft_cap``
 Inkling                                   ``hidden_scale = 1 / config.logits_mup_width_multiplier``;
                                           ``vocab = config.unpadded_vocab_size`` (the rows kept)
 Inkling2, Inkling2-Loop                   ``softcap = config.final_logit_softcapping``
+Dory                                      ``weight = W * (lm_head.logit_scale * logit_scale_factor)[:, None]``
+                                          (a learned logit scale per vocabulary entry)
 ========================================  ============================================================
 
 Any other architecture on the allow-list (:mod:`treetrain.models.support`) has the plain
@@ -115,6 +118,13 @@ def _inkling(model: nn.Module) -> dict:
     return out
 
 
+def _per_token_logit_scale(model: nn.Module) -> dict:
+    """Dory: ``logits * logit_scale * logit_scale_factor``, a learned scale per vocabulary entry, is
+    the projection with each weight row scaled (its gradient reaches ``logit_scale`` through it)."""
+    head = model.lm_head
+    return {"weight": head.weight * (head.logit_scale * head.logit_scale_factor)[:, None]}
+
+
 def _final_softcap(model: nn.Module) -> dict:
     return {"softcap": getattr(_cfg(model), "final_logit_softcapping", None) or None}
 
@@ -125,6 +135,8 @@ _TRANSFORMS: dict[str, Callable[[nn.Module], dict]] = {
     "CohereForCausalLM": _logit_scale_attr,
     "Cohere2ForCausalLM": _logit_scale_attr,
     "CohereCompassForConditionalGeneration": _optional_logit_scale_attr,
+    "Cohere2MoeForCausalLM": _logit_scale_attr,
+    "CohereCompassForCausalLM": _logit_scale_attr,
     "GraniteForCausalLM": _divide_by_logits_scaling,
     "GraniteSWAForCausalLM": _divide_by_logits_scaling,
     "GraniteMoeForCausalLM": _divide_by_logits_scaling,
@@ -140,9 +152,14 @@ _TRANSFORMS: dict[str, Callable[[nn.Module], dict]] = {
     "Gemma3ForCausalLM": _final_softcap,
     "VaultGemmaForCausalLM": _final_softcap,
     "NanoChatForCausalLM": _final_softcap,
+    "BeamForCausalLM": _final_softcap,
+    "Gemma3nForCausalLM": _final_softcap,
+    "Gemma4ForCausalLM": _final_softcap,
+    "Gemma4UnifiedForCausalLM": _final_softcap,
     "RecurrentGemmaForCausalLM": lambda model: {"softcap": float(_cfg(model).logits_soft_cap)},
     "xLSTMForCausalLM": lambda model: {"softcap": _cfg(model).output_logit_soft_cap},
     "InklingForCausalLM": _inkling,
+    "DoryForCausalLM": _per_token_logit_scale,
     "Inkling2ForCausalLM": _final_softcap,
     "Inkling2LoopForCausalLM": _final_softcap,
     # vision-language models: their ForConditionalGeneration's own forward (checked against 5.24)

@@ -43,6 +43,7 @@ _registered = False
 def _tree_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """``AttentionInterface`` function: ``query [1, Hq, T, D]`` -> ``([1, T, Hq, D], None)``."""
     mask: TreeMask | None = kwargs.get("tree_mask")
+    _check_selection(module, kwargs, key.shape[-2] if mask is None else _longest_path(mask))
     softcap = kwargs.get("softcap")
     sinks = kwargs.get("s_aux")  # GPT-OSS: per-head sink logits [Hq]
     if mask is None and (softcap is not None or sinks is not None):  # SDPA has neither: HF's eager
@@ -96,6 +97,45 @@ def _tree_attention(module, query, key, value, attention_mask, scaling=None, dro
     return out.transpose(0, 1).unsqueeze(0), None
 
 
+def _selection_limit(module, kwargs) -> tuple[str, int] | None:
+    """The longest sequence whose keys a sparse attention's indexer keeps all of, and what sets it.
+
+    DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5, HY-V4, A.X K2) keeps each query's ``index_topk``
+    top-scoring keys, MiniMax-M3's sparse layers its ``index_topk_blocks`` top-scoring blocks of
+    ``index_block_size`` keys. HF's eager and SDPA paths fold that selection into the mask; any other
+    attention function receives it as ``indices`` / ``block_indices`` for a sparse kernel. Tree
+    attention keeps every key a query sees, which is the selection exactly while it keeps them all.
+    """
+    if kwargs.get("indices") is not None:  # [B, S, min(index_topk, keys)]
+        topk = getattr(getattr(module, "config", None), "index_topk", None)
+        return "index_topk", max(topk or 0, kwargs["indices"].shape[-1])
+    if kwargs.get("block_indices") is not None:
+        indexer = module.indexer
+        return "index_block_size * index_topk_blocks", indexer.block_size * indexer.topk_blocks
+    return None
+
+
+def _check_selection(module, kwargs, longest: int) -> None:
+    """Raise unless a sparse attention's key selection keeps every key of sequences ``longest`` long."""
+    limit = _selection_limit(module, kwargs)
+    if limit is not None and longest > limit[1]:
+        what, n = limit
+        raise ValueError(
+            f"{type(module).__name__}: its sparse attention keeps {what} = {n} keys per query (an "
+            f"indexer's top-k selection), fewer than a path of {longest} tokens sees: a per-query key "
+            f"subset the tree mask cannot express. treetrain runs it exactly for paths of at most {n} "
+            "tokens, where the selection keeps every key (docs/architectures.md)"
+        )
+
+
+def _longest_path(mask: TreeMask) -> int:
+    """The longest path through the tree's queries (the whole tree when positions are not given)."""
+    pos = mask.position_ids
+    if pos is None:
+        return mask.num_tokens
+    return mask.cached("max_position", lambda: int(pos.max()) + 1 if pos.numel() else 0)
+
+
 def _additive_mask(attention_mask, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     """The mask an eager attention adds to its scores (0 / -inf): from SDPA's boolean mask (True =
     attend), or causal where SDPA's mask was skipped (None)."""
@@ -129,9 +169,8 @@ def _effective_window(mask: TreeMask, window: int | None) -> int | None:
     """``window``, or None when no path is long enough for it to hide anything (a no-op mask)."""
     if window is None:
         return None
-    pos = mask.window_positions(window)
-    longest = mask.cached("max_position", lambda: int(pos.max()) + 1 if pos.numel() else 0)
-    return window if window < longest else None
+    mask.window_positions(window)  # raises when the path positions are not given
+    return window if window < _longest_path(mask) else None
 
 
 def _eager_attention(query, key, value, attention_mask, scaling, softcap=None, sinks=None):

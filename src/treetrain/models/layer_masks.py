@@ -61,6 +61,7 @@ def layer_window(attention_mask, mask: TreeMask, where: str = "") -> int | None:
     Raises ``ValueError`` when the layer got any other mask than one :func:`mask_interface` built for
     this forward: the model made its own mask, which the tree mask cannot reproduce.
     """
+    attention_mask = _marked(attention_mask)
     if not _same_tree(getattr(attention_mask, _TREE, None), mask):
         got = "no mask" if attention_mask is None else f"a {type(attention_mask).__name__}"
         raise ValueError(
@@ -74,7 +75,17 @@ def layer_window(attention_mask, mask: TreeMask, where: str = "") -> int | None:
 def layer_bidirectional(attention_mask) -> bool:
     """Whether the layer's mask (one :func:`mask_interface` built) lets each image block attend to
     itself bidirectionally (Gemma 3/4's ``block_sequence_ids``)."""
-    return bool(getattr(attention_mask, _BIDIR, False))
+    return bool(getattr(_marked(attention_mask), _BIDIR, False))
+
+
+def _marked(attention_mask):
+    """What carries the marks of ``attention_mask``: itself, or for a whole view of a layer mask, the
+    layer mask's storage. Gemma 4 slices its masks to the queries it keeps before its KV-shared layers
+    (all of them, in a tree forward): a new tensor object, the same ``[1, 1, 1, T]`` view."""
+    base = getattr(attention_mask, "_base", None)
+    if getattr(attention_mask, _TREE, None) is not None or getattr(base, _TREE, None) is None:
+        return attention_mask
+    return base if attention_mask.shape == (1, 1, 1, base.numel()) else attention_mask
 
 
 def _same_tree(a: TreeMask | None, b: TreeMask) -> bool:
@@ -86,10 +97,14 @@ def _same_tree(a: TreeMask | None, b: TreeMask) -> bool:
 
 
 def _layer_mask(tree: TreeMask, window: int | None, bidir: bool = False) -> torch.Tensor:
-    m = tree.subtree_end.view(1, 1, 1, -1)  # a view: contents unused, the marks are what counts
-    setattr(m, _TREE, tree)
-    setattr(m, _WINDOW, window)
-    setattr(m, _BIDIR, bidir)
+    """``[1, 1, 1, T]``, contents unused: the marks are what counts, on the mask and on its own storage
+    (a view the model takes of the whole mask keeps them: :func:`_marked`)."""
+    base = tree.subtree_end.clone()
+    m = base.view(1, 1, 1, -1)
+    for t in (base, m):
+        setattr(t, _TREE, tree)
+        setattr(t, _WINDOW, window)
+        setattr(t, _BIDIR, bidir)
     return m
 
 

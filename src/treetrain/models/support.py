@@ -33,12 +33,17 @@ def _words(text: str) -> list[str]:
 # model type -> what it has beyond plain decoder self-attention (RoPE or learned positions, GQA,
 # dense or MoE MLPs) that treetrain handles; every entry is checked by tests/test_model_zoo.py
 _PLAIN = _words(
-    """afmoe apertus apertus1p5_text arcee aria_text biogpt bitnet ctrl cwm ernie4_5 ernie4_5_moe
-    exaone exaone4 flex_olmo gemma glm glm4 glm4_moe gpt-sw3 gpt2 gpt_bigcode gpt_neox helium
-    hunyuan_v1_dense hunyuan_v1_moe hy_v3 internlm3 iquestcoder jais2 jetmoe kolibri1 llama
-    minimax_m2 mixtral olmo olmo2 olmo3 opt persimmon phi phi3 qwen3_moe sarvam_mla sarvam_moe
-    seed_oss solar_open"""
+    """afmoe apertus apertus1p5_text arcee aria_text axk1 biogpt bitnet codegen ctrl cwm dbrx deepseek_v2
+    deepseek_v3 ernie4_5 ernie4_5_moe exaone exaone4 flex_olmo gemma glm glm4 glm4_moe glm4_moe_lite
+    gpt-sw3 gpt2 gpt_bigcode gpt_neox gptj helium hunyuan_v1_dense hunyuan_v1_moe hy_v3 internlm3
+    iquestcoder jais2 jetmoe kolibri1 llama minimax_m2 mixtral olmo olmo2 olmo3 opt persimmon phi phi3
+    qwen3_moe sarvam_mla sarvam_moe seed_oss solar_open youtu"""
 )
+# DeepSeek Sparse Attention: an indexer keeps each query's index_topk top-scoring keys; tree
+# attention keeps every key a query sees, the selection exactly while a path has at most index_topk
+# tokens, and refuses a longer path by name (models.hf)
+_DSA = "DSA sparse attention, exact for paths of at most index_topk tokens (refused beyond); latent attention"
+_DSA += "; MoE"
 EXACT: dict[str, str] = {t: "" for t in _PLAIN} | {
     "cohere": "head: logits * logit_scale",
     "cohere2": "head: logits * logit_scale; sliding-window layers",
@@ -76,6 +81,34 @@ EXACT: dict[str, str] = {t: "" for t in _PLAIN} | {
     "lfm2": "short convolutions along each path (models.shortconv)",
     "lfm2_moe": "short convolutions along each path; MoE",
     "lfm3": "short convolutions along each path; sliding window; attention output gate",
+    "cohere2_moe": "head: logits * logit_scale; sliding-window layers; MoE",
+    "cohere_compass_text": "head: logits * logit_scale; sliding-window layers (multi-axis rope at the text "
+    "position); NoPE full layers",
+    "beam": "head: final logit softcap; sliding window; NoPE full layers with a position-dependent query "
+    "scale; attention output gate; MoE",
+    "gemma3n_text": "head: final logit softcap; sliding window; KV-shared layers; AltUp, LAuReL, per-layer "
+    "embeddings, activation sparsity",
+    "gemma4_text": "head: final logit softcap; sliding window; proportional rope; keys as values; KV-shared "
+    "layers (their masks sliced to the kept queries); per-layer embeddings; MoE",
+    "gemma4_unified_text": "head: final logit softcap; sliding window; proportional rope; keys as values; "
+    "KV-shared layers (their masks sliced to the kept queries)",
+    "dory": "head: a learned logit scale per vocabulary entry; a looped recurrent section; sliding window",
+    "deepseek_v32": _DSA,
+    "glm_moe_dsa": _DSA + " (layers sharing a selection)",
+    "axk2": _DSA,
+    "hy_v4": _DSA + " (layers sharing a selection); hyper-connections",
+    "dots3_note_text": _DSA + "; sliding-window latent-attention layers of their own widths",
+    "minimax_m3_vl_text": "sparse-attention layers, exact for paths of at most index_block_size * "
+    "index_topk_blocks tokens (refused beyond); MoE",
+    "mimo_v2_flash": "attention sinks on its sliding-window layers; a value scale; MoE",
+    "exaone_moe": "sliding window; MoE",
+    "laguna": "sliding window; heads per layer; attention output gate; MoE",
+    "mellum": "sliding window; MoE",
+    "longcat_flash": "two attention and MLP sublayers per layer; latent attention; MoE with zero (identity) "
+    "experts",
+    "hrm_text": "H and L stacks run in cycles (its prefix-LM mask needs token_type_ids, which a tree forward "
+    "never passes: causal)",
+    "diffllama": "differential attention (two softmax maps, learned lambdas)",
 }
 _SSM = "routed along the tree (models.recurrent)"
 EXACT |= {
@@ -114,7 +147,8 @@ EXACT |= {
 _ENCODER = "an encoder (BERT family) run as a decoder: its attention and mask are its own, not the tree's"
 _ENC_DEC = "the decoder of an encoder-decoder model (cross-attention, its own mask handling)"
 _MULTIMODAL = "a multimodal model: load its text-only causal LM instead"
-# model type -> why it is refused (a type on neither list is refused as not verified)
+# model type -> why it is refused (a type on neither list, e.g. from a newer transformers, is refused
+# as not verified)
 REFUSED: dict[str, str] = {
     **dict.fromkeys(
         _words(
@@ -143,8 +177,25 @@ REFUSED: dict[str, str] = {
     "the tree mask (one query interval per key) cannot express and that HF's indexer reads only from a "
     "dense [T, T] mask (well defined along paths: a block is fixed by its last token, so one straddling a "
     "branch point is a distinct block per branch; not implemented)",
-    "deepseek_v2": "gradients agree only to 5e-8 at float64 (float32 internals not found yet): not verified",
-    "diffllama": "gradients agree only to 1e-7 at float64 (float32 internals not found yet): not verified",
+    "openai-gpt": "its own attention, outside transformers' attention interface: a causal mask from its "
+    "own buffer over the packed sequence, so sibling branches see each other (log-probs differ by 8e-3)",
+    "gpt_neo": "its own attention, outside transformers' attention interface: causal and local-window masks "
+    "from its own buffers over the packed sequence, the tree's layer mask added as a bias (log-probs differ "
+    "by 9e-2)",
+    "llama4_text": "chunked attention: attention_chunk_size chunks along the path plus NoPE layers; its "
+    "chunked mask is one tree attention cannot reproduce (refused when the model builds it)",
+    "deepseek_v4": "compressed sparse attention (CSA/HCA): keys and values pooled over windows of "
+    "compress_rates consecutive tokens of the packed sequence, a bias for the pooled keys concatenated to "
+    "the mask (the model's own mask: a forced tree forward fails in its code)",
+    "zaya": "CCA attention: query/key convolutions over the previous tokens and a value delayed by one "
+    "token, along the packed sequence (log-probs differ by 0.16)",
+    "blt": "a byte latent transformer: hash n-gram embeddings of the preceding bytes, entropy-based patches "
+    "of consecutive bytes and byte-patch cross-attention with masks of its own, all over the packed "
+    "sequence",
+    "gemma4_assistant": "a drafter for assisted decoding: its forward takes the target model's embeddings "
+    "and key/value states, not token ids, and scores no paths of its own",
+    "gemma4_unified_assistant": "a drafter for assisted decoding: its forward takes the target model's "
+    "embeddings and key/value states, not token ids, and scores no paths of its own",
     "doge": "dynamic mask attention (a value-dependent mask of its own; log-probs differ by 0.12)",
     "gpt_neox_japanese": "its own attention path (log-probs differ by 0.9)",
     "cpmant": "its own attention and position bias (log-probs differ by 45)",
@@ -162,6 +213,7 @@ STATEFUL: dict[str, str] = {
     r"Rwkv(SelfAttention|FeedForward)": "an RWKV recurrence (time-mix) or token shift (channel-mix)",
     r"xLSTMLayer|xLSTMBackend|mLSTM|sLSTM": "an xLSTM (mLSTM) recurrence",
     r"Rglru|RecurrentBlock": "an RG-LRU recurrence",
+    r"CCAProjection": "query/key convolutions over the previous tokens and a value delayed by one token",
 }
 _STATEFUL = [(re.compile(p), what) for p, what in STATEFUL.items()]
 # classes a pattern above matches by name that carry no state along the sequence
@@ -199,6 +251,12 @@ NEWEST_ONLY = frozenset(
     _words(
         """bamba ctrl falcon_h1 falcon_mamba lfm2 lfm2_moe mamba2 minimax nemotron_h
         olmo_hybrid recurrent_gemma solar_open zamba zamba2"""
+    )
+) | frozenset(  # verified on the newest only so far (issue 45): refused below it until the lowest runs them
+    _words(
+        """axk1 axk2 beam codegen cohere2_moe cohere_compass_text dbrx deepseek_v2 deepseek_v3 deepseek_v32
+        diffllama dory dots3_note_text exaone_moe gemma3n_text gemma4_text gemma4_unified_text glm4_moe_lite
+        glm_moe_dsa gptj hrm_text hy_v4 laguna longcat_flash mellum mimo_v2_flash minimax_m3_vl_text youtu"""
     )
 )
 
