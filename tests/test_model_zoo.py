@@ -131,6 +131,8 @@ def test_unbuilt_types_are_refused():
 def test_every_causal_lm_type_builds_small(model_type):
     """``zoo_model`` builds every other type of the mapping as a tiny model of its causal-LM class: the
     shrink reached its widths, depth and vocabulary (per-type fixes where the defaults do not shrink)."""
+    if _too_old(model_type):  # refused by name on this transformers (its config code differs)
+        pytest.skip(f"{model_type!r} is verified on transformers >= {VERIFIED_FROM} only")
     model = zoo_model(model_type, dtype=torch.float32)
     assert type(model).__name__ == causal_lm_types()[model_type]
     assert model.get_input_embeddings().weight.shape[0] <= 2 * zoo.VOCAB
@@ -147,6 +149,8 @@ def test_sparse_attention_beyond_its_selection_is_refused(model_type, monkeypatc
     """A path longer than the sparse attention's selection keeps (where the indexer drops keys the
     tree would attend) is refused by name, as a tree and as an ordinary call of the prepared model;
     up to the selection the zoo's exact tests run it (index_topk 9, the longest path)."""
+    if model_type not in causal_lm_types() or _too_old(model_type):
+        pytest.skip(f"transformers {transformers.__version__}: {model_type!r} is not run here")
     monkeypatch.setitem(zoo.AWAY, "index_topk", 8)
     monkeypatch.setitem(zoo.AWAY, "index_topk_blocks", 2)
     model = zoo_model(model_type)

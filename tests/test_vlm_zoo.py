@@ -53,7 +53,7 @@ def _bare(model_type: str) -> nn.Module:
 
 def test_every_vlm_type_is_exact_or_refused_by_name():
     types = vlm_types()
-    assert len(types) >= 90  # the whole mapping (100 in transformers 5.24), not a sample
+    assert len(types) >= (90 if NEW_ENOUGH else 60)  # the whole mapping (5.24: 100; 5.10: 73), not a sample
     for model_type in types:
         why = refusal(_bare(model_type))
         if model_type in VISION_EXACT and NEW_ENOUGH:
