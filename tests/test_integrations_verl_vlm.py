@@ -1,4 +1,4 @@
-"""treetrain's verl engine with images (Qwen2.5-VL) == verl's own FSDP2 engine on the same batch.
+"""treetrain's verl engine with images (Qwen2.5-VL, Qwen3-VL) == verl's own FSDP2 engine, same batch.
 
 verl hands a vision-language micro-batch with ``multi_modal_inputs`` (per row the processor's
 ``pixel_values``, ``image_grid_thw``, ``images_seqlens``) and ``position_ids [B, 4, j]`` (text
@@ -7,7 +7,8 @@ row's inputs into one ``ImageInput`` per image (rows sharing a prompt's image sh
 its encode; identical placeholder ids with other pixels part at the image) and checks verl's
 rotary positions against the model's own.
 
-The end-to-end cases run ``tests/verl_vlm_worker.py`` under torchrun on 1 and 2 gloo ranks (its
+The end-to-end cases run ``tests/verl_vlm_worker.py`` under torchrun (Qwen2.5-VL on 1 and 2 gloo
+ranks, Qwen3-VL, with deepstack features, on 2) (its
 docstring: a GRPO group sharing an image prompt, a group with another image of the same size, a
 second image in a tool result, a text-only row; verl's engine runs padded, as its packed
 vision-language path is flash-attention only). Compared as in ``tests/test_integrations_verl.py``:
@@ -141,32 +142,33 @@ def test_vision_configs_and_patched_classes():
         check_unpatched({torch.nn.Linear, Patched})
 
 
-def _run_worker(tmp_path, world: int) -> list[dict]:
+def _run_worker(tmp_path, world: int, model_type: str) -> list[dict]:
     env = dict(
         os.environ,
         PYTHONPATH=os.pathsep.join([os.path.join(HERE, "..", "src"), os.environ.get("PYTHONPATH", "")]),
     )
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "--standalone",
-           os.path.join(HERE, "verl_vlm_worker.py"), str(tmp_path)]  # fmt: skip
+           os.path.join(HERE, "verl_vlm_worker.py"), str(tmp_path), model_type]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(world)]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [1, 2])
-def test_tree_engine_equals_verl_engine_with_images(tmp_path, world):
+@pytest.mark.parametrize("model_type, world", [("qwen2_5_vl", 1), ("qwen2_5_vl", 2), ("qwen3_vl", 2)])
+def test_tree_engine_equals_verl_engine_with_images(tmp_path, model_type, world):
     """verl's no-padding batch (``v0``) and the V1 trainer's nested one (``v1``); on 2 ranks a rank's
     text-only micro-batch runs beside the other's images (the tower on a blank image, as verl's
     forward: the ranks' all-gathers match)."""
-    results = _run_worker(tmp_path, world)
+    results = _run_worker(tmp_path, world, model_type)
+    patched = f"ForConditionalGeneration.forward is verl's (verl.models.transformers.{model_type[:5]}_vl)"
     for res in results:
         for layout in ("v0", "v1"):
             lm = res["lm"][layout]
             _check_role(lm, ("log_probs", "entropy"), last=lm["last"])
             assert any(name.startswith("model.visual.") for name in lm["verl"]["grads"])
         # after verl's engine patched transformers' classes, the tree engine refuses by name
-        assert "Qwen2_5_VLForConditionalGeneration.forward is verl's (verl.models" in res["refused"]
+        assert patched in res["refused"], res["refused"]
     if world == 2:
         text_only = [r["text_only_forwards"] for r in results]
         assert any(any(t) for t in text_only) and not all(any(t) for t in text_only)

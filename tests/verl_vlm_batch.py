@@ -7,12 +7,11 @@ import torch
 
 from tests.vlm_zoo import IMAGE
 
-MODEL_TYPE = "qwen2_5_vl"
 VISION_START, VISION_END = 102, 103
 
 
 def image(model, seed: int, grid=(1, 4, 6)) -> dict[str, torch.Tensor]:
-    """One image as Qwen2.5-VL's processor makes it: flattened patches, its (t, h, w) grid."""
+    """One image as a Qwen-VL processor makes it: flattened patches, its (t, h, w) grid."""
     vc = model.config.vision_config
     g = torch.Generator().manual_seed(seed)
     t, h, w = grid

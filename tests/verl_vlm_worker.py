@@ -2,17 +2,18 @@
 batch with images through treetrain's engine, an independent float64 per-row reference, then verl's
 own FSDP2 engine.
 
-The model is a tiny random Qwen2.5-VL (``tests/vlm_zoo.py``'s config: 2 text layers of 64, a 2-layer
-vision tower of 32, 4-pixel patches, 2x2 merge), float32. The batch is what verl's agent loop
-builds: per row ``multi_modal_inputs`` (the processor's ``pixel_values``, ``image_grid_thw`` and
-``images_seqlens`` of that row's images, an empty dict for a text-only row) and ``position_ids [4,
-L]`` (text positions, then the model's ``get_rope_index`` rotary rows). Rows: a GRPO group of 4
-samples of a prompt with image ``a`` (one duplicate, one a prefix of another), a group of 3 samples of
-a prompt with image ``b`` (the same placeholder ids and grid, other pixels: it must not merge with
-``a``), one of them with a second image (``c``) in a tool result, and a text-only row.
+The model (``argv[2]``: ``qwen2_5_vl`` or ``qwen3_vl``) is tiny and random (``tests/vlm_zoo.py``'s
+config: 2 text layers of 64, a 2-layer vision tower of 32, 4-pixel patches, 2x2 merge), float32.
+The batch is what verl's agent loop builds (``tests/verl_vlm_batch.py``): per row
+``multi_modal_inputs`` (the processor's ``pixel_values``, ``image_grid_thw`` and ``images_seqlens``
+of that row's images, an empty dict for a text-only row) and ``position_ids [4, L]`` (text
+positions, then the model's ``get_rope_index`` rotary rows). Rows: a GRPO group of 4 samples of a
+prompt with image ``a`` (one duplicate, one a prefix of another), a group of 3 samples of a prompt
+with image ``b`` (the same placeholder ids and grid, other pixels: it must not merge with ``a``),
+one of them with a second image (``c``) in a tool result, and a text-only row.
 
 verl's engine runs padded (``use_remove_padding=False``): its vision-language patches route
-packed rows to flash-attention, which the CPU has not. It patches transformers' Qwen2.5-VL
+packed rows to flash-attention, which the CPU has not. It patches transformers' Qwen-VL
 classes for the whole process, so it runs last; after it, treetrain's engine refuses to run (the
 patched forward is verl's, not transformers'), which is recorded.
 
@@ -40,15 +41,14 @@ from verl.workers.config import FSDPActorConfig  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
 from verl.workers.utils.padding import left_right_2_no_padding  # noqa: E402
 
-import treetrain.integrations.verl as tv  # noqa: E402
-from tests.verl_vlm_batch import MODEL_TYPE, global_batch  # noqa: E402
+from tests.verl_vlm_batch import global_batch  # noqa: E402
 from tests.vlm_zoo import IMAGE, vlm_model  # noqa: E402
 
 BUDGET = 40  # treetrain's micro-batches: at most 40 distinct tokens each
 
 
-def save_model(root: str) -> None:
-    model = vlm_model(MODEL_TYPE, dtype=torch.float32)
+def save_model(root: str, model_type: str) -> None:
+    model = vlm_model(model_type, dtype=torch.float32)
     model.config.tie_word_embeddings = False
     model.save_pretrained(f"{root}/actor")
 
@@ -118,25 +118,24 @@ def build(kind: str, path: str):
     return engine
 
 
-def _count_blank_forwards() -> list:
-    """Record, per tree forward, whether it had no image (its micro-batch's rows are text-only)."""
+def _count_blank_forwards(engine) -> list:
+    """Record, per vision-tower call of the engine's model, whether it ran the blank 16-patch image
+    (a tree forward without images: ``verl_images.blank_image``; the test's images are larger)."""
     seen = []
-    own = tv.blank_image
 
-    def counted(model, packed):
-        seen.append(packed.image_index is None)
-        return own(model, packed)
+    def hook(module, args, kwargs):
+        seen.append(kwargs["grid_thw"].tolist() == [[1, 4, 4]])
 
-    tv.blank_image = counted
+    engine.module.model.visual.register_forward_pre_hook(hook, with_kwargs=True)
     return seen
 
 
-def main(out_dir: str) -> None:
+def main(out_dir: str, model_type: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     path = f"{out_dir}/actor"
     if rank == 0:
-        save_model(out_dir)
+        save_model(out_dir, model_type)
     dist.barrier()
     model64 = AutoModelForImageTextToText.from_pretrained(path, attn_implementation="eager").double()
     full, mm = global_batch(model64)
@@ -150,7 +149,7 @@ def main(out_dir: str) -> None:
     tree_td = {n: functools.partial(batch, n, **tree_micro) for n in layouts}
     keys = ("log_probs", "entropy")
     tree_engine = build("tree", path)
-    blank = _count_blank_forwards()
+    blank = _count_blank_forwards(tree_engine)
     tree = vw.run_engine(tree_engine, {n: (tree_td[n], verl_td[n]) for n in layouts}, loss_fn, keys)
     ref = {}  # before verl's engine patches transformers' classes
     for name in layouts:
@@ -174,7 +173,7 @@ def main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2])
     from treetrain.parallel.fsdp import exit_rank
 
     exit_rank(0)  # no interpreter teardown (see exit_rank)
