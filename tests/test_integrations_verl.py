@@ -84,8 +84,12 @@ def test_row_tree_rejects_bad_positions():
     values, offsets = nested([[1, 2, 3], [1, 4]])
     with pytest.raises(ValueError, match="position_ids row 1"):
         RowTree.build(values, offsets, torch.tensor([0, 1, 2, 1, 2]))
-    with pytest.raises(ValueError, match="mrope"):
+    with pytest.raises(ValueError, match="verl's \\[4, N\\]"):
         RowTree.build(values, offsets, torch.zeros(3, 5, dtype=torch.long))
+    # a vision-language model's [4, N]: its text row is checked here (the rotary rows: verl_images)
+    RowTree.build(values, offsets, torch.tensor([0, 1, 2, 0, 1]).expand(4, 5))
+    with pytest.raises(ValueError, match="position_ids row 1"):
+        RowTree.build(values, offsets, torch.tensor([0, 1, 2, 1, 2]).expand(4, 5))
 
 
 @settings(max_examples=30, deadline=None)
@@ -160,11 +164,11 @@ def test_unsupported_batches_raise():
 
     td = TensorDict({"multi_modal_inputs": torch.zeros(2)}, batch_size=[2])
     with pytest.raises(ValueError, match="multi_modal_inputs"):
-        tv._check_micro_batch(td)
+        tv._check_micro_batch(td, vision=False)  # the critic's (the actor's: tests/..._verl_vlm.py)
     td = TensorDict({}, batch_size=[2])
     tu.assign_non_tensor(td, distillation_use_topk=True)
     with pytest.raises(ValueError, match="distillation_use_topk"):
-        tv._check_micro_batch(td)
+        tv._check_micro_batch(td, vision=True)
     with pytest.raises(ValueError, match="temperatures"):
         tv._scalar_temperature(torch.tensor([1.0, 0.7]))
     assert tv._scalar_temperature(torch.tensor([0.7, 0.7])) == pytest.approx(0.7)

@@ -129,7 +129,7 @@ def v1_nested(rows: dict[str, torch.Tensor]) -> TensorDict:
     ``input_ids``, ``position_ids``; ``response_mask`` = ``loss_mask`` and the response fields over the
     response tokens), no attention mask, as ``AgentLoopWorkerTQ`` stores samples in TransferQueue."""
     P = rows["prompts"].shape[1]
-    plen, rlen = rows["attention_mask"][:, :P].sum(1).tolist(), rows["response_mask"].sum(1).tolist()
+    plen, rlen = rows["attention_mask"][:, :P].sum(1).tolist(), rows["attention_mask"][:, P:].sum(1).tolist()
 
     def jagged(tensors):
         return torch.nested.as_nested_tensor(tensors, layout=torch.jagged)

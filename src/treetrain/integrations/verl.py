@@ -35,10 +35,17 @@ loaded by ``import verl`` in every process (driver and Ray workers). Where entry
 ``cpu`` platform in verl's platform registry (:mod:`treetrain.integrations.verl_cpu`), before verl's
 engine module reads the platform; ``VERL_PLATFORM=cpu`` chooses it.
 
-Not supported (a ``ValueError`` names the feature): vision/multimodal inputs, 3-D (mrope) positions,
-Ulysses sequence parallelism (``ulysses_sequence_parallel_size > 1``), LoRA, QAT, Liger kernels,
-fused kernels, top-k distillation, ``calculate_sum_pi_squared``, FSDP1, and the
-Megatron/VeOmni/TorchTitan backends (this engine is FSDP2).
+Vision-language actors (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE): rows with
+``multi_modal_inputs`` become a tree with images (:mod:`treetrain.integrations.verl_images`: each
+distinct image encoded once, a prompt's samples sharing its image tokens), verl's 3-D rotary
+``position_ids`` checked against the model's own. verl's monkey patches for these models (its own
+forward and flash-attention layers, class-wide) are not applied to a treetrain engine's model: tree
+attention runs through transformers' own forward.
+
+Not supported (a ``ValueError`` names the feature): other vision-language models, video inputs,
+a vision-language critic, Ulysses sequence parallelism (``ulysses_sequence_parallel_size > 1``),
+LoRA, QAT, Liger kernels, fused kernels, top-k distillation, ``calculate_sum_pi_squared``, FSDP1,
+and the Megatron/VeOmni/TorchTitan backends (this engine is FSDP2).
 """
 
 from __future__ import annotations
@@ -69,6 +76,14 @@ from verl.workers.engine.fsdp.transformer_impl import (  # noqa: E402
 )
 from verl.workers.engine.utils import detach_tree, postprocess_batch_func, prepare_micro_batches  # noqa: E402
 
+from treetrain.integrations.verl_images import (  # noqa: E402
+    VERL_VISION_TYPES,
+    blank_image,
+    check_rope_positions,
+    check_unpatched,
+    row_images,
+    without_verl_vision_patches,
+)
 from treetrain.integrations.verl_rows import RowTree, balanced_parts, split_rows  # noqa: E402
 from treetrain.logprobs import LOGITS_KEEP_BYTES, target_logprobs  # noqa: E402
 from treetrain.models.head import LMHead, lm_head  # noqa: E402
@@ -89,11 +104,19 @@ if verl.__version__ != TESTED_VERL:
     )
 
 
-def check_supported(model_config, engine_config) -> None:
-    """A ``ValueError`` naming the first configured feature the treetrain engine does not support."""
+def check_supported(model_config, engine_config, vision: bool = False) -> None:
+    """A ``ValueError`` naming the first configured feature the treetrain engine does not support;
+    ``vision``: the engine runs the vision-language types of ``VERL_VISION_TYPES`` (the actor's)."""
     hf = model_config.hf_config
+    model_type = getattr(hf, "model_type", None)
+    is_vision = getattr(hf, "vision_config", None) is not None
     checks = [
-        (getattr(hf, "vision_config", None) is not None, "vision/multimodal models", "a text-only model"),
+        (
+            is_vision and not (vision and model_type in VERL_VISION_TYPES),
+            f"the vision-language model type {model_type!r}"
+            + (" as a critic" if not vision else f" (it runs {', '.join(sorted(VERL_VISION_TYPES))})"),
+            "a text-only model" if not vision else "one of those",
+        ),
         (
             engine_config.ulysses_sequence_parallel_size > 1,
             "Ulysses sequence parallelism "
@@ -125,9 +148,9 @@ def _as_fsdp2(engine_config):
     return config
 
 
-def _check_micro_batch(mb: TensorDict) -> None:
+def _check_micro_batch(mb: TensorDict, vision: bool) -> None:
     flags = {
-        "multi_modal_inputs": "multi_modal_inputs" in mb.keys(),  # noqa: SIM118 (a TensorDict)
+        "multi_modal_inputs": not vision and "multi_modal_inputs" in mb.keys(),  # noqa: SIM118 (a TensorDict)
         "distillation_use_topk": tu.get_non_tensor_data(mb, "distillation_use_topk", False),
         "calculate_sum_pi_squared": tu.get_non_tensor_data(mb, "calculate_sum_pi_squared", False),
         "use_fused_kernels": tu.get_non_tensor_data(mb, "use_fused_kernels", False),
@@ -171,8 +194,11 @@ def _lm_outputs(self: nn.Module, packed, src, labels, temperature: float, entrop
 
     The model's exact head (:func:`treetrain.models.head.lm_head`: logit scales, softcap), then verl's
     division of the final logits by the temperature (``post = 1 / temperature``, after the cap);
-    ``keep``: bytes of logits kept for backward (:func:`_logits_keep_bytes`)."""
-    hidden = tree_forward(self, packed)
+    ``keep``: bytes of logits kept for backward (:func:`_logits_keep_bytes`). A vision-language
+    model's tower runs on every forward (a blank image's features times 0 without images:
+    :func:`~treetrain.integrations.verl_images.blank_image`)."""
+    with blank_image(self, packed):
+        hidden = tree_forward(self, packed)
     rows = hidden.index_select(0, src.to(hidden.device))
     head = self.get_output_embeddings()
     # its transforms as floats: FSDP must see no sharded parameter among the head call's arguments
@@ -208,6 +234,7 @@ def _values(self: nn.Module, packed):
 def _install(module: nn.Module, root_method, head: nn.Module | None = None) -> None:
     """Tree attention on ``module``; its tree entry point (and the head's) run through FSDP's hooks."""
     prepare_model(module)
+    object.__setattr__(module, "_treetrain_classes", tuple(dict.fromkeys(type(m) for m in module.modules())))
     object.__setattr__(module, _TREE_METHOD, types.MethodType(root_method, module))
     if isinstance(module, FSDPModule):
         register_fsdp_forward_method(module, _TREE_METHOD)
@@ -219,6 +246,11 @@ def _install(module: nn.Module, root_method, head: nn.Module | None = None) -> N
 
 class _TreeEngineMixin:
     """What both treetrain engines change in verl's FSDP engine: the micro-batches and their forward."""
+
+    _VISION = False  # whether rows may carry images (the actor's engine)
+
+    def _row_images(self, data: TensorDict):
+        return row_images(data, self.module) if self._VISION else None
 
     def _tree_micro_batches(self, data: TensorDict):
         """verl's micro-batches, or with ``use_dynamic_bsz`` parts of the rank's tree under
@@ -235,7 +267,7 @@ class _TreeEngineMixin:
         values, offsets = ids.values().cpu().numpy(), ids.offsets().cpu().numpy()
         rows = [values[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
         budget, longest = int(data["max_token_len_per_gpu"]), max(len(r) for r in rows)
-        parts = split_rows(rows, budget, self.module) if longest <= budget else []
+        parts = split_rows(rows, budget, self.module, self._row_images(data)) if longest <= budget else []
         # agreed on by every rank before any raises (a rank raising alone would hang the others)
         agreed = torch.tensor([len(parts), longest, -len(rows)], device=get_device_name())
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.get_data_parallel_group())
@@ -280,9 +312,13 @@ class _TreeEngineMixin:
         return postprocess_batch_func(output_lst=output_lst, indices=indices, data=data)
 
     def forward_step(self, micro_batch: TensorDict, loss_function, forward_only):
-        _check_micro_batch(micro_batch)
+        _check_micro_batch(micro_batch, self._VISION)
+        check_unpatched(self.module._treetrain_classes)
         ids = micro_batch["input_ids"]  # the tree is built on the host, before the batch moves
-        rows = RowTree.build(ids.values(), ids.offsets(), micro_batch["position_ids"].values(), self.module)
+        pos = micro_batch["position_ids"].values()
+        rows = RowTree.build(ids.values(), ids.offsets(), pos, self.module, self._row_images(micro_batch))
+        if pos.dim() == 2:  # verl's [4, N]: text, then the model's 3-D rotary positions
+            check_rope_positions(pos[1:], rows.dfs, rows.packed, self.module)
         micro_batch = micro_batch.to(get_device_id())
         autocast_dtype = getattr(self, "_autocast_dtype", torch.bfloat16)
         autocast_ctx = (
@@ -310,8 +346,10 @@ class _TreeEngineMixin:
 class TreeEngineWithLMHead(_TreeEngineMixin, FSDPEngineWithLMHead):
     """verl's FSDP2 actor/reference engine; every micro-batch runs as one prefix tree."""
 
+    _VISION = True
+
     def __init__(self, model_config, engine_config, optimizer_config, checkpoint_config):
-        check_supported(model_config, engine_config)
+        check_supported(model_config, engine_config, vision=True)
         super().__init__(model_config, _as_fsdp2(engine_config), optimizer_config, checkpoint_config)
 
     def _build_module(self):
@@ -319,7 +357,8 @@ class TreeEngineWithLMHead(_TreeEngineMixin, FSDPEngineWithLMHead):
         saved = hf._attn_implementation
         hf._attn_implementation = "sdpa"  # loads on every device (tree attention replaces it)
         try:
-            return super()._build_module()
+            with without_verl_vision_patches():
+                return super()._build_module()
         finally:
             hf._attn_implementation = saved
 
@@ -332,7 +371,7 @@ class TreeEngineWithLMHead(_TreeEngineMixin, FSDPEngineWithLMHead):
         if tu.get_non_tensor_data(micro_batch, "distillation_only", False):
             raise ValueError("the treetrain verl engine does not support distillation_only yet")
         temperature = _scalar_temperature(micro_batch["temperature"])
-        keep = _logits_keep_bytes(micro_batch, self.model_config.hf_config.vocab_size)
+        keep = _logits_keep_bytes(micro_batch, self.model_config.hf_config.get_text_config().vocab_size)
         logp, ent = getattr(self.module, _TREE_METHOD)(
             rows.packed, rows.src, rows.labels, temperature, entropy, None, keep
         )

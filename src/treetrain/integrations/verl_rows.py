@@ -56,11 +56,15 @@ class RowTree:
         offsets: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         model: nn.Module | None = None,
+        images: list | None = None,
     ) -> RowTree:
         """``values [N]`` token ids of the rows back to back, ``offsets [B + 1]`` (a nested tensor's
         ``values()``/``offsets()``); ``position_ids [N]`` must restart at 0 on every row and count up
-        (what the tree gives each token), else a ``ValueError`` names the row. ``model``: rows in
-        different regimes of its length-dependent rope share no token (``models.rope.split_regimes``)."""
+        (what the tree gives each token), else a ``ValueError`` names the row; a vision-language
+        model's ``[4, N]`` (text position, then three rotary rows: ``verl_images`` checks those) is
+        checked on its text row. ``model``: rows in different regimes of its length-dependent rope
+        share no token (``models.rope.split_regimes``). ``images``: each row's ``ImageInput`` list
+        (``verl_images.row_images``), or None."""
         ids = values.detach().cpu().to(torch.int64)
         off = offsets.detach().cpu().to(torch.int64)
         lengths = off.diff()
@@ -70,7 +74,7 @@ class RowTree:
         if position_ids is not None:
             _check_positions(position_ids.detach().cpu().to(torch.int64), off)
         rows = list(ids.numpy()[o0:o1] for o0, o1 in zip(off[:-1].tolist(), off[1:].tolist()))
-        packed = pack(split_regimes(model, TrajectoryTree.from_paths(rows)))
+        packed = pack(split_regimes(model, TrajectoryTree.from_paths(rows, images=images)))
         dfs = packed.path_index
         labels = torch.roll(ids, -1)  # verl's input_ids_rmpad_rolled
         vocab = int(ids.max()) + 1
@@ -87,10 +91,12 @@ class RowTree:
 
 
 def _check_positions(position_ids: torch.Tensor, offsets: torch.Tensor) -> None:
+    if position_ids.dim() == 2 and position_ids.shape[0] == 4:  # text row + Qwen-VL's 3 rotary rows
+        position_ids = position_ids[0]
     if position_ids.dim() != 1:
         raise ValueError(
-            f"position_ids: expected one position per token, got shape {tuple(position_ids.shape)} "
-            "(3-D multimodal rope positions, e.g. Qwen2-VL's mrope, are not supported by treetrain's engine)"
+            f"position_ids: expected one position per token, or verl's [4, N] (text, then 3 rotary rows), "
+            f"got shape {tuple(position_ids.shape)}"
         )
     lengths = offsets.diff()
     row_start = torch.repeat_interleave(offsets[:-1], lengths)
@@ -104,15 +110,18 @@ def _check_positions(position_ids: torch.Tensor, offsets: torch.Tensor) -> None:
         )
 
 
-def split_rows(rows: list[np.ndarray], budget: int, model: nn.Module | None = None) -> list[np.ndarray]:
+def split_rows(
+    rows: list[np.ndarray], budget: int, model: nn.Module | None = None, images: list | None = None
+) -> list[np.ndarray]:
     """Row indices of micro-batches whose trees hold at most ``budget`` distinct tokens each.
 
     The rows become one tree (split by ``model``'s rope regimes, as :meth:`RowTree.build` splits
     them), which treetrain's partitioner splits into parts of whole rows (a shared prefix is
     recomputed once per part that needs it). Like verl's own split, a row longer than the budget is
-    an error (``max_token_len_per_gpu`` must hold the longest row).
+    an error (``max_token_len_per_gpu`` must hold the longest row). ``images``: as in
+    :meth:`RowTree.build` (rows whose placeholders carry other pixels share no image token).
     """
-    tree = split_regimes(model, TrajectoryTree.from_paths(rows))
+    tree = split_regimes(model, TrajectoryTree.from_paths(rows, images=images))
     longest = int(tree.path_lengths.max())
     if longest > budget:
         raise ValueError(

@@ -34,6 +34,7 @@ from treetrain.models.layer_masks import layer_bidirectional, layer_window, mask
 from treetrain.models.rope import patch_rotary, rotary_lengths, token_lengths
 from treetrain.models.support import check_model
 from treetrain.models.vision import image_blocks_may_be_bidirectional, vision_inputs, vision_runs
+from treetrain.models.vision_legacy import features_through_forward
 from treetrain.trees.packing import PackedTree
 
 ATTN_NAME = "treetrain"
@@ -339,7 +340,11 @@ def run_decoder(
     device = packed.input_ids.device
     lengths = None if rope is None else rope[start:end]
     pos = packed.position_ids[None, start:end] if positions is None else positions[..., start:end]
-    with padding_mask(mask, end - start, device) as attention_mask, rotary_lengths(lengths):
+    with (
+        padding_mask(mask, end - start, device) as attention_mask,
+        rotary_lengths(lengths),
+        features_through_forward(decoder_of(model), extra) as extra,  # transformers < 5.24
+    ):
         out = decoder(
             input_ids=packed.input_ids[None, start:end],
             position_ids=pos,

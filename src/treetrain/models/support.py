@@ -21,7 +21,7 @@ from torch import nn
 from treetrain.models.classes import own_class
 from treetrain.models.head import unwrap
 from treetrain.models.recurrent import ROUTES, route
-from treetrain.models.support_vision import VISION_EXACT, VISION_REFUSED, VISION_TYPES
+from treetrain.models.support_vision import VISION_EXACT, VISION_OLDER, VISION_REFUSED, VISION_TYPES
 
 __all__ = ["EXACT", "REFUSED", "STATEFUL", "check_model", "refusal"]
 
@@ -291,16 +291,30 @@ def refusal(model: nn.Module) -> str | None:
     return f"model type {model_type!r} ({type(model).__name__}) is not supported: {why}; {_DOCS}"
 
 
+def vision_verified(model_type: str, installed: str) -> bool:
+    """Whether the multimodal ``model_type`` is verified exact on transformers ``installed``: every
+    type of ``VISION_EXACT`` from 5.24 on, a few (``VISION_OLDER``) on an older range too."""
+    if model_type not in VISION_EXACT:
+        return False
+    if _version(installed) >= _version(VERIFIED_FROM):
+        return True
+    lowest, below = VISION_OLDER.get(model_type, (VERIFIED_FROM, VERIFIED_FROM))
+    return _version(lowest) <= _version(installed) < _version(below)
+
+
 def _vision_refusal(model: nn.Module, model_type: str, installed: str) -> str | None:
     """The multimodal types (:mod:`treetrain.models.support_vision`): verified on transformers 5.24,
-    whose vision-language forwards take precomputed encoder outputs (``mm_encoder_outputs``)."""
-    if model_type in VISION_EXACT and _version(installed) >= _version(VERIFIED_FROM):
+    whose vision-language forwards take precomputed encoder outputs (``mm_encoder_outputs``), and a
+    few Qwen types on 5.10.x too (``VISION_OLDER``: the features through the forward's own call)."""
+    if vision_verified(model_type, installed):
         return None
     why = VISION_REFUSED.get(model_type)
     if why is None:
+        older = VISION_OLDER.get(model_type)
+        also = f" or >= {older[0]}, < {older[1]}" if older else ""
         why = (
-            f"its vision-language forward is verified exact only with transformers >= {VERIFIED_FROM} "
-            f"(installed: {installed}): upgrade transformers"
+            f"its vision-language forward is verified exact only with transformers >= {VERIFIED_FROM}"
+            f"{also} (installed: {installed}): upgrade transformers"
         )
     return f"model type {model_type!r} ({type(model).__name__}) is not supported: {why}; {_DOCS}"
 

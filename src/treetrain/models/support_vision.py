@@ -15,7 +15,7 @@ sees them as the per-path forward would), and saving keeps the vision tower.
 
 from __future__ import annotations
 
-__all__ = ["VISION_EXACT", "VISION_REFUSED", "VISION_TYPES"]
+__all__ = ["VISION_EXACT", "VISION_OLDER", "VISION_REFUSED", "VISION_TYPES"]
 
 _QWEN = "3D rotary positions (the model's compute_3d_position_ids per path)"
 VISION_EXACT: dict[str, str] = {
@@ -38,6 +38,18 @@ VISION_EXACT: dict[str, str] = {
     "internvl": "pixel-shuffle projector",
     "lfm2_vl": "NaFlex patches (spatial shapes, padding masks); pixel-unshuffle projector; "
     "short convolutions along each path",
+}
+
+# Types also verified on an older transformers, as ``[lowest, below)``: 5.10.x (verl 0.9.1 pins
+# transformers < 5.11), whose forwards take no precomputed encoder outputs and get them through
+# their own feature call (treetrain.models.vision_legacy); the zoo runs them there (.ci/lowest.sh).
+# Versions between these ranges and 5.24 are unverified: refused.
+_VERL_PIN = ("5.10.4", "5.11")
+VISION_OLDER: dict[str, tuple[str, str]] = {
+    "qwen2_vl": _VERL_PIN,
+    "qwen2_5_vl": _VERL_PIN,
+    "qwen3_vl": _VERL_PIN,
+    "qwen3_vl_moe": _VERL_PIN,
 }
 
 VISION_REFUSED: dict[str, str] = {
