@@ -154,6 +154,31 @@ def test_native_rule_is_transformers_rule_in_float64():
             assert rel_err(a.grad, b.grad) < 1e-12, chunk
 
 
+def test_rule_gets_one_query_key_head_per_value_head(monkeypatch):
+    """Grouped value heads (2 q/k heads, 4 value heads): the rule is handed q and k repeated to the
+    value heads' count, as HF's layers do before calling it (transformers 5.10's rule takes equal
+    counts and fails on 2 vs 4; 5.24's repeats them itself)."""
+    import treetrain.models.gdn as gdn
+
+    real, calls = _torch_rule(), []
+
+    def rule(q, k, v, **kwargs):
+        assert q.shape[2] == k.shape[2] == v.shape[2], (q.shape, k.shape, v.shape)
+        calls.append(q.shape)
+        return real(q, k, v, **kwargs)
+
+    monkeypatch.setattr(gdn, "_torch_rule", lambda: rule)
+    packed = pack(TrajectoryTree.from_paths(DOC))
+    q, k, v, g, beta = (t.detach().float() for t in _rule_inputs(packed.num_tokens))
+    assert q.shape[1] < v.shape[1]
+    levels = build_levels(packed.node_start, packed.node_end, packed.node_parent)
+    out = tree_gated_delta_rule(q, k, v, g, beta, levels)
+    nodes = (packed.node_start, packed.node_end, packed.node_parent)
+    nodewise = tree_gated_delta_rule_nodewise(q, k, v, g, beta, *nodes)
+    assert len(calls) == len(levels.levels) + len(packed.node_start)
+    assert rel_err(out, nodewise) < 1e-5  # float32, two chunkings: rounding only (measured 1e-7)
+
+
 @pytest.mark.parametrize("name", ["doc", "one_token", "deep_wide"])
 def test_routed_rule_matches_nodewise_and_whole_paths(name):
     with float64_everywhere():  # the PyTorch rule computes in float32 otherwise
