@@ -118,6 +118,17 @@ def use_fla(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and _fla_rule() is not None
 
 
+def _value_heads(q: torch.Tensor, k: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k ``[T, Hk, Dk]`` -> ``[T, heads, Dk]``: with grouped value heads each q/k head serves
+    ``heads // Hk`` consecutive value heads. Repeated here, as the layers do before their rule:
+    transformers 5.10's ``torch_chunk_gated_delta_rule`` and FLA's kernel take equal head counts
+    (5.24's rule repeats them itself, a no-op then)."""
+    rep = heads // q.shape[1]
+    if rep == 1:
+        return q, k
+    return q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
+
+
 def tree_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -140,6 +151,7 @@ def tree_gated_delta_rule(
     types), or None to pick by device and dtype.
     """
     kernel = kernel or ("fla" if use_fla(q) else "torch")
+    q, k = _value_heads(q, k, v.shape[1])
     if kernel == "fla":
         return _tree_rule_fla(q, k, v, g, beta, levels, use_qk_l2norm)
     if kernel != "torch":
@@ -156,9 +168,6 @@ def _tree_rule_fla(q, k, v, g, beta, levels: TreeLevels, use_qk_l2norm: bool) ->
     and ``output_final_state`` with ``cu_seqlens`` (batch 1).
     """
     rule = _fla_rule()
-    rep = v.shape[1] // q.shape[1]
-    if rep > 1:  # grouped value heads: each q/k head serves `rep` consecutive value heads
-        q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
 
     def scan(xs, init, cu_seqlens):
         qg, kg, vg, gg, bg = (x[None] for x in xs)
@@ -186,6 +195,7 @@ def tree_gated_delta_rule_nodewise(
     """Reference: the same recurrence, one node at a time in DFS order (shapes as
     :func:`tree_gated_delta_rule`). For tests and the benchmark baseline."""
     rule = _torch_rule()
+    q, k = _value_heads(q, k, v.shape[1])
     states: list[torch.Tensor | None] = []
     outs = []
     for s, e, p in zip(node_start.tolist(), node_end.tolist(), node_parent.tolist()):
