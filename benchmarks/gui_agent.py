@@ -123,7 +123,8 @@ def case_line(r, work: dict, cost: CostModel) -> str:
         f"| {r.name} | {r.paths} | {work['baseline'].images} / {work['tree'].images} | {share:.0%} "
         f"| {r.speedup:.2f}x | {r.flop_bound:.2f}x | **{r.efficiency:.2f}** | {r.baseline_s:.1f} ({budget}) "
         f"| {r.tree_s:.1f} "
-        f"| {r.baseline_spread:.0%} / {r.tree_spread:.0%} | {r.baseline_live_mb:,.0f} / {r.tree_live_mb:,.0f} "
+        f"| {r.baseline_spread:.0%} / {r.tree_spread:.0%} "
+        f"| {r.baseline_live_mb:,.0f} / {r.tree_live_mb:,.0f} "
         f"| {r.max_logprob_diff:.1e} |"
     )
 
@@ -163,7 +164,8 @@ def main(argv=None) -> int:
     vocab = model.config.get_text_config().vocab_size
     base_f, tree_f, _ = bench.case_flops([tree], capacity, cost, vocab)
     print(
-        f"episode: {tree.num_paths} paths, {tree.num_path_tokens:,} baseline / {tree.num_tokens:,} tree tokens, "
+        f"episode: {tree.num_paths} paths, "
+        f"{tree.num_path_tokens:,} baseline / {tree.num_tokens:,} tree tokens, "
         f"images {work['baseline'].images} / {work['tree'].images}; step {base_f / 1e12:.2f} / "
         f"{tree_f / 1e12:.2f} TFLOP; FLOP bound {base_f / tree_f:.2f}x",
         flush=True,
