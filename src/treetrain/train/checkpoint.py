@@ -70,6 +70,7 @@ from treetrain.train.safe_state import (
 __all__ = [
     "CheckpointError",
     "export_pretrained",
+    "export_processor_files",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
@@ -435,3 +436,42 @@ def export_pretrained(model: nn.Module, out_dir: str | os.PathLike) -> Path:
             config._attn_implementation = attn
     _barrier()
     return out
+
+
+# what a model directory's processor is saved as, besides the tokenizer's own files: the image (and
+# video) processor's settings, the processor's, its chat template; transformers >= 5 writes the first
+# three into processor_config.json, older checkpoints (and the hub's) keep preprocessor_config.json
+PROCESSOR_FILES = (
+    "processor_config.json",
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+def export_processor_files(model_dir: str | os.PathLike | None, out_dir: str | os.PathLike) -> list[str]:
+    """Copy ``model_dir``'s processor files (image processor, processor, chat template:
+    ``PROCESSOR_FILES``) that ``out_dir`` does not already hold into it, so a vision-language model's
+    ``final/`` loads with ``AutoProcessor.from_pretrained`` as its source directory does. Files the
+    tokenizer's ``save_pretrained`` wrote stay. Returns the names copied (none when ``model_dir`` is
+    None or holds none). Rank 0 only; a plain copy, nothing is loaded or run.
+
+    Example: after ``export_pretrained(model, "run/final")`` and the tokenizer's ``save_pretrained``,
+    ``export_processor_files("./Qwen2.5-VL-3B", "run/final")`` copies ``preprocessor_config.json``
+    (and whichever other processor files the directory has).
+    """
+    if model_dir is None or _rank() != 0:
+        return []
+    src, out = Path(model_dir), Path(out_dir)
+    if not src.is_dir():
+        return []
+    copied = []
+    for name in PROCESSOR_FILES:
+        if (src / name).is_file() and not (out / name).exists():
+            shutil.copyfile(src / name, out / name)
+            copied.append(name)
+    if (src / "additional_chat_templates").is_dir() and not (out / "additional_chat_templates").exists():
+        shutil.copytree(src / "additional_chat_templates", out / "additional_chat_templates")
+        copied.append("additional_chat_templates")
+    return copied

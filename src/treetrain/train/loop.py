@@ -347,7 +347,9 @@ def train(cfg: TrainConfig | dict[str, Any], *, quiet: bool = False) -> TrainRes
 
 
 def _train(cfg: TrainConfig, quiet: bool) -> TrainResult:
-    from treetrain.train.checkpoint import export_pretrained
+    from treetrain.models.pretrained import resolve_model
+    from treetrain.train.build import is_vision_language
+    from treetrain.train.checkpoint import export_pretrained, export_processor_files
 
     run = setup(cfg, quiet)
     cfg = run.cfg  # with the output directory and tokenizer it resolved
@@ -363,6 +365,9 @@ def _train(cfg: TrainConfig, quiet: bool) -> TrainResult:
     tokenizer = _tokenizer_name(cfg)  # a directory, "qwen", or a named model's cached directory
     if tokenizer is not None and is_main:  # beside the model: AutoTokenizer and chat template load
         _tokenizer(tokenizer, cfg.trust_remote_code).save_pretrained(final)
+    source = resolve_model(cfg.model)
+    if source is not None and is_vision_language(Path(source)):  # its processor: AutoProcessor loads final/
+        export_processor_files(source, final)
     plot = plot_metrics(records, run.out / "training.png") if cfg.plot and records and is_main else None
     outputs = {"metrics": metrics_path, "model": final} | ({"plot": plot} if plot else {})
     outputs |= export_extras(run.objective, run.out)  # a critic: OUTPUT/final_critic (transformers)
