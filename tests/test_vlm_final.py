@@ -120,3 +120,25 @@ def test_cli_final_of_qwen2_vl_holds_its_processor_files(tmp_path):
     processor = _ImageOnlyQwen2VLProcessor(image_processor, tokenizer, chat_template=template)
     assert image_processor.patch_size == final.config.vision_config.patch_size
     _generate(final, processor, (32, 24))
+
+
+def test_export_processor_files_copies_only_what_final_lacks(tmp_path):
+    """The processor's files are copied; files already in final/ (the tokenizer's, written from
+    ``--tokenizer``) stay; weights, config and unrelated files are not copied; no source: nothing."""
+    from treetrain.train.checkpoint import export_processor_files
+
+    src, out = tmp_path / "model", tmp_path / "final"
+    src.mkdir()
+    out.mkdir()
+    for name in ("processor_config.json", "preprocessor_config.json", "chat_template.jinja", "notes.txt"):
+        (src / name).write_text(f"source {name}")
+    (src / "model.safetensors").write_text("weights")
+    (src / "additional_chat_templates").mkdir()
+    (src / "additional_chat_templates" / "tool.jinja").write_text("tool template")
+    (out / "chat_template.jinja").write_text("the tokenizer's template")
+    copied = export_processor_files(src, out)
+    assert copied == ["processor_config.json", "preprocessor_config.json", "additional_chat_templates"]
+    assert (out / "chat_template.jinja").read_text() == "the tokenizer's template"
+    assert (out / "additional_chat_templates" / "tool.jinja").read_text() == "tool template"
+    assert not (out / "notes.txt").exists() and not (out / "model.safetensors").exists()
+    assert export_processor_files(None, out) == [] and export_processor_files(tmp_path / "none", out) == []
