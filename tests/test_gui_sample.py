@@ -114,3 +114,55 @@ def test_text_of_every_record_reads_with_the_text_reader(sample, tmp_path):
     for rid, tree in trees.items():
         assert tree.num_paths == len({r["id"]: r for r in records}[rid]["messages"])
         assert tree.num_tokens < tree.num_path_tokens  # the shared prefix is stored once
+
+
+def _image_tree(record, root: Path):
+    """The record as a tree with images, tokenized crudely (one id per character of each message's
+    text, each screenshot as Qwen2-VL placeholders from the PIL image processor, 8-pixel patches):
+    what the data reader does with a real chat template, enough to see what merges."""
+    import transformers
+
+    import treetrain
+
+    processor = transformers.Qwen2VLImageProcessorPil(
+        patch_size=8, merge_size=2, temporal_patch_size=2, min_pixels=16 * 16, max_pixels=128 * 128
+    )
+    paths, images = [], []
+    for conv in record["messages"]:
+        ids, ims = [], []
+        for m in conv:
+            parts = (
+                m["content"]
+                if isinstance(m["content"], list)
+                else [{"type": "text", "text": m["content"] or ""}]
+            )
+            text = m["role"] + json.dumps(m.get("tool_calls"))
+            ids += [3 + ord(c) % 90 for c in text]
+            for p in parts:
+                if p["type"] == "text":
+                    ids += [3 + ord(c) % 90 for c in p["text"]]
+                else:
+                    fields = processor(images=[Image.open(root / p["image_url"]["url"])], return_tensors="pt")
+                    n = int(fields["image_grid_thw"].prod()) // 4
+                    ims.append(treetrain.ImageInput(dict(fields), num_tokens=n, token_id=100))
+                    ids += [101] + [100] * n + [102]
+        paths.append(ids)
+        images.append(ims)
+    return treetrain.TrajectoryTree.from_paths(paths, images=images), paths
+
+
+def test_images_merge_only_where_the_pixels_agree(sample):
+    """As a tree with its images: the refresh record's two paths (the same ids) part at the second
+    screenshot; each record has one image per distinct screenshot file it uses."""
+    path, records = sample
+    by_id = {r["id"]: r for r in records}
+    tree, paths = _image_tree(by_id["refresh"], path.parent)
+    assert paths[0] == paths[1]  # identical token ids, placeholders included
+    first_image_end = paths[0].index(102) + 1
+    part = paths[0].index(100, first_image_end)  # the second screenshot's first placeholder
+    assert tree.num_tokens == part + 2 * (len(paths[0]) - part)  # the two part there
+    for r in records:
+        tree, _ = _image_tree(r, path.parent)
+        assert len(tree.image_table.images) == len({u for conv in r["messages"] for u in _images(conv)}), r[
+            "id"
+        ]
