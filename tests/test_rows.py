@@ -169,7 +169,7 @@ def test_a_merged_tree_that_cannot_be_built_names_its_first_row(tmp_path, monkey
 
     monkeypatch.setattr("treetrain.data.reader._build", refuse_three_paths)
     path = _write(tmp_path, ROWS, "jsonl")  # rows 1-3 share a prompt: one tree of three paths
-    with pytest.raises(DataError, match=r"rows.jsonl:1: cannot build the tree: refused"):
+    with pytest.raises(DataError, match=r"rows.jsonl:1 \(id \"a\"\): cannot build the tree: refused"):
         list(iter_trees(path))
     stream = iter_trees(path, on_error="collect")
     assert [info.line for _, info in stream] == [4, 5]
@@ -179,7 +179,7 @@ def test_a_merged_tree_that_cannot_be_built_names_its_first_row(tmp_path, monkey
 
 def test_capacity_error_names_the_row_of_the_long_path(tmp_path):
     path = _write(tmp_path, ROWS[:3], "jsonl")
-    with pytest.raises(DataError, match=r"rows.jsonl:2: field \"paths\"\[0\]: a path of 4 tokens"):
+    with pytest.raises(DataError, match=r"rows.jsonl:2 \(id \"a\"\): field \"paths\"\[0\]: a path of 4 tokens"):
         list(iter_trees(path, capacity=3))
     stream = iter_trees(path, capacity=3, skip_oversized=True)
     assert list(stream) == []
