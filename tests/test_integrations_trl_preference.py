@@ -68,9 +68,10 @@ def reward_model(tmp_path_factory):
 COMMON = dict(per_device_train_batch_size=4, **TRAINER_ARGS)
 
 
-def run(cls, cfg_cls, model, out, data, **over):
+def run(cls, cfg_cls, model, out, data, ref=None, **over):
     """(logged losses, logged dicts, final weights, initial weights), all float64; checks that the tree
-    forward ran (the tree trainers) or did not (TRL's)."""
+    forward ran (the tree trainers) or did not (TRL's). ``ref``: a reference model's directory (default:
+    the policy's own initial weights, TRL's default)."""
     forwards = []
 
     def counting_tree_forward(*args, **kwargs):
@@ -79,8 +80,9 @@ def run(cls, cfg_cls, model, out, data, **over):
 
     # patched where the tree trainers call it (the module's own name), counting the calls
     with mock.patch("treetrain.integrations.trl.preference.tree_forward", counting_tree_forward):
+        kw = {} if ref is None else {"ref_model": transformers.AutoModelForCausalLM.from_pretrained(ref)}
         trainer = cls(
-            model=model, args=cfg_cls(output_dir=str(out), **{**COMMON, **over}), train_dataset=data
+            model=model, args=cfg_cls(output_dir=str(out), **{**COMMON, **over}), train_dataset=data, **kw
         )
         w0 = {n: p.detach().double().clone() for n, p in trainer.model.named_parameters()}
         trainer.train()
@@ -116,11 +118,30 @@ DPO_CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def reference(policy, tmp_path_factory):
+    """The policy with its matrices scaled by 1.1: a reference whose rewards are not 0 at step 1.
+
+    With the policy as its own reference, step 1's rewards are 0 up to rounding, and the tree (whose
+    float32 rounding depends on which rows share a batch: the precompute pass batches them in order,
+    training shuffled) and TRL's padded batch round a tie differently: ``rewards/accuracies``,
+    the share of rows with margin > 0, then counts rounding (measured 0.25 vs 0 on a 2e-7 margin)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(policy)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim >= 2:
+                p.mul_(1.1)
+    path = tmp_path_factory.mktemp("pref") / "reference"
+    model.save_pretrained(path)
+    return str(path)
+
+
 @pytest.mark.parametrize("over", list(DPO_CASES.values()), ids=list(DPO_CASES))
-def test_dpo_equal_trl(over, policy, tmp_path):
+def test_dpo_equal_trl(over, policy, reference, tmp_path):
     over = dict(over, beta=0.5)
-    a = run(DPOTrainer, DPOConfig, policy, tmp_path / "trl", pairs(), **over)
-    b = run(TreeDPOTrainer, DPOConfig, policy, tmp_path / "tree", pairs(), **over)
+    ref = reference if over.get("precompute_ref_log_probs") else None
+    a = run(DPOTrainer, DPOConfig, policy, tmp_path / "trl", pairs(), ref=ref, **over)
+    b = run(TreeDPOTrainer, DPOConfig, policy, tmp_path / "tree", pairs(), ref=ref, **over)
     assert_same_training(a, b)
 
 
