@@ -75,9 +75,11 @@ def load_tokenizer(tokenizer: Any, *, trust_remote_code: bool = False):
         )
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(
-        str(path), local_files_only=True, trust_remote_code=trust_remote_code
-    )
+    from treetrain.data.images import attach_vision
+
+    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=trust_remote_code)
+    attach_vision(tok, path)  # a vision-language model directory: its image processor, for image parts
+    return tok
 
 
 # ---- rendering ----------------------------------------------------------------------------------

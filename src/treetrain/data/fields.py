@@ -223,6 +223,9 @@ def _by_label(value: dict, key: str, labels: list[str]) -> list:
 _ROLES = ("system", "user", "assistant", "tool")
 
 
+_IMAGE_PARTS = ("image", "image_url")
+
+
 def _message(m: Any, where: tuple) -> dict:
     """Check one chat message's shape (the template sees only checked values)."""
     if not isinstance(m, dict):
@@ -233,15 +236,22 @@ def _message(m: Any, where: tuple) -> dict:
         raise _Invalid(f"expected one of {', '.join(_ROLES)}, got {got}", *where, "role")
     out = dict(m)
     content = m.get("content")
-    if isinstance(content, list):  # OpenAI content parts: text only
+    if isinstance(content, list):  # OpenAI / HF content parts: text, and images (data.images)
         for j, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") in _IMAGE_PARTS:
+                continue
             if not (
                 isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
             ):
                 raise _Invalid(
-                    'only {"type": "text", "text": ...} content parts are supported', *where, "content", j
+                    'only {"type": "text", "text": ...} and image ({"type": "image_url" | "image"}) content '
+                    "parts are supported",
+                    *where,
+                    "content",
+                    j,
                 )
-        out["content"] = "".join(part["text"] for part in content)
+        if not any(part["type"] in _IMAGE_PARTS for part in content):  # text only: one string
+            out["content"] = "".join(part["text"] for part in content)
     elif content is not None and not isinstance(content, str):
         raise _Invalid(f"expected a string or null, got {_type_name(content)}", *where, "content")
     for key in ("reasoning_content", "name", "tool_call_id"):

@@ -22,6 +22,7 @@ from typing import Any
 from treetrain.data import rows, sources
 from treetrain.data.fields import DataError, _Invalid
 from treetrain.data.grouping import GROUPINGS
+from treetrain.data.images import BASE_DIR
 from treetrain.data.records import FORMATS, _build, _parts
 from treetrain.trees.tree import TrajectoryTree
 
@@ -248,6 +249,7 @@ class TreeStream(Iterator[tuple[TrajectoryTree, SampleInfo]]):
         """Each non-blank line or row, parsed (an ``_Invalid`` with its ``line`` for a bad one)."""
         c = self.counts
         raws = sources.iter_rows(self.path) if self.table else _open_lines(self.path, self.max_line_bytes)
+        BASE_DIR.set(self.path.resolve().parent if not self.path.is_dir() else self.path.resolve())
         for lineno, raw in enumerate(raws, start=1):
             c.lines += 1
             if not self.table and not raw.strip():

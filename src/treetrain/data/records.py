@@ -69,7 +69,7 @@ _FORMAT_KEY = {"paths": "paths", "messages": "messages", "tree": "nodes", "prefe
 _META_KEYS = ("id", "meta")
 _KEYS = {
     "paths": ("paths", "loss_masks", "advantages", "weights", "old_logprobs", "ref_logprobs", "rewards"),
-    "messages": ("messages", "tools", "advantages", "weights", "rewards"),
+    "messages": ("messages", "tools", "images", "advantages", "weights", "rewards"),
     "tree": ("nodes", "advantages", "weights", "old_logprobs", "ref_logprobs", "rewards"),
 }
 
@@ -245,7 +245,10 @@ def _parse_messages(
                 raise _Invalid(f"expected a tool schema object, got {_type_name(t)}", "tools", j)
     if tokenizer is None:
         raise _Invalid("the messages format needs a tokenizer (tokenizer=<local dir> or 'qwen')", "messages")
-    paths, masks, wheres = [], [], []
+    from treetrain.data.images import ImageError, expand_images, extract_images, vision_info
+
+    vision = vision_info(tokenizer)
+    paths, masks, wheres, images = [], [], [], []
     for p, conv in enumerate(convs):
         where = prefix or ("messages", p)
         wheres.append(where)
@@ -255,11 +258,22 @@ def _parse_messages(
         msgs = [_message(m, (*where, i)) for i, m in enumerate(conv)]
         check_tool_calls([(m, (*where, i)) for i, m in enumerate(msgs)], allow_invalid_tool_arguments)
         try:
+            msgs, pil, image_at = extract_images(msgs, rec.get("images") if len(convs) == 1 else None)
+            if pil and vision is None:
+                raise ImageError(
+                    "an image part, but the model is text-only (its directory has no image processor "
+                    "and image token); use a vision-language model or remove the image",
+                    image_at[0],
+                )
             r = render_chat(tokenizer, msgs, tools=tools)
-        except ChatError as e:
+            if vision is not None:
+                ids, mask, imgs = expand_images(vision, r.ids, r.loss_mask, pil, image_at)
+                images.append(imgs)
+            else:
+                ids, mask = np.asarray(r.ids, dtype=np.int64), np.asarray(r.loss_mask, dtype=np.float64)
+        except (ChatError, ImageError) as e:
             loc = (*where, *e.where) if not (e.where and e.where[0] == "tools") else e.where
             raise _Invalid(str(e), *loc) from None
-        ids = np.asarray(r.ids, dtype=np.int64)
         if vocab_size is not None and ids.max() >= vocab_size:  # a model's vocabulary may be smaller
             j = int(np.argmax(ids >= vocab_size))
             raise _Invalid(
@@ -269,7 +283,7 @@ def _parse_messages(
                 *where,
             )
         paths.append(ids)
-        masks.append(np.asarray(r.loss_mask, dtype=np.float64))
+        masks.append(mask)
     adv = rec.get("advantages")
     if isinstance(adv, list) and any(isinstance(a, list) for a in adv):
         raise _Invalid(
@@ -277,6 +291,8 @@ def _parse_messages(
         )
     fields = _path_fields(rec, [p.size for p in paths], ("advantages", "weights", "rewards"))
     fields["loss_masks"] = masks
+    if vision is not None:
+        fields["images"] = images
     return paths, fields, wheres
 
 

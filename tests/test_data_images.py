@@ -1,0 +1,172 @@
+"""Chat records with images (treetrain.data.images) through the CLI: OpenAI ``image_url`` parts (file
+relative to the data file, data URL), HF ``image`` parts, TRL's ``images`` column; tree == per-path
+baseline (float64), the first loss equal to each conversation's own HF forward with its images, and
+each bad-image case a one-line error (exit 2)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from treetrain.cli import main
+
+from .reference import float64_casts
+from .trl_vlm import pil_image, save_vlm_policy
+
+
+def _png(img) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _data_url(img) -> str:
+    return "data:image/png;base64," + base64.b64encode(_png(img)).decode()
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    """A tiny Qwen2-VL (float64) with its offline processor, and three screenshots as PNG files."""
+    d = tmp_path_factory.mktemp("vdata")
+    model_dir = d / "model"
+    _, proc = save_vlm_policy("qwen2_vl", model_dir, dtype=torch.float64)
+    proc.save_pretrained(model_dir)
+    (d / "shots").mkdir()
+    for i in range(3):
+        pil_image(i, (16, 16 + 8 * (i % 2))).save(d / "shots" / f"s{i}.png")
+    return d, proc
+
+
+def _openai(i: int, shot: str, reply: str) -> dict:
+    """A user message with a screenshot, a tool call, a tool result with a screenshot, two replies."""
+    return {"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "open the menu."},
+                                     {"type": "image_url", "image_url": {"url": "shots/s0.png"}}]},
+        {"role": "assistant", "content": "click 3 4"},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": shot}},
+                                     {"type": "text", "text": "now?"}]},
+        {"role": "assistant", "content": reply},
+    ], "id": f"r{i}"}  # fmt: skip
+
+
+def openai_records(d) -> list[dict]:
+    """Rows sharing the first screenshot; the second the same file, a data URL of the same pixels
+    (merges with it), or different pixels (parts)."""
+    same = _data_url(pil_image(1, (16, 24)))
+    convs = [
+        _openai(0, "shots/s1.png", "done."),
+        _openai(1, same, "type ok"),
+        _openai(2, str(d / "shots" / "s2.png"), "wait"),
+    ]
+    return [{"messages": [c["messages"] for c in convs]}, _openai(3, "shots/s1.png", "ok")]
+
+
+def hf_records(d) -> list[dict]:
+    return [{"messages": [[
+        {"role": "user", "content": [{"type": "image", "path": "shots/s0.png"},
+                                     {"type": "text", "text": "what is this?"}]},
+        {"role": "assistant", "content": a},
+    ] for a in ("a cat.", "a dog")]}]  # fmt: skip
+
+
+def trl_records(d) -> list[dict]:
+    return [{"messages": [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "color?"}]},
+        {"role": "assistant", "content": a},
+    ], "images": [_data_url(pil_image(k, (16, 16)))]} for k, a in ((0, "red"), (0, "blue."), (2, "green"))]  # fmt: skip
+
+
+LAYOUTS = {"openai": openai_records, "hf": hf_records, "trl": trl_records}
+
+
+def _write(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _train(model_dir, data, out, *extra) -> list[dict]:
+    args = ["train", "--model", str(model_dir), "--data", str(data), "--output", str(out),
+            "--steps", "2", "--lr", "1e-2", "--warmup-steps", "1", "--dtype", "float64",
+            "--no-progress", *extra]  # fmt: skip
+    with float64_casts():
+        assert main(args) == 0
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _weights(path) -> dict[str, torch.Tensor]:
+    m = transformers.AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float64)
+    return {k: v.detach().clone() for k, v in m.state_dict().items()}
+
+
+def _reference_loss(model_dir, proc, records, d) -> float:
+    """SFT's first loss from each conversation's own HF forward: processor on its text + images, mean
+    log-prob over assistant tokens (all conversations' tokens together, as the data is one batch)."""
+    from PIL import Image
+
+    model = transformers.AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float64)
+    total, count = 0.0, 0
+    convs = [(c, rec.get("images", [])) for rec in records
+             for c in (rec["messages"] if isinstance(rec["messages"][0], list) else [rec["messages"]])]  # fmt: skip
+    for conv, urls in convs:
+        msgs, images = [], []
+        column = [Image.open(io.BytesIO(base64.b64decode(u.split(",")[1]))) for u in urls]
+        for m in conv:
+            if isinstance(m["content"], list):
+                parts = []
+                for c in m["content"]:
+                    if c["type"] in ("image", "image_url"):
+                        src = c.get("path") or (c.get("image_url") or {}).get("url")
+                        if src is None:
+                            img = column.pop(0)
+                        elif src.startswith("data:"):
+                            img = Image.open(io.BytesIO(base64.b64decode(src.split(",")[1])))
+                        else:
+                            img = Image.open(d / src)
+                        images.append(img.convert("RGB"))
+                        parts.append({"type": "image"})
+                    else:
+                        parts.append(c)
+                m = {**m, "content": parts}
+            msgs.append(m)
+        # the assistant turns: their content's tokens after each "assistant: " (the test template
+        # renders no newlines: jinja's trim_blocks)
+        text = proc.apply_chat_template(msgs, tokenize=False)
+        inputs = proc(text=[text], images=images or None, return_tensors="pt")
+        ids = inputs["input_ids"][0]
+        mask = torch.zeros_like(ids, dtype=torch.bool)
+        head = proc.tokenizer("assistant: ", add_special_tokens=False)["input_ids"]
+        replies = iter([m["content"] for m in msgs if m["role"] == "assistant"])
+        for i in range(len(ids) - len(head) + 1):
+            if ids[i : i + len(head)].tolist() == head:
+                n = len(proc.tokenizer(next(replies), add_special_tokens=False)["input_ids"])
+                mask[i + len(head) : i + len(head) + n] = True
+        with torch.no_grad():
+            logits = model(**inputs).logits[0].double()
+        lp = torch.log_softmax(logits[:-1], -1).gather(-1, ids[1:, None])[:, 0]
+        total += float(-lp[mask[1:]].sum())
+        count += int(mask.sum())
+    return total / count
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_image_layout_trains_tree_equals_sequence(vlm, tmp_path, layout):
+    d, proc = vlm
+    records = LAYOUTS[layout](d)
+    data = _write(d / f"{layout}.jsonl", records)
+    tree = _train(d / "model", data, tmp_path / "tree", "--batch-trees", "8")
+    seq = _train(d / "model", data, tmp_path / "seq", "--batch-trees", "8", "--packing", "sequence")
+    lt, ls = np.array([r["loss"] for r in tree]), np.array([r["loss"] for r in seq])
+    dl = float(np.max(np.abs(lt - ls) / np.abs(ls)))
+    wt, ws, w0 = _weights(tmp_path / "tree" / "final"), _weights(tmp_path / "seq" / "final"), _weights(d / "model")
+    dw = max(float((wt[k] - ws[k]).abs().max() / ws[k].abs().max().clamp_min(1e-30)) for k in ws)
+    moved = max(float((ws[k] - w0[k]).abs().max()) for k in ws)
+    ref = _reference_loss(d / "model", proc, records, d)
+    d0 = abs(lt[0] - ref) / ref
+    print(f"{layout}: loss rel {dl:.3g}, weight rel {dw:.3g}, first loss vs HF {d0:.3g}, tree {tree[0]['tree_tokens']}/{tree[0]['tokens']}")
+    assert dl < 1e-6 and dw < 1e-6 and moved > 0 and d0 < 1e-6
