@@ -76,10 +76,12 @@ def hf_records(d) -> list[dict]:
 
 
 def trl_records(d) -> list[dict]:
-    return [{"messages": [
-        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "color?"}]},
-        {"role": "assistant", "content": a},
-    ], "images": [_data_url(pil_image(k, (16, 16)))]} for k, a in ((0, "red"), (0, "blue."), (2, "green"))]  # fmt: skip
+    """One row per conversation; rows 0 and 1 the same pixels."""
+    user = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "color?"}]}
+    return [
+        {"messages": [user, {"role": "assistant", "content": a}], "images": [_data_url(pil_image(k))]}
+        for k, a in ((0, "red"), (0, "blue."), (2, "green"))
+    ]
 
 
 LAYOUTS = {"openai": openai_records, "hf": hf_records, "trl": trl_records}
@@ -111,8 +113,11 @@ def _reference_loss(model_dir, proc, records, d) -> float:
 
     model = transformers.AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float64)
     total, count = 0.0, 0
-    convs = [(c, rec.get("images", [])) for rec in records
-             for c in (rec["messages"] if isinstance(rec["messages"][0], list) else [rec["messages"]])]  # fmt: skip
+    convs = [
+        (c, rec.get("images", []))
+        for rec in records
+        for c in (rec["messages"] if isinstance(rec["messages"][0], list) else [rec["messages"]])
+    ]
     for conv, urls in convs:
         msgs, images = [], []
         column = [Image.open(io.BytesIO(base64.b64decode(u.split(",")[1]))) for u in urls]
@@ -159,14 +164,126 @@ def test_image_layout_trains_tree_equals_sequence(vlm, tmp_path, layout):
     d, proc = vlm
     records = LAYOUTS[layout](d)
     data = _write(d / f"{layout}.jsonl", records)
-    tree = _train(d / "model", data, tmp_path / "tree", "--batch-trees", "8")
-    seq = _train(d / "model", data, tmp_path / "seq", "--batch-trees", "8", "--packing", "sequence")
+    tree = _train(d / "model", data, tmp_path / "tree", "--batch-trees", str(len(records)))
+    seq = _train(
+        d / "model", data, tmp_path / "seq", "--batch-trees", str(len(records)), "--packing", "sequence"
+    )
     lt, ls = np.array([r["loss"] for r in tree]), np.array([r["loss"] for r in seq])
     dl = float(np.max(np.abs(lt - ls) / np.abs(ls)))
-    wt, ws, w0 = _weights(tmp_path / "tree" / "final"), _weights(tmp_path / "seq" / "final"), _weights(d / "model")
+    wt, ws, w0 = (
+        _weights(tmp_path / "tree" / "final"),
+        _weights(tmp_path / "seq" / "final"),
+        _weights(d / "model"),
+    )
     dw = max(float((wt[k] - ws[k]).abs().max() / ws[k].abs().max().clamp_min(1e-30)) for k in ws)
     moved = max(float((ws[k] - w0[k]).abs().max()) for k in ws)
     ref = _reference_loss(d / "model", proc, records, d)
     d0 = abs(lt[0] - ref) / ref
-    print(f"{layout}: loss rel {dl:.3g}, weight rel {dw:.3g}, first loss vs HF {d0:.3g}, tree {tree[0]['tree_tokens']}/{tree[0]['tokens']}")
+    tokens = f"{tree[0]['tree_tokens']}/{tree[0]['tokens']}"
+    print(
+        f"{layout}: loss rel {dl:.3g}, weight rel {dw:.3g}, first loss vs HF {d0:.3g}, tree tokens {tokens}"
+    )
     assert dl < 1e-6 and dw < 1e-6 and moved > 0 and d0 < 1e-6
+
+
+# ---- errors: exit 2, naming file, line, message and part, and the fix ----------------------------
+
+
+def _one(content: list, role: str = "user") -> dict:
+    return {"messages": [{"role": role, "content": content}, {"role": "assistant", "content": "ok"}]}
+
+
+def _url(u: str) -> list:
+    return [{"type": "image_url", "image_url": {"url": u}}, {"type": "text", "text": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def bad_models(vlm):
+    """A copy of the model whose template drops images of tool messages; a text-only model with the
+    same tokenizer."""
+    import shutil
+
+    from .reference import tiny_config
+
+    d, _ = vlm
+    drops = d / "drops"
+    shutil.copytree(d / "model", drops)
+    t = (drops / "chat_template.jinja").read_text()
+    (drops / "chat_template.jinja").write_text(
+        t.replace("{% if c.type == 'image' %}", "{% if c.type == 'image' and m.role != 'tool' %}")
+    )
+    text = d / "text"
+    tiny_config("qwen3", vocab=128).save_pretrained(text)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(d / "model" / f, text / f)
+    (d / "bad.png").write_bytes(b"not a png at all")
+    pil_image(7, (64, 64)).save(d / "big.png")
+    return drops, text
+
+
+P0 = r"\[0\]\[\"content\"\]\[0\]"  # message 0, its content part 0
+ERRORS = {
+    "missing": (_one(_url("shots/nope.png")), "model", P0 + r": image: image file .*nope.png not found"),
+    "unreadable": (_one(_url("bad.png")), "model", P0 + r": image: unreadable image .*give a PNG/JPEG"),
+    "bad_data_url": (_one(_url("data:image/png;base64,@@@")), "model", r"bad data URL: its base64 payload"),
+    "not_base64": (
+        _one(_url("data:image/png,xyz")),
+        "model",
+        r"bad data URL \(expected data:image/<type>;base64",
+    ),
+    "web_url": (_one(_url("https://x.org/a.png")), "model", r"web URL; treetrain never downloads"),
+    "too_large": (
+        _one(_url("big.png")),
+        "model",
+        r"64x64 = 4096 pixels exceeds the processor's max_pixels 1024.*downscale",
+    ),
+    "extra_image": (
+        {**_one([{"type": "image"}]), "images": [_data_url(pil_image(0)), _data_url(pil_image(1))]},
+        "model",
+        r"1 image\(s\) of the record's images have no",
+    ),
+    "no_image_left": (_one([{"type": "image"}]), "model", P0 + r": an image placeholder with no image left"),
+    "typed_placeholder": (
+        _one([{"type": "text", "text": "<|image_pad|>"}, *_url("shots/s0.png")]),
+        "model",
+        r"control token '<\|image_pad\|>'",
+    ),
+    "template_drops": (
+        {
+            "messages": [
+                {"role": "user", "content": "go"},
+                {
+                    "role": "assistant",
+                    "content": "look",
+                    "tool_calls": [
+                        {"id": "c1", "type": "function", "function": {"name": "shot", "arguments": "{}"}}
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "c1", "content": _url("shots/s0.png")},
+                {"role": "assistant", "content": "ok"},
+            ]
+        },
+        "drops",
+        r"\[2\]" + P0[5:] + r": the chat template rendered 0 image markers for 1 image parts",
+    ),
+    "text_only_model": (
+        _one(_url("shots/s0.png")),
+        "text",
+        P0 + r": an image part, but the model is text-only",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(ERRORS))
+def test_image_errors_exit_2(vlm, bad_models, tmp_path, case, capsys):
+    import re
+
+    d, _ = vlm
+    record, model, pattern = ERRORS[case]
+    model_dir = {"model": d / "model", "drops": bad_models[0], "text": bad_models[1]}[model]
+    data = _write(d / f"err_{case}.jsonl", [record])
+    rc = main(["train", "--model", str(model_dir), "--data", str(data), "--output", str(tmp_path / "o"),
+               "--steps", "1", "--no-progress"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert f"err_{case}.jsonl:1:" in err and re.search(pattern, err), err

@@ -77,8 +77,9 @@ def attach_vision(tokenizer, path: Path) -> None:
     ip = AutoImageProcessor.from_pretrained(str(path), local_files_only=True, backend="pil")
     merge = int(getattr(ip, "merge_size", None) or cfg.get("vision_config", {}).get("spatial_merge_size", 1))
     size = getattr(ip, "size", None) or {}
-    longest = size.get("longest_edge") if isinstance(size, dict) else None
-    max_pixels = getattr(ip, "max_pixels", None) or longest
+    # Qwen2-VL's processors keep max_pixels as size["longest_edge"] (a pixel count, not an edge)
+    longest = size.get("longest_edge") if hasattr(size, "get") else getattr(size, "longest_edge", None)
+    max_pixels = (getattr(ip, "max_pixels", None) or longest) if hasattr(ip, "merge_size") else None
     setattr(tokenizer, _ATTR, VisionInfo(ip, int(token), merge, max_pixels, str(path)))
 
 
@@ -189,9 +190,8 @@ def expand_images(
     ids_a = np.asarray(ids, dtype=np.int64)
     at = np.flatnonzero(ids_a == info.image_token_id)
     if at.size != len(images):
-        lost = f"; first image part at {wheres[at.size]}" if at.size < len(images) else ""
         raise ImageError(
-            f"the chat template rendered {at.size} image markers for {len(images)} image parts{lost} (a "
+            f"the chat template rendered {at.size} image markers for {len(images)} image parts (a "
             "template that drops images, e.g. in tool or system messages, would train without them): fix "
             "the template or move the image to a message whose images it renders",
             wheres[min(at.size, len(wheres) - 1)] if wheres else (),
