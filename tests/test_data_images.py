@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
 
 import numpy as np
 import pytest
@@ -276,7 +277,6 @@ ERRORS = {
 
 @pytest.mark.parametrize("case", list(ERRORS))
 def test_image_errors_exit_2(vlm, bad_models, tmp_path, case, capsys):
-    import re
 
     d, _ = vlm
     record, model, pattern = ERRORS[case]
@@ -287,3 +287,60 @@ def test_image_errors_exit_2(vlm, bad_models, tmp_path, case, capsys):
     err = capsys.readouterr().err
     assert rc == 2, err
     assert f"err_{case}.jsonl:1:" in err and re.search(pattern, err), err
+
+
+# ---- policy gradient, DPO, stats -----------------------------------------------------------------
+
+
+def _pairs(d) -> list[dict]:
+    """Preference pairs whose prompt carries a screenshot (TRL's images column, and a file part)."""
+    return [
+        {
+            "prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "click?"}]}],
+            "chosen": [{"role": "assistant", "content": "click 1 2"}],
+            "rejected": [{"role": "assistant", "content": "no."}],
+            "images": [_data_url(pil_image(0))],
+        },
+        {
+            "prompt": [{"role": "user", "content": _url("shots/s1.png")}],
+            "chosen": [{"role": "assistant", "content": "type ok"}],
+            "rejected": [{"role": "assistant", "content": "wait"}],
+        },
+    ]
+
+
+@pytest.mark.parametrize("objective", ["grpo", "dpo"])
+def test_image_objectives_tree_equals_sequence(vlm, tmp_path, objective):
+    """GRPO (advantages in the data) and DPO (preference pairs with images): tree == per-path."""
+    d, _ = vlm
+    if objective == "grpo":
+        records = openai_records(d)
+        records[0]["advantages"] = [1.0, -0.5, 0.25]
+        records[1]["advantages"] = [0.5]
+    else:
+        records = _pairs(d)
+    data = _write(d / f"{objective}.jsonl", records)
+    extra = ("--objective", objective, "--batch-trees", str(len(records)))
+    tree = _train(d / "model", data, tmp_path / "tree", *extra)
+    seq = _train(d / "model", data, tmp_path / "seq", *extra, "--packing", "sequence")
+    lt, ls = np.array([r["loss"] for r in tree]), np.array([r["loss"] for r in seq])
+    dl = float(np.max(np.abs(lt - ls) / np.maximum(np.abs(ls), 1e-12)))
+    wt, ws, w0 = (_weights(p) for p in (tmp_path / "tree" / "final", tmp_path / "seq" / "final", d / "model"))
+    dw = max(float((wt[k] - ws[k]).abs().max() / ws[k].abs().max().clamp_min(1e-30)) for k in ws)
+    moved = max(float((ws[k] - w0[k]).abs().max()) for k in ws)
+    print(f"{objective}: losses {lt.tolist()}, loss rel {dl:.3g}, weight rel {dw:.3g}")
+    assert dl < 1e-6 and dw < 1e-6 and moved > 0
+
+
+def test_stats_reports_images(vlm, capsys):
+    """``treetrain stats``: images per path, distinct images (a data URL of s1's pixels is s1), vision
+    patches and FLOPs saved."""
+    d, _ = vlm
+    data = _write(d / "stats.jsonl", openai_records(d))
+    assert main(["stats", "--model", str(d / "model"), "--data", str(data)]) == 0
+    out = capsys.readouterr().out
+    # tree 1: s0 x3, s1 x2 (file, data URL), s2 -> 3 distinct; tree 2: s0, s1 -> 2
+    assert re.search(r"images \(sum over paths\)\s+8\n", out), out
+    assert re.search(r"distinct images \(encoded by the tree\)\s+5\n", out), out
+    assert re.search(r"vision patches \(baseline / tree\)\s+\d+ / \d+", out), out
+    assert re.search(r"vision FLOPs saved\s+\d+\.\d% \(the tower", out), out

@@ -33,7 +33,7 @@ __all__ = ["PREFERENCE_KEYS", "is_preference_record", "parse_preference"]
 
 _TOKENIZED = ("prompt_ids", "chosen_ids", "rejected_ids")
 _CONVERSATIONAL = ("prompt", "chosen", "rejected")
-PREFERENCE_KEYS = (*_TOKENIZED, *_CONVERSATIONAL, "margin", "tools", "id", "meta")
+PREFERENCE_KEYS = (*_TOKENIZED, *_CONVERSATIONAL, "margin", "tools", "images", "id", "meta")
 
 
 def is_preference_record(record: dict) -> bool:
@@ -73,11 +73,13 @@ def parse_preference(
     if tokenized:
         if "tools" in rec:
             raise _Invalid("tools apply to the conversational form (prompt/chosen/rejected) only", "tools")
-        paths, masks = _tokenized(rec, vocab_size)
+        (paths, masks), images = _tokenized(rec, vocab_size), None
     else:
-        paths, masks = _conversational(rec, vocab_size, tokenizer, allow_invalid_tool_arguments)
+        paths, masks, images = _conversational(rec, vocab_size, tokenizer, allow_invalid_tool_arguments)
     margin = _scalar(rec["margin"], ("margin",)) if "margin" in rec else 0.0
     fields = {"loss_masks": masks, "margins": np.full(2, margin)}
+    if images is not None:  # conversational, with a vision-language model: each path's images
+        fields["images"] = images
     return paths, fields, [(keys[1],), (keys[2],)]
 
 
@@ -107,8 +109,10 @@ def _conversation(value: Any, key: str) -> list[dict]:
 
 def _conversational(
     rec: dict, vocab_size: int | None, tokenizer, allow_invalid_tool_arguments: bool
-) -> tuple[list[np.ndarray], list[np.ndarray]]:
+) -> tuple[list[np.ndarray], list[np.ndarray], list | None]:
+    """Paths, loss masks and (a vision-language model's tokenizer) each path's ImageInputs."""
     from treetrain.data.chat import ChatError, render_chat
+    from treetrain.data.images import ImageError, expand_images, extract_images, vision_info
     from treetrain.data.toolcalls import check_tool_calls
 
     prompt = _conversation(rec.get("prompt", []), "prompt")
@@ -124,7 +128,8 @@ def _conversational(
         for j, t in enumerate(_list(tools, ("tools",), "a list of tool (function) schemas")):
             if not isinstance(t, dict):
                 raise _Invalid(f"expected a tool schema object, got {_type_name(t)}", "tools", j)
-    paths, masks = [], []
+    vision = vision_info(tokenizer)
+    paths, masks, images = [], [], []
     for key in ("chosen", "rejected"):
         resp = responses[key]
         if not any(m["role"] == "assistant" for m in resp):
@@ -132,16 +137,22 @@ def _conversational(
         located = [(m, ("prompt", i)) for i, m in enumerate(prompt)]
         check_tool_calls(located + [(m, (key, i)) for i, m in enumerate(resp)], allow_invalid_tool_arguments)
         try:
-            r = render_chat(tokenizer, [*prompt, *resp], tools=tools)
-        except ChatError as e:
+            msgs, pil, image_at = extract_images([*prompt, *resp], rec.get("images"))
+            if pil and vision is None:
+                msg = "an image part, but the model is text-only (no image processor and image token)"
+                raise ImageError(msg, image_at[0])
+            r = render_chat(tokenizer, msgs, tools=tools)
+            ids, mask = np.asarray(r.ids, dtype=np.int64), np.asarray(r.loss_mask, dtype=np.float64)
+            if vision is not None:
+                ids, mask, imgs = expand_images(vision, r.ids, r.loss_mask, pil, image_at)
+                images.append(imgs)
+        except (ChatError, ImageError) as e:
             where = e.where[1:] if e.where and isinstance(e.where[0], int) else ()
             i = e.where[0] if e.where and isinstance(e.where[0], int) else None
             loc = ("prompt", i) if i is not None and i < len(prompt) else (key,)
             if i is not None and i >= len(prompt):
                 loc = (key, i - len(prompt))
             raise _Invalid(str(e), *loc, *where) from None
-        ids = np.asarray(r.ids, dtype=np.int64)
-        mask = np.asarray(r.loss_mask, dtype=np.float64)
         if vocab_size is not None and ids.max() >= vocab_size:
             raise _Invalid(
                 f"renders to token id {ids.max()}, outside the vocabulary (vocab_size={vocab_size})", key
@@ -150,4 +161,4 @@ def _conversational(
             raise _Invalid("empty response: its assistant turns render to no trainable token", key)
         paths.append(ids)
         masks.append(mask)
-    return paths, masks
+    return paths, masks, (images if vision is not None else None)
