@@ -147,7 +147,12 @@ def _reference_loss(model_dir, proc, records, d) -> float:
         ids = inputs["input_ids"][0]
         mask = torch.zeros_like(ids, dtype=torch.bool)
         head = proc.tokenizer("assistant: ", add_special_tokens=False)["input_ids"]
-        replies = iter([m["content"] for m in msgs if m["role"] == "assistant"])
+        replies = iter(
+            [
+                c if isinstance(c, str) else "".join(p["text"] for p in c)
+                for c in (m["content"] for m in msgs if m["role"] == "assistant")
+            ]
+        )
         for i in range(len(ids) - len(head) + 1):
             if ids[i : i + len(head)].tolist() == head:
                 n = len(proc.tokenizer(next(replies), add_special_tokens=False)["input_ids"])
@@ -355,3 +360,28 @@ def test_stats_reports_images(vlm, capsys):
     assert re.search(r"distinct images \(encoded by the tree\)\s+5\n", out), out
     assert re.search(r"vision patches \(baseline / tree\)\s+\d+ / \d+", out), out
     assert re.search(r"vision FLOPs saved\s+\d+\.\d% \(the tower", out), out
+
+
+def test_parquet_image_feature(vlm, tmp_path):
+    """A ``datasets`` table (Parquet) whose ``images`` column holds Image features (PNG bytes): trains,
+    tree == per-path, and the first loss equals the conversations' own HF forwards."""
+    from datasets import Dataset
+
+    d, proc = vlm
+    records = trl_records(d)
+    # one type per column for Arrow: the assistant's content as a list of text parts too
+    for r in records:
+        a = r["messages"][1]
+        a["content"] = [{"type": "text", "text": a["content"]}]
+    table = Dataset.from_dict({
+        "messages": [r["messages"] for r in records],
+        "images": [[pil_image(k)] for k in (0, 0, 2)],
+    })  # fmt: skip
+    data = tmp_path / "rows.parquet"
+    table.to_parquet(str(data))
+    tree = _train(d / "model", data, tmp_path / "tree", "--batch-trees", "3")
+    seq = _train(d / "model", data, tmp_path / "seq", "--batch-trees", "3", "--packing", "sequence")
+    lt, ls = np.array([r["loss"] for r in tree]), np.array([r["loss"] for r in seq])
+    ref = _reference_loss(d / "model", proc, records, d)
+    print(f"parquet: losses {lt.tolist()} vs {ls.tolist()}, first vs HF {abs(lt[0] - ref) / ref:.3g}")
+    assert np.max(np.abs(lt - ls) / np.abs(ls)) < 1e-6 and abs(lt[0] - ref) / ref < 1e-6
