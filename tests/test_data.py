@@ -707,9 +707,14 @@ def _ids_mask(r):
         ({"messages": [{"content": "x"}]}, '"messages"[0]["role"]', "got missing"),
         ({"messages": [{"role": "user", "content": {"a": 1}}]}, '"messages"[0]["content"]', "got object"),
         (
-            {"messages": [{"role": "user", "content": [{"type": "image"}]}]},
+            {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
             '"messages"[0]["content"][0]',
             "content parts",
+        ),
+        (  # image parts are read (data.images): a placeholder needs an image in the record's images
+            {"messages": [{"role": "user", "content": [{"type": "image"}]}]},
+            '"messages"[0]["content"][0]',
+            "no image left",
         ),
         (
             {
