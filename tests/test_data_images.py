@@ -318,7 +318,7 @@ DPO_TWO_IMAGE_TREES = (
     "DPO with two image-carrying pairs in one step: tree and --packing sequence agree at step 1 (ln 2) "
     "but step 2 differs (0.4933 vs 0.4914, weights far apart); each pair alone, or one per step, or the "
     "same pairs without images agree to 1e-15 -- a model/objective-side bug with images across trees "
-    "in one DPO step, not the data layer"
+    "in one DPO step (likely objective/model side: the same rows train equal under SFT and GRPO)"
 )
 
 
