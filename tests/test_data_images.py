@@ -314,20 +314,13 @@ def _pairs(d) -> list[dict]:
     ]
 
 
-DPO_TWO_IMAGE_TREES = (
-    "DPO with two image-carrying pairs in one step: tree and --packing sequence agree at step 1 (ln 2) "
-    "but step 2 differs (0.4933 vs 0.4914, weights far apart); each pair alone, or one per step, or the "
-    "same pairs without images agree to 1e-15 -- a model/objective-side bug with images across trees "
-    "in one DPO step (likely objective/model side: the same rows train equal under SFT and GRPO)"
-)
-
-
 @pytest.mark.parametrize(
     "objective",
-    ["grpo", pytest.param("dpo", marks=pytest.mark.xfail(strict=True, reason=DPO_TWO_IMAGE_TREES))],
+    ["grpo", "dpo"],
 )
 def test_image_objectives_tree_equals_sequence(vlm, tmp_path, objective):
-    """GRPO (advantages in the data) and DPO (preference pairs with images): tree == per-path."""
+    """GRPO (advantages in the data) and DPO (preference pairs with images): tree == per-path. DPO's
+    step merges its pair trees into one (objectives.preference.pairs.merge_pairs): their images go too."""
     d, _ = vlm
     if objective == "grpo":
         records = openai_records(d)
@@ -385,3 +378,27 @@ def test_parquet_image_feature(vlm, tmp_path):
     ref = _reference_loss(d / "model", proc, records, d)
     print(f"parquet: losses {lt.tolist()} vs {ls.tolist()}, first vs HF {abs(lt[0] - ref) / ref:.3g}")
     assert np.max(np.abs(lt - ls) / np.abs(ls)) < 1e-6 and abs(lt[0] - ref) / ref < 1e-6
+
+
+def test_trl_prompt_completion_rows_merge_only_where_images_agree(vlm, tmp_path):
+    """TRL's conversational prompt/completion rows with an ``images`` column: rows of one prompt are
+    grouped by its text, so the tree must still part where the pixels differ. Rows 0 and 1: the same
+    screenshot (they share it); row 2: the same text, other pixels (its own image node)."""
+    from treetrain.data.reader import iter_trees
+
+    d, _ = vlm
+    prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "color?"}]}]
+    rows = [
+        {
+            "prompt": prompt,
+            "completion": [{"role": "assistant", "content": a}],
+            "images": [_data_url(pil_image(k))],
+        }
+        for k, a in ((0, "red"), (0, "blue."), (2, "green"))
+    ]
+    trees = [t for t, _ in iter_trees(_write(tmp_path / "rows.jsonl", rows), tokenizer=str(d / "model"))]
+    assert len(trees) == 1 and trees[0].num_paths == 3  # one prompt: one tree
+    (tree,) = trees
+    assert len(tree.image_table.images) == 2  # two distinct screenshots, encoded once each
+    keys = [tree.fields["images"][p][0].key for p in range(3)]
+    assert keys[0] == keys[1] != keys[2]

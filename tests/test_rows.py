@@ -179,7 +179,8 @@ def test_a_merged_tree_that_cannot_be_built_names_its_first_row(tmp_path, monkey
 
 def test_capacity_error_names_the_row_of_the_long_path(tmp_path):
     path = _write(tmp_path, ROWS[:3], "jsonl")
-    with pytest.raises(DataError, match=r"rows.jsonl:2 \(id \"a\"\): field \"paths\"\[0\]: a path of 4 tokens"):
+    want = r"rows.jsonl:2 \(id \"a\"\): field \"paths\"\[0\]: a path of 4 tokens"
+    with pytest.raises(DataError, match=want):
         list(iter_trees(path, capacity=3))
     stream = iter_trees(path, capacity=3, skip_oversized=True)
     assert list(stream) == []

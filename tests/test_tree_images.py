@@ -105,3 +105,18 @@ def test_random_image_trees_keep_every_path(data):
             got = [tree.image_table.images[g].key for g in tree.image_table.image[at] if g >= 0]
             want = [im.key for im in images[i] for _ in range(im.num_tokens)]
             assert got == want
+
+
+def test_merged_preference_pairs_keep_their_images():
+    """Two DPO pairs, prompt ``1 P P`` with other pixels (a, b): merged into one step's tree they part at
+    the image (``1 | P P 2 3 | P P 4 5``), each path with its own image."""
+    from treetrain.objectives.preference.pairs import merge_pairs
+
+    a, b = img(1.0), img(2.0)
+    pair = lambda im, c, r: TrajectoryTree.from_paths(  # noqa: E731
+        [[1, P, P, c], [1, P, P, r]], images=[[im], [im]], loss_masks=[[0, 0, 0, 1]] * 2, margins=[0.0, 0.0]
+    )
+    merged = merge_pairs([pair(a, 2, 3), pair(b, 4, 5)])
+    assert merged.tokens.tolist() == [1, P, P, 2, 3, P, P, 4, 5]
+    assert [merged.fields["images"][p][0].key for p in range(4)] == [a.key, a.key, b.key, b.key]
+    assert [im.key for im in merged.image_table.images] == [a.key, b.key]

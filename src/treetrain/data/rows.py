@@ -201,9 +201,9 @@ def _group_file(rows: Iterator[Row | _Invalid]) -> Iterator[list[Row] | _Invalid
 
 def _mismatch(first: Row, row: Row) -> _Invalid | None:
     """An error for ``row`` if its fields differ from its group's first row's, else None."""
-    if set(first.fields) == set(row.fields) and first.format == row.format:
+    extra = sorted((set(row.fields) ^ set(first.fields)) - {"images"})  # text-only rows have none
+    if not extra and first.format == row.format:
         return None
-    extra = sorted(set(row.fields) ^ set(first.fields))
     field = extra[0] if extra else "format"
     has = "has" if field in row.fields else "lacks"
     err = _Invalid(
@@ -223,6 +223,9 @@ def merge(rows: list[Row]) -> tuple[list[np.ndarray], dict[str, Any], list[tuple
     if len(rows) == 1:
         return paths, rows[0].fields, where
     fields: dict[str, Any] = {}
+    if any("images" in r.fields for r in rows):  # a row without images: none on its paths
+        for r in rows:
+            r.fields.setdefault("images", [[] for _ in r.paths])
     for key in rows[0].fields:
         values = [r.fields[key] for r in rows]
         if all(isinstance(v, np.ndarray) for v in values):  # one number per path

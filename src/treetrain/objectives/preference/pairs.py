@@ -160,6 +160,8 @@ def merge_pairs(trees: Sequence[TrajectoryTree]) -> TrajectoryTree:
         "loss_masks": [m for t in trees for m in t.fields["loss_masks"]],
         "margins": np.concatenate([t.fields["margins"] for t in trees]),
     }
+    if any(t.image_table is not None for t in trees):  # a path's images travel with it
+        fields["images"] = [imgs for t in trees for imgs in t.fields.get("images") or [[]] * t.num_paths]
     groups = [t.path_groups for t in trees]  # rope regimes (models.rope.split_regimes) stay apart
     groups = np.concatenate(groups) if all(g is not None for g in groups) else None
     return TrajectoryTree.from_paths(paths, groups=groups, **fields)
