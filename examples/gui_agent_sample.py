@@ -311,12 +311,68 @@ def write_sample(out: str | Path, seed: int = 0) -> Path:
     return path
 
 
+def qwen_vl_template() -> str:
+    """treetrain's Qwen chat template with content given as parts: an ``image`` part renders as Qwen-VL's
+    ``<|vision_start|><|image_pad|><|vision_end|>``, a ``text`` part as its text."""
+    from treetrain.data.qwen import QWEN_CHAT_TEMPLATE
+
+    text_only = "{%- else %}\n        {%- set content = '' %}"
+    parts = (
+        "{%- else %}\n        {%- set acc = namespace(s='') %}"
+        "{%- for c in message.content %}{%- if c.type == 'image' %}"
+        "{%- set acc.s = acc.s + '<|vision_start|><|image_pad|><|vision_end|>' %}"
+        "{%- elif c.type == 'text' %}{%- set acc.s = acc.s + c.text %}{%- endif %}{%- endfor %}"
+        "{%- set content = acc.s %}"
+    )
+    assert QWEN_CHAT_TEMPLATE.count(text_only) == 1
+    return QWEN_CHAT_TEMPLATE.replace(text_only, parts)
+
+
+def write_tiny_model(out: str | Path, seed: int = 0) -> Path:
+    """A tiny random-init Qwen2-VL (2 layers of 64, a 1-layer vision tower of 32; 14-pixel patches,
+    2x2 merge: a 112x112 screenshot is 16 tokens) with the offline Qwen tokenizer, the template of
+    :func:`qwen_vl_template` and Qwen2-VL's image processor (PIL): a model directory for trying the
+    sample with ``treetrain`` and no download. Not a trained model: its replies are noise."""
+    import torch
+    import transformers
+
+    from treetrain.data.chat import load_tokenizer
+
+    out = Path(out)
+    tok = load_tokenizer("qwen")
+    ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>")}
+    text = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+    )  # fmt: skip
+    vision = dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, patch_size=14, spatial_merge_size=2)
+    cfg = transformers.Qwen2VLConfig(
+        text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    transformers.Qwen2VLForConditionalGeneration(cfg).save_pretrained(out)
+    tok.chat_template = qwen_vl_template()
+    tok.save_pretrained(out)
+    transformers.Qwen2VLImageProcessorPil(
+        patch_size=14, temporal_patch_size=2, merge_size=2, min_pixels=28 * 28, max_pixels=256 * 256
+    ).save_pretrained(out)
+    return out
+
+
 def main(argv=None) -> int:
     here = Path(__file__).resolve().parent
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(here / "data" / "gui_agent"), help="output directory")
     parser.add_argument("--seed", type=int, default=0, help="desktop colors and list order (default 0)")
+    parser.add_argument(
+        "--tiny-model", metavar="DIR", help="also write a tiny random-init Qwen2-VL directory to DIR"
+    )
     args = parser.parse_args(argv)
+    if args.tiny_model:
+        print(f"wrote a tiny Qwen2-VL to {write_tiny_model(args.tiny_model, args.seed)}")
     path = write_sample(args.out, args.seed)
     n = len(list((Path(args.out) / "screens").glob("*.png")))
     print(f"wrote {path} and {n} screenshots under {Path(args.out) / 'screens'}")

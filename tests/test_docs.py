@@ -11,7 +11,8 @@ Every ```` ```json ```` block is one or more data records, each of which must pa
 change that the guides do not follow fails here).
 
 A ```` ```bash ```` block runs only when the line before it is ``<!-- run -->``: each of its
-commands must be a ``treetrain ...`` command (kept small enough to run in seconds). They run in
+commands must be a ``treetrain ...`` command or a ``python examples/...`` script of the
+repository (kept small enough to run in seconds). They run in
 order, one block after another in one working directory per page, which holds the same
 ``data.jsonl``.
 """
@@ -76,7 +77,10 @@ def bash_commands(page: Path) -> list[tuple[int, list[str]]]:
         for cmd in code.replace("\\\n", " ").splitlines():
             argv = shlex.split(cmd, comments=True)
             if argv:
-                assert argv[0] == "treetrain", f"{page}:{line}: a run block holds treetrain commands only"
+                script = argv[0] == "python" and len(argv) > 1 and argv[1].startswith("examples/")
+                assert argv[0] == "treetrain" or script, (
+                    f"{page}:{line}: a run block holds treetrain commands and examples/ scripts only"
+                )
                 out.append((line, argv))
     return out
 
@@ -163,7 +167,10 @@ COMMAND_PAGES = [p for p in pages() if bash_commands(p)]
 def test_bash_commands_run(page, tmp_path):
     (tmp_path / "data.jsonl").write_text(_data_jsonl())
     for line, argv in bash_commands(page):
-        cmd = [sys.executable, "-m", "treetrain", *argv[1:]]
+        if argv[0] == "python":  # an examples/ script of the repository, run from the page's folder
+            cmd = [sys.executable, str(ROOT / argv[1]), *argv[2:]]
+        else:
+            cmd = [sys.executable, "-m", "treetrain", *argv[1:]]
         r = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=_env(), timeout=300)
         where = f"{page.relative_to(ROOT)}:{line}: {shlex.join(argv)}"
         assert r.returncode == 0, f"{where}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
