@@ -153,6 +153,8 @@ PER_TYPE: dict[str, dict] = {
         )
     ),
     "ovis2": dict(vocab_size=128, hidden_size=64, vision_config=dict(vocab_size=48)),
+    # its projector's learned queries per patch count: the 16 patches of a 32-pixel image -> 4 rows
+    "aria": dict(projector_patch_to_query_dict={16: 4}),
 }
 
 

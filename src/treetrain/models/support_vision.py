@@ -48,6 +48,7 @@ VISION_REFUSED: dict[str, str] = {
 
 
 VISION_EXACT |= {
+    "aria": "cross-attention projector (learned queries per patch count); MoE text model",
     "aya_vision": "pixel-shuffle projector",
     "cohere2_vision": "pixel-shuffle projector",
     "cohere_compass": "3D positions on its sliding layers, NoPE full layers; head: logits * logit_scale",
