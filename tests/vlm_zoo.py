@@ -155,6 +155,27 @@ PER_TYPE: dict[str, dict] = {
     "ovis2": dict(vocab_size=128, hidden_size=64, vision_config=dict(vocab_size=48)),
     # its projector's learned queries per patch count: the 16 patches of a 32-pixel image -> 4 rows
     "aria": dict(projector_patch_to_query_dict={16: 4}),
+    # its vision and audio adapters: from the towers' widths to the text hidden size; its DSA layers
+    # keep every key of the image tree's paths (up to 17 tokens; exact up to index_topk, refused beyond)
+    "dots3_note": dict(
+        text_config=dict(index_topk=32),
+        vision_config=dict(
+            adapter_in_dim=32,
+            adapter_out_dim=64,
+            moe_intermediate_size=32,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        ),
+        audio_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            adapter_input_size=32,
+            adapter_out_dim=64,
+            feature_size=16,
+        ),
+    ),
 }
 
 
@@ -173,14 +194,24 @@ def _settable(cfg, key: str) -> bool:
         return key in type(cfg).__dataclass_fields__ if hasattr(type(cfg), "__dataclass_fields__") else False
 
 
-def _shrunk(cfg, over: dict):
-    """``type(cfg)`` rebuilt with every settable key of ``over`` set."""
-    base = {k: v for k, v in cfg.to_dict().items() if not isinstance(getattr(type(cfg), k, None), property)}
-    return type(cfg)(**{**base, **{k: v for k, v in over.items() if _settable(cfg, k)}})
+def _shrunk(cfg, over: dict, own: dict | None = None):
+    """``type(cfg)`` rebuilt with every settable key of ``over`` set and every key of ``own`` (a type's
+    own overrides, passed as they are: init-only keys such as dots3's ``swa_*`` widths included). A
+    heterogeneous config's per-layer overrides are the default's layers': dropped, derived again for
+    the small layer count (as the text zoo builds them)."""
+    base = {
+        k: v
+        for k, v in cfg.to_dict().items()
+        if not isinstance(getattr(type(cfg), k, None), property) and k != "per_layer_config"
+    }
+    over = {k: v for k, v in over.items() if _settable(cfg, k)}
+    return type(cfg)(**{**base, **over, **(own or {})})
 
 
-def _text_over(text_cfg) -> dict:
-    over = {**SMALL, **AWAY, **SPECIAL, **TEXT_PER_TYPE.get(text_cfg.model_type, {})}
+def _text_over(text_cfg, own: dict) -> dict:
+    """The shrinking keys of a text config; ``own``: the type's own overrides (their layer kinds, if
+    given, set the depth)."""
+    over = {**SMALL, **AWAY, **SPECIAL}
     # windows shorter than the paths where the model has sliding layers (Gemma 3's), none switched on
     # where it has a switch (Qwen2-VL's use_sliding_window: its mRoPE layers never slide in practice)
     over["sliding_window"] = 5
@@ -192,12 +223,12 @@ def _text_over(text_cfg) -> dict:
     rope = getattr(text_cfg, "rope_parameters", None)
     if isinstance(rope, dict) and "rope_type" in rope:  # 3D rotary sections (read by mRoPE models only)
         over["rope_parameters"] = {**rope, "mrope_section": [2, 3, 3]}  # sum: head_dim / 2 = 8
-    layer_types = getattr(text_cfg, "layer_types", None)
+    layer_types = own.get("layer_types") or getattr(text_cfg, "layer_types", None)
     if layer_types:
         kinds = list(dict.fromkeys(layer_types))
-        over["layer_types"] = (kinds + kinds)[: max(2, len(kinds))]
+        over["layer_types"] = own.get("layer_types") or (kinds + kinds)[: max(2, len(kinds))]
         over["num_hidden_layers"] = len(over["layer_types"])
-    return {**over, **_per_layer(text_cfg, over)}
+    return {**over, **_per_layer(text_cfg, {**over, **own})}
 
 
 def _per_layer(cfg, over: dict) -> dict:
@@ -220,7 +251,8 @@ def vlm_config(model_type: str):
     subs = {}
     text = getattr(cfg, "text_config", None)
     if text is not None:
-        subs["text_config"] = _shrunk(text, {**_text_over(text), **per.get("text_config", {})})
+        own = {**TEXT_PER_TYPE.get(text.model_type, {}), **per.get("text_config", {})}
+        subs["text_config"] = _shrunk(text, _text_over(text, own), own)
     vision = getattr(cfg, "vision_config", None)
     vision_over = dict(per.get("vision_config", {}))
     if vision is None and "model_type" in vision_over:  # no default vision config: build one
@@ -228,10 +260,10 @@ def vlm_config(model_type: str):
     if vision is not None:
         fixed = FIXED_SIZE if hasattr(vision, "image_size") else {"patch_size": 4}
         over = {**VISION_SMALL, **fixed, **vision_over}
-        subs["vision_config"] = _shrunk(vision, {**over, **_per_layer(vision, over)})
+        subs["vision_config"] = _shrunk(vision, {**over, **_per_layer(vision, over)}, vision_over)
     audio = getattr(cfg, "audio_config", None)
     if audio is not None:
-        subs["audio_config"] = _shrunk(audio, {**AUDIO_SMALL, **per.get("audio_config", {})})
+        subs["audio_config"] = _shrunk(audio, AUDIO_SMALL, per.get("audio_config"))
     top = {k: v for k, v in {**SPECIAL, "tie_word_embeddings": False}.items() if _settable(cfg, k)}
     top.update({k: v for k, v in per.items() if k not in ("text_config", "vision_config", "audio_config")})
     base = {k: v for k, v in cfg.to_dict().items() if k not in subs}

@@ -55,6 +55,8 @@ VISION_EXACT |= {
     "cosmos3_edge": "3D positions",
     "cosmos3_omni": "3D positions; deepstack",
     "deepseek_vl": "",
+    "dots3_note": "its text model's DSA sparse attention, exact for paths of at most index_topk tokens "
+    "(refused beyond), and sliding latent-attention layers; a MoE vision tower",
     "deepseek_vl_hybrid": "a second high-resolution (SAM) tower",
     "ernie4_5_vl_moe": "3D positions (interleaved h, w, t); separate text and vision experts",
     "exaone4_5": "3D positions",
