@@ -19,6 +19,7 @@ import transformers
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
+from treetrain.models.vision_encode import feature_field
 from treetrain.trees.images import ImageInput
 
 from .zoo import _GDN_SMALL, AWAY, SMALL
@@ -153,6 +154,7 @@ PER_TYPE: dict[str, dict] = {
         )
     ),
     "ovis2": dict(vocab_size=128, hidden_size=64, vision_config=dict(vocab_size=48)),
+    "fuyu": dict(patch_size=4),  # patches of 4 x 4 pixels, embedded by one linear layer
     # its projector's learned queries per patch count: the 16 patches of a 32-pixel image -> 4 rows
     "aria": dict(projector_patch_to_query_dict={16: 4}),
     # its vision and audio adapters: from the towers' widths to the text hidden size; its DSA layers
@@ -404,6 +406,14 @@ def _positions(vc, g, size, dtype):
     }
 
 
+def _patch_rows(vc, g, size, dtype):
+    """``[1, h * w, P * P * C]`` flattened patches of one image, no tower (Fuyu: a linear patch
+    embedding; its processor's newline tokens between patch rows are text)."""
+    C, P = _channels_patch(vc)
+    pv = torch.randn(1, 2 * (2 + size), P * P * C, generator=g, dtype=dtype)
+    return {"pixel_values": pv}
+
+
 # layout name -> random pixels of one image: (vision config, generator, size, dtype) -> tensors
 LAYOUTS = {
     "anyres_grid": _anyres_grid,
@@ -417,6 +427,7 @@ LAYOUTS = {
     "dual": _dual,
     "anyres": _anyres,
     "square": _square,
+    "patch_rows": _patch_rows,
 }
 SAMPLE_COUNTED = {"llava_onevision"}  # its images' features depend on how many share their sample
 # model type -> its layout, where the feature function's parameters do not tell it
@@ -430,6 +441,7 @@ IMAGE_LAYOUT: dict[str, str] = {
     "llava_next_video": "anyres",
     "granite_docling": "tiles",
     "deepseek_vl_hybrid": "dual",
+    "fuyu": "patch_rows",
 }
 
 
@@ -453,7 +465,8 @@ def image_tensors(model, seed: int, size: int = 0) -> dict[str, torch.Tensor]:
     picks one of a few shapes (so images of different shapes batch separately)."""
     g = torch.Generator().manual_seed(seed)
     dtype = next(model.parameters()).dtype
-    return LAYOUTS[image_layout(model)](model.config.vision_config, g, size, dtype)
+    cfg = getattr(model.config, "vision_config", None) or model.config  # Fuyu: patches on the top config
+    return LAYOUTS[image_layout(model)](cfg, g, size, dtype)
 
 
 def zoo_image(model, seed: int, size: int = 0, sample_images: int = 1) -> ImageInput:
@@ -467,7 +480,8 @@ def zoo_image(model, seed: int, size: int = 0, sample_images: int = 1) -> ImageI
         kwargs = dict(tensors)
         if "batch_num_images" in kwargs and sample_images > 1:
             kwargs["batch_num_images"] = torch.tensor([2])  # one untiled image (see vision_encode)
-        out = model.model.get_image_features(**kwargs, return_dict=True).pooler_output
+        out = model.model.get_image_features(**kwargs, return_dict=True)
+        out = getattr(out, feature_field(out))
     feats = out if isinstance(out, torch.Tensor) else torch.cat([o.reshape(-1, o.shape[-1]) for o in out])
     rows = feats.numel() // feats.shape[-1]
     return ImageInput(tensors, num_tokens=rows, token_id=IMAGE)
@@ -475,7 +489,8 @@ def zoo_image(model, seed: int, size: int = 0, sample_images: int = 1) -> ImageI
 
 def path_inputs(model, images) -> dict[str, torch.Tensor]:
     """A path's image tensors as its processor batches them for one sample: concatenated along the
-    image dimension (the sub-image dimension for stacked layouts, crops padded to the most)."""
+    image dimension (the sub-image dimension for stacked layouts, the patch dimension for Fuyu's
+    patch rows, crops padded to the most)."""
     out: dict[str, torch.Tensor] = {}
     layout = image_layout(model) if images else None
     for name in images[0].tensors if images else ():
@@ -486,7 +501,7 @@ def path_inputs(model, images) -> dict[str, torch.Tensor]:
         if layout == "anyres_grid" and name == "pixel_values":
             most = max(p.shape[1] for p in parts)
             parts = [torch.nn.functional.pad(p, (0, 0, 0, 0, 0, 0, 0, most - p.shape[1])) for p in parts]
-        stacked = (
+        stacked = layout == "patch_rows" or (  # Fuyu: one sample's patches in one row
             name in ("pixel_values", "pixel_attention_mask")
             and images[0].tensors["pixel_values"].dim() == 5
             and ("pixel_attention_mask" in images[0].tensors)

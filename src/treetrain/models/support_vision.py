@@ -60,6 +60,7 @@ VISION_EXACT |= {
     "deepseek_vl_hybrid": "a second high-resolution (SAM) tower",
     "ernie4_5_vl_moe": "3D positions (interleaved h, w, t); separate text and vision experts",
     "exaone4_5": "3D positions",
+    "fuyu": "no vision tower: a linear embedding of flattened patches (its features in last_hidden_state)",
     "glm46v": "3D positions (GLM's)",
     "glm4v_moe": "3D positions on half the head; MoE",
     "glm_ocr": "3D positions (GLM's)",
