@@ -78,9 +78,7 @@ PATHS = [[5, 6, 7, 8, 9, 10], [5, 6, 7, 11], [5, 6, 12, 13, 14, 15, 16, 17], [5,
 def test_float32_within_reference_rounding(model_type):
     """float32: the tree's error against the float64 truth is within 2x of HF's own per-path error
     (log-probs and every gradient; plus 1e-6 / 1e-5 relative: both round at ~6e-8 per op)."""
-    assert_float32_within_2x(float32_runs(
-        functools.partial(_model, model_type), PATHS
-    ))
+    assert_float32_within_2x(float32_runs(functools.partial(_model, model_type), PATHS))
 
 
 def test_controls_fail():

@@ -83,6 +83,4 @@ def test_ordinary_calls_unchanged():
 def test_float32_within_reference_rounding():
     """float32: the tree's error against the float64 truth is within 2x of HF's own per-path error."""
     paths = [p for tree in TREES.values() for p in tree if len(p) > 1]
-    assert_float32_within_2x(float32_runs(
-        functools.partial(zoo_model, "rwkv"), paths
-    ))
+    assert_float32_within_2x(float32_runs(functools.partial(zoo_model, "rwkv"), paths))

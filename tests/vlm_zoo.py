@@ -100,6 +100,20 @@ PER_TYPE: dict[str, dict] = {
             "hidden_size_per_layer_input": 16,
         },
     },
+    # Gemma 4 Unified: no vision tower, an embedder of merged 4 x 4-pixel patches (2 x 2 of 2 pixels)
+    "gemma4_unified": {
+        "vision_config": dict(
+            model_type="gemma4_unified_vision",
+            patch_size=2,
+            pooling_kernel_size=2,
+            mm_embed_dim=32,
+            mm_posemb_size=8,
+            output_proj_dims=32,
+        ),
+        # its blockwise overlay is OR-ed after the sliding window (a block sees itself whole): equal
+        # to the tree's window-and-block mask while a block is shorter than the window (6 tokens)
+        "text_config": {"sliding_window": 8},
+    },
     # LLaVA-NeXT / OneVision tile an image into crops of the vision tower's size: grids of 1x1 and 1x2
     "llava_next": {"image_grid_pinpoints": [[32, 32], [32, 64]]},
     "llava_onevision": {"image_grid_pinpoints": [[32, 32], [32, 64]]},
@@ -414,6 +428,22 @@ def _patch_rows(vc, g, size, dtype):
     return {"pixel_values": pv}
 
 
+def _merged_positions(vc, g, size, dtype):
+    """Merged patches (``patch_size * pooling_kernel_size`` pixels a side) padded to 8 with their
+    ``(x, y)`` grid positions, -1 for padding: one token each (Gemma 4 Unified's encoder-free
+    embedder)."""
+    C, P = _channels_patch(vc)
+    side = P * vc.pooling_kernel_size
+    h, w = 2, 2 + size
+    pos = torch.full((1, 8, 2), -1, dtype=torch.long)
+    ys, xs = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+    pos[0, : h * w] = torch.stack([xs.flatten(), ys.flatten()], -1)
+    return {
+        "pixel_values": torch.randn(1, 8, side * side * C, generator=g, dtype=dtype),
+        "image_position_ids": pos,
+    }
+
+
 # layout name -> random pixels of one image: (vision config, generator, size, dtype) -> tensors
 LAYOUTS = {
     "anyres_grid": _anyres_grid,
@@ -428,6 +458,7 @@ LAYOUTS = {
     "anyres": _anyres,
     "square": _square,
     "patch_rows": _patch_rows,
+    "merged_positions": _merged_positions,
 }
 SAMPLE_COUNTED = {"llava_onevision"}  # its images' features depend on how many share their sample
 # model type -> its layout, where the feature function's parameters do not tell it
@@ -442,6 +473,7 @@ IMAGE_LAYOUT: dict[str, str] = {
     "granite_docling": "tiles",
     "deepseek_vl_hybrid": "dual",
     "fuyu": "patch_rows",
+    "gemma4_unified": "merged_positions",
 }
 
 

@@ -61,6 +61,10 @@ VISION_EXACT |= {
     "ernie4_5_vl_moe": "3D positions (interleaved h, w, t); separate text and vision experts",
     "exaone4_5": "3D positions",
     "fuyu": "no vision tower: a linear embedding of flattened patches (its features in last_hidden_state)",
+    "gemma4_unified": "no vision tower: an embedder of merged raw patches with 2D position embeddings; "
+    "bidirectional attention inside each image block (HF ORs the block after the sliding window: exact "
+    "while a block is shorter than the window, refused beyond); per-layer head widths; sliding windows; "
+    "head: final logit softcap",
     "glm46v": "3D positions (GLM's)",
     "glm4v_moe": "3D positions on half the head; MoE",
     "glm_ocr": "3D positions (GLM's)",

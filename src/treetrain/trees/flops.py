@@ -110,6 +110,7 @@ def _vision_costs(v) -> dict:
     3 * 1280 * 3420) = 1.26e9``, per pair ``4 * 1280 * 32 = 163840``."""
     if v is None:
         return {}
+
     def get(*names, default=None):
         return next((getattr(v, n) for n in names if isinstance(getattr(v, n, None), (int, float))), default)
 
