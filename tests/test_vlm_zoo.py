@@ -65,6 +65,15 @@ def test_every_vlm_type_is_exact_or_refused_by_name():
                 check_model(_bare(model_type))
 
 
+def test_every_vlm_type_has_a_verdict():
+    """No type of the mapping falls to the generic "not verified" refusal: each is exact or refused
+    with its own cause."""
+    if not NEW_ENOUGH:
+        pytest.skip("the list is for transformers >= 5.24")
+    missing = set(vlm_types()) - set(VISION_EXACT) - set(VISION_REFUSED)
+    assert not missing, sorted(missing)
+
+
 def test_listed_types_exist():
     """Every listed type is a type of this transformers (no stale entries)."""
     if not NEW_ENOUGH:
