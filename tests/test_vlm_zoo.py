@@ -26,6 +26,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from treetrain.logprobs import path_logprobs
 from treetrain.models.support import VERIFIED_FROM, _version, check_model, refusal, vision_verified
 from treetrain.models.support_vision import VISION_EXACT, VISION_REFUSED
+from treetrain.models.vision_encode import feature_field
 from treetrain.trees.tree import TrajectoryTree
 
 from .hybrid_models import float64_everywhere
@@ -63,6 +64,15 @@ def test_every_vlm_type_is_exact_or_refused_by_name():
             assert why is not None and repr(model_type) in why, (model_type, why)
             with pytest.raises(ValueError, match="not supported"):
                 check_model(_bare(model_type))
+
+
+def test_every_vlm_type_has_a_verdict():
+    """No type of the mapping falls to the generic "not verified" refusal: each is exact or refused
+    with its own cause."""
+    if not NEW_ENOUGH:
+        pytest.skip("the list is for transformers >= 5.24")
+    missing = set(vlm_types()) - set(VISION_EXACT) - set(VISION_REFUSED)
+    assert not missing, sorted(missing)
 
 
 def test_listed_types_exist():
@@ -104,7 +114,7 @@ def _encoded_rows(model) -> list[int]:
 
     def counted(*args, **kwargs):
         out = own(*args, **kwargs)
-        pooled = out.pooler_output
+        pooled = getattr(out, feature_field(out))
         feats = [pooled] if torch.is_tensor(pooled) else list(pooled)
         rows.append(sum(f.numel() // f.shape[-1] for f in feats))
         return out

@@ -19,6 +19,7 @@ import transformers
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
+from treetrain.models.vision_encode import feature_field
 from treetrain.trees.images import ImageInput
 
 from .zoo import _GDN_SMALL, AWAY, SMALL
@@ -99,6 +100,20 @@ PER_TYPE: dict[str, dict] = {
             "hidden_size_per_layer_input": 16,
         },
     },
+    # Gemma 4 Unified: no vision tower, an embedder of merged 4 x 4-pixel patches (2 x 2 of 2 pixels)
+    "gemma4_unified": {
+        "vision_config": dict(
+            model_type="gemma4_unified_vision",
+            patch_size=2,
+            pooling_kernel_size=2,
+            mm_embed_dim=32,
+            mm_posemb_size=8,
+            output_proj_dims=32,
+        ),
+        # its blockwise overlay is OR-ed after the sliding window (a block sees itself whole): equal
+        # to the tree's window-and-block mask while a block is shorter than the window (6 tokens)
+        "text_config": {"sliding_window": 8},
+    },
     # LLaVA-NeXT / OneVision tile an image into crops of the vision tower's size: grids of 1x1 and 1x2
     "llava_next": {"image_grid_pinpoints": [[32, 32], [32, 64]]},
     "llava_onevision": {"image_grid_pinpoints": [[32, 32], [32, 64]]},
@@ -153,6 +168,30 @@ PER_TYPE: dict[str, dict] = {
         )
     ),
     "ovis2": dict(vocab_size=128, hidden_size=64, vision_config=dict(vocab_size=48)),
+    "fuyu": dict(patch_size=4),  # patches of 4 x 4 pixels, embedded by one linear layer
+    # its projector's learned queries per patch count: the 16 patches of a 32-pixel image -> 4 rows
+    "aria": dict(projector_patch_to_query_dict={16: 4}),
+    # its vision and audio adapters: from the towers' widths to the text hidden size; its DSA layers
+    # keep every key of the image tree's paths (up to 17 tokens; exact up to index_topk, refused beyond)
+    "dots3_note": dict(
+        text_config=dict(index_topk=32),
+        vision_config=dict(
+            adapter_in_dim=32,
+            adapter_out_dim=64,
+            moe_intermediate_size=32,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        ),
+        audio_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            adapter_input_size=32,
+            adapter_out_dim=64,
+            feature_size=16,
+        ),
+    ),
 }
 
 
@@ -171,14 +210,24 @@ def _settable(cfg, key: str) -> bool:
         return key in type(cfg).__dataclass_fields__ if hasattr(type(cfg), "__dataclass_fields__") else False
 
 
-def _shrunk(cfg, over: dict):
-    """``type(cfg)`` rebuilt with every settable key of ``over`` set."""
-    base = {k: v for k, v in cfg.to_dict().items() if not isinstance(getattr(type(cfg), k, None), property)}
-    return type(cfg)(**{**base, **{k: v for k, v in over.items() if _settable(cfg, k)}})
+def _shrunk(cfg, over: dict, own: dict | None = None):
+    """``type(cfg)`` rebuilt with every settable key of ``over`` set and every key of ``own`` (a type's
+    own overrides, passed as they are: init-only keys such as dots3's ``swa_*`` widths included). A
+    heterogeneous config's per-layer overrides are the default's layers': dropped, derived again for
+    the small layer count (as the text zoo builds them)."""
+    base = {
+        k: v
+        for k, v in cfg.to_dict().items()
+        if not isinstance(getattr(type(cfg), k, None), property) and k != "per_layer_config"
+    }
+    over = {k: v for k, v in over.items() if _settable(cfg, k)}
+    return type(cfg)(**{**base, **over, **(own or {})})
 
 
-def _text_over(text_cfg) -> dict:
-    over = {**SMALL, **AWAY, **SPECIAL, **TEXT_PER_TYPE.get(text_cfg.model_type, {})}
+def _text_over(text_cfg, own: dict) -> dict:
+    """The shrinking keys of a text config; ``own``: the type's own overrides (their layer kinds, if
+    given, set the depth)."""
+    over = {**SMALL, **AWAY, **SPECIAL}
     # windows shorter than the paths where the model has sliding layers (Gemma 3's), none switched on
     # where it has a switch (Qwen2-VL's use_sliding_window: its mRoPE layers never slide in practice)
     over["sliding_window"] = 5
@@ -190,12 +239,12 @@ def _text_over(text_cfg) -> dict:
     rope = getattr(text_cfg, "rope_parameters", None)
     if isinstance(rope, dict) and "rope_type" in rope:  # 3D rotary sections (read by mRoPE models only)
         over["rope_parameters"] = {**rope, "mrope_section": [2, 3, 3]}  # sum: head_dim / 2 = 8
-    layer_types = getattr(text_cfg, "layer_types", None)
+    layer_types = own.get("layer_types") or getattr(text_cfg, "layer_types", None)
     if layer_types:
         kinds = list(dict.fromkeys(layer_types))
-        over["layer_types"] = (kinds + kinds)[: max(2, len(kinds))]
+        over["layer_types"] = own.get("layer_types") or (kinds + kinds)[: max(2, len(kinds))]
         over["num_hidden_layers"] = len(over["layer_types"])
-    return {**over, **_per_layer(text_cfg, over)}
+    return {**over, **_per_layer(text_cfg, {**over, **own})}
 
 
 def _per_layer(cfg, over: dict) -> dict:
@@ -218,7 +267,8 @@ def vlm_config(model_type: str):
     subs = {}
     text = getattr(cfg, "text_config", None)
     if text is not None:
-        subs["text_config"] = _shrunk(text, {**_text_over(text), **per.get("text_config", {})})
+        own = {**TEXT_PER_TYPE.get(text.model_type, {}), **per.get("text_config", {})}
+        subs["text_config"] = _shrunk(text, _text_over(text, own), own)
     vision = getattr(cfg, "vision_config", None)
     vision_over = dict(per.get("vision_config", {}))
     if vision is None and "model_type" in vision_over:  # no default vision config: build one
@@ -226,10 +276,10 @@ def vlm_config(model_type: str):
     if vision is not None:
         fixed = FIXED_SIZE if hasattr(vision, "image_size") else {"patch_size": 4}
         over = {**VISION_SMALL, **fixed, **vision_over}
-        subs["vision_config"] = _shrunk(vision, {**over, **_per_layer(vision, over)})
+        subs["vision_config"] = _shrunk(vision, {**over, **_per_layer(vision, over)}, vision_over)
     audio = getattr(cfg, "audio_config", None)
     if audio is not None:
-        subs["audio_config"] = _shrunk(audio, {**AUDIO_SMALL, **per.get("audio_config", {})})
+        subs["audio_config"] = _shrunk(audio, AUDIO_SMALL, per.get("audio_config"))
     top = {k: v for k, v in {**SPECIAL, "tie_word_embeddings": False}.items() if _settable(cfg, k)}
     top.update({k: v for k, v in per.items() if k not in ("text_config", "vision_config", "audio_config")})
     base = {k: v for k, v in cfg.to_dict().items() if k not in subs}
@@ -370,6 +420,30 @@ def _positions(vc, g, size, dtype):
     }
 
 
+def _patch_rows(vc, g, size, dtype):
+    """``[1, h * w, P * P * C]`` flattened patches of one image, no tower (Fuyu: a linear patch
+    embedding; its processor's newline tokens between patch rows are text)."""
+    C, P = _channels_patch(vc)
+    pv = torch.randn(1, 2 * (2 + size), P * P * C, generator=g, dtype=dtype)
+    return {"pixel_values": pv}
+
+
+def _merged_positions(vc, g, size, dtype):
+    """Merged patches (``patch_size * pooling_kernel_size`` pixels a side) padded to 8 with their
+    ``(x, y)`` grid positions, -1 for padding: one token each (Gemma 4 Unified's encoder-free
+    embedder)."""
+    C, P = _channels_patch(vc)
+    side = P * vc.pooling_kernel_size
+    h, w = 2, 2 + size
+    pos = torch.full((1, 8, 2), -1, dtype=torch.long)
+    ys, xs = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+    pos[0, : h * w] = torch.stack([xs.flatten(), ys.flatten()], -1)
+    return {
+        "pixel_values": torch.randn(1, 8, side * side * C, generator=g, dtype=dtype),
+        "image_position_ids": pos,
+    }
+
+
 # layout name -> random pixels of one image: (vision config, generator, size, dtype) -> tensors
 LAYOUTS = {
     "anyres_grid": _anyres_grid,
@@ -383,6 +457,8 @@ LAYOUTS = {
     "dual": _dual,
     "anyres": _anyres,
     "square": _square,
+    "patch_rows": _patch_rows,
+    "merged_positions": _merged_positions,
 }
 SAMPLE_COUNTED = {"llava_onevision"}  # its images' features depend on how many share their sample
 # model type -> its layout, where the feature function's parameters do not tell it
@@ -396,6 +472,8 @@ IMAGE_LAYOUT: dict[str, str] = {
     "llava_next_video": "anyres",
     "granite_docling": "tiles",
     "deepseek_vl_hybrid": "dual",
+    "fuyu": "patch_rows",
+    "gemma4_unified": "merged_positions",
 }
 
 
@@ -419,7 +497,8 @@ def image_tensors(model, seed: int, size: int = 0) -> dict[str, torch.Tensor]:
     picks one of a few shapes (so images of different shapes batch separately)."""
     g = torch.Generator().manual_seed(seed)
     dtype = next(model.parameters()).dtype
-    return LAYOUTS[image_layout(model)](model.config.vision_config, g, size, dtype)
+    cfg = getattr(model.config, "vision_config", None) or model.config  # Fuyu: patches on the top config
+    return LAYOUTS[image_layout(model)](cfg, g, size, dtype)
 
 
 def zoo_image(model, seed: int, size: int = 0, sample_images: int = 1) -> ImageInput:
@@ -433,7 +512,8 @@ def zoo_image(model, seed: int, size: int = 0, sample_images: int = 1) -> ImageI
         kwargs = dict(tensors)
         if "batch_num_images" in kwargs and sample_images > 1:
             kwargs["batch_num_images"] = torch.tensor([2])  # one untiled image (see vision_encode)
-        out = model.model.get_image_features(**kwargs, return_dict=True).pooler_output
+        out = model.model.get_image_features(**kwargs, return_dict=True)
+        out = getattr(out, feature_field(out))
     feats = out if isinstance(out, torch.Tensor) else torch.cat([o.reshape(-1, o.shape[-1]) for o in out])
     rows = feats.numel() // feats.shape[-1]
     return ImageInput(tensors, num_tokens=rows, token_id=IMAGE)
@@ -441,7 +521,8 @@ def zoo_image(model, seed: int, size: int = 0, sample_images: int = 1) -> ImageI
 
 def path_inputs(model, images) -> dict[str, torch.Tensor]:
     """A path's image tensors as its processor batches them for one sample: concatenated along the
-    image dimension (the sub-image dimension for stacked layouts, crops padded to the most)."""
+    image dimension (the sub-image dimension for stacked layouts, the patch dimension for Fuyu's
+    patch rows, crops padded to the most)."""
     out: dict[str, torch.Tensor] = {}
     layout = image_layout(model) if images else None
     for name in images[0].tensors if images else ():
@@ -452,7 +533,7 @@ def path_inputs(model, images) -> dict[str, torch.Tensor]:
         if layout == "anyres_grid" and name == "pixel_values":
             most = max(p.shape[1] for p in parts)
             parts = [torch.nn.functional.pad(p, (0, 0, 0, 0, 0, 0, 0, most - p.shape[1])) for p in parts]
-        stacked = (
+        stacked = layout == "patch_rows" or (  # Fuyu: one sample's patches in one row
             name in ("pixel_values", "pixel_attention_mask")
             and images[0].tensors["pixel_values"].dim() == 5
             and ("pixel_attention_mask" in images[0].tensors)

@@ -115,7 +115,8 @@ def _probe(
     rows on both sides of the window, evaluated as HF's SDPA mask does (broadcast index tensors).
 
     With ``runs [B, 2]`` (the DFS runs of image tokens of a forward over ``T`` tokens) the probe rows
-    include the runs' ends and stay below ``T`` (the function may read per-token data); ``bidir``:
+    include the runs' ends; with ``T`` the rows stay below it (the function may read per-token data,
+    text-only forwards included); ``bidir``:
     whether it is that OR "both in one run" (HF's ``blockwise_overlay`` over the forward's tokens)."""
     rows = {0, 1, 2, 5, 17}
     if window is not None:
@@ -124,10 +125,11 @@ def _probe(
     if runs is not None:
         for s, e in runs[:4].tolist():
             rows |= {s - 1, s, s + 1, e - 2, e - 1, e}
-        rows = {r for r in rows if r < T}
         run_id = torch.full((T,), -1, dtype=torch.long)
         for i, (s, e) in enumerate(runs.tolist()):
             run_id[s:e] = i
+    if T:  # the function may read per-token data (block ids of the forward's tokens): rows below T
+        rows = {r for r in rows if r < T}
     q = torch.tensor(sorted(r for r in rows if r >= 0))
     kv = torch.arange(int(q.max()) + 1)
     zero = torch.zeros(1, 1, 1, 1, dtype=torch.long)

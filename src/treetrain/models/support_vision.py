@@ -60,15 +60,23 @@ VISION_REFUSED: dict[str, str] = {
 
 
 VISION_EXACT |= {
+    "aria": "cross-attention projector (learned queries per patch count); MoE text model",
     "aya_vision": "pixel-shuffle projector",
     "cohere2_vision": "pixel-shuffle projector",
     "cohere_compass": "3D positions on its sliding layers, NoPE full layers; head: logits * logit_scale",
     "cosmos3_edge": "3D positions",
     "cosmos3_omni": "3D positions; deepstack",
     "deepseek_vl": "",
+    "dots3_note": "its text model's DSA sparse attention, exact for paths of at most index_topk tokens "
+    "(refused beyond), and sliding latent-attention layers; a MoE vision tower",
     "deepseek_vl_hybrid": "a second high-resolution (SAM) tower",
     "ernie4_5_vl_moe": "3D positions (interleaved h, w, t); separate text and vision experts",
     "exaone4_5": "3D positions",
+    "fuyu": "no vision tower: a linear embedding of flattened patches (its features in last_hidden_state)",
+    "gemma4_unified": "no vision tower: an embedder of merged raw patches with 2D position embeddings; "
+    "bidirectional attention inside each image block (HF ORs the block after the sliding window: exact "
+    "while a block is shorter than the window, refused beyond); per-layer head widths; sliding windows; "
+    "head: final logit softcap",
     "glm46v": "3D positions (GLM's)",
     "glm4v_moe": "3D positions on half the head; MoE",
     "glm_ocr": "3D positions (GLM's)",
@@ -209,6 +217,89 @@ VISION_REFUSED |= {
     "t5gemma2": ("encoder-decoder (images and prompt in the T5Gemma 2 encoder; the decoder cross-attends)"),
     "udop": ("encoder-decoder (T5 with layout and image patches in the encoder)"),
     "vision-encoder-decoder": ("encoder-decoder (a vision encoder and a cross-attending text decoder)"),
+}
+
+VISION_REFUSED |= {
+    "deepseek_ocr2": (
+        "not run by the zoo (timeboxed): "
+        "its vision config (SAM and Qwen2-encoder sub-configs) has none of the zoo's size keys: the "
+        "default-size tower did not build and encode within 100 s on CPU"
+    ),
+    "gemma3n": (
+        "not run by the zoo (timeboxed): "
+        "its vision tower is timm's MobileNetV5 (TimmWrapperModel): timm is not installed in this "
+        "environment, so the model cannot be built here"
+    ),
+    "hy_v4_vl": (
+        "not run by the zoo (timeboxed): "
+        "its MLA text model validates mrope_section against qk_rope_head_dim // 2 (the zoo's [2, 3, 3] "
+        "sections are for head_dim 16): the tiny config is rejected"
+    ),
+    "inkling2": (
+        "not run by the zoo (timeboxed): "
+        "its vision config's mlp_ratio is a float field; with 2.0 its patch embedding reshapes "
+        "pixel_values as [-1, merge, patch, merge, patch, C*...] patch grids, a layout the zoo does not "
+        "build"
+    ),
+    "inkling2_loop": (
+        "not run by the zoo (timeboxed): "
+        "as inkling2 (its vision config's float mlp_ratio, its merged patch-grid pixel layout)"
+    ),
+    "inkling_mm_model": (
+        "not run by the zoo (timeboxed): "
+        "its vision config has no image_size (temporal patches of a merged grid), a layout the zoo does "
+        "not build"
+    ),
+    "minicpm_ocr": (
+        "not run by the zoo (timeboxed): "
+        "its get_image_features requires target_sizes (per-slice patch grids of its image slicing), a "
+        "layout the zoo does not build"
+    ),
+    "minicpmv4_6": (
+        "not run by the zoo (timeboxed): "
+        "its get_image_features requires target_sizes (per-slice patch grids), a layout the zoo does not "
+        "build"
+    ),
+    "minicpmv4_7": (
+        "not run by the zoo (timeboxed): "
+        "its get_image_features requires target_sizes (per-slice patch grids), a layout the zoo does not "
+        "build"
+    ),
+    "molmo2": (
+        "not run by the zoo (timeboxed): "
+        "its vision config's image_size is a list[int] field (the zoo's square int size is rejected), its"
+        " crops layout is not built"
+    ),
+    "muse_glimmer": (
+        "not run by the zoo (timeboxed): "
+        "its projector reads patches of patch_temporal * C * P * P values (96 at the tiny config; the "
+        "zoo's flattened patches have 48): its temporal patch layout is not built"
+    ),
+    "muse_spark": (
+        "not run by the zoo (timeboxed): "
+        "its config validates audio_config.out_hidden_size (8192 by default) against the text hidden "
+        "size: the zoo's audio shrink does not set it, the tiny config is rejected"
+    ),
+    "shieldgemma2": (
+        "not run by the zoo (timeboxed): "
+        "a classifier checkpoint of Gemma3ForConditionalGeneration under its own type; the zoo's Gemma 3 "
+        "pooling (mm_tokens_per_image) is not applied to it: with the default 256 tokens over 16 patches "
+        "its pooler's stride is 0"
+    ),
+    "step3p7": (
+        "not run by the zoo (timeboxed): "
+        "its vision config's mlp_ratio is a float field (the zoo's int is rejected); not run further"
+    ),
+    "unlimited_ocr": (
+        "not run by the zoo (timeboxed): "
+        "its vision config has no patch_size (SAM-style and CLIP sub-configs), a layout the zoo does not "
+        "build"
+    ),
+    "video_llama_3": (
+        "not run by the zoo (timeboxed): "
+        "its get_image_features requires image_merge_sizes (a per-image merge size beside the grid), a "
+        "layout the zoo does not build"
+    ),
 }
 
 VISION_TYPES = frozenset(VISION_EXACT) | frozenset(VISION_REFUSED)

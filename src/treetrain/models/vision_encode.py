@@ -2,11 +2,12 @@
 placeholder that carries it.
 
 A vision-language model's forward (transformers 5.x) takes precomputed encoder outputs,
-``mm_encoder_outputs={"image": out, "video": out}``, and scatters ``out.pooler_output`` (and Qwen3-VL's
-``deepstack_features``, one per early decoder layer) into the placeholder positions of ``input_ids``
-in order. The tree forward encodes each distinct image once with the model's own
-``get_image_features`` (``get_video_features``), then hands the forward an output whose rows are
-gathered into DFS placeholder order: an image reached by three paths is encoded once and its rows
+``mm_encoder_outputs={"image": out, "video": out}``, and scatters ``out.pooler_output`` (Fuyu, whose
+features are its patch embeddings, ``out.last_hidden_state``; and Qwen3-VL's ``deepstack_features``,
+one per early decoder layer) into the placeholder positions of ``input_ids`` in order. The tree
+forward encodes each distinct image once with the model's own ``get_image_features``
+(``get_video_features``), then hands the forward an output whose rows are gathered into DFS
+placeholder order: an image reached by three paths is encoded once and its rows
 appear three times, so autograd sums the three uses into the tower's gradient, as the per-path
 baseline's three encodes would.
 
@@ -25,14 +26,26 @@ from torch import nn
 from treetrain.trees.images import ImageInput
 from treetrain.trees.packing import PackedTree
 
-__all__ = ["EncodedImages", "dfs_encoder_outputs", "encode_images", "vision_model"]
+__all__ = ["EncodedImages", "dfs_encoder_outputs", "encode_images", "feature_field", "vision_model"]
 
 _FEATURES = {"image": "get_image_features", "video": "get_video_features"}
 # what a forward may read from the encoder output besides pooler_output, gathered the same way
 _PER_LAYER = ("deepstack_features",)
+# the field holding the features the forward scatters: pooler_output, else last_hidden_state (Fuyu's
+# get_image_features returns its patch embeddings there and its forward reads them from there)
+_POOLED = ("pooler_output", "last_hidden_state")
 # an image tensor holding the number of images of the processor sample it came from: LLaVA-OneVision
 # tiles the image of a one-image sample and not those of a several-image sample ([k], int)
 _SAMPLE_COUNT = "batch_num_images"
+
+
+def feature_field(out) -> str:
+    """The name of the field of a feature function's output that its forward scatters into the
+    placeholders: ``pooler_output``, or ``last_hidden_state`` where the output has no pooled field."""
+    for name in _POOLED:
+        if getattr(out, name, None) is not None:
+            return name
+    raise ValueError(f"{type(out).__name__} has neither {' nor '.join(_POOLED)}: no features to scatter")
 
 
 def vision_model(model: nn.Module) -> nn.Module:
@@ -53,6 +66,7 @@ class EncodedImages:
     per_layer: dict[str, list[list[torch.Tensor]]]
     template: object
     pooled_as: str  # "list" (a sequence per image), "stack" ([n_images, rows, H]) or "flat"
+    field: str = "pooler_output"  # where the output holds them (:func:`feature_field`)
 
 
 def _signature(im: ImageInput) -> tuple:
@@ -104,7 +118,7 @@ def _encode_group(outer, modality: str, group: Sequence[ImageInput]):
     when the output cannot be split per image (then each image is encoded alone)."""
     out = _call(outer, modality, group)
     sizes = [im.num_tokens for im in group]
-    split = _split(out.pooler_output, sizes, len(group))
+    split = _split(getattr(out, feature_field(out)), sizes, len(group))
     if split is None:
         return None
     rows, pooled_as = split
@@ -153,7 +167,7 @@ def encode_images(outer: nn.Module, images: Sequence[ImageInput], modality: str)
                 f"{type(outer).__name__}: an {modality} gave {r.shape[0]} feature rows but its ImageInput "
                 f"says num_tokens={im.num_tokens} (build ImageInputs with treetrain.image_inputs)"
             )
-    return EncodedImages(rows, per_layer, template, pooled_as)
+    return EncodedImages(rows, per_layer, template, pooled_as, feature_field(template))
 
 
 def dfs_encoder_outputs(outer: nn.Module, packed: PackedTree) -> dict:
@@ -188,7 +202,7 @@ def _gathered(rows: list[torch.Tensor], gather: torch.Tensor, pooled_as: str):
 def _filled(enc: EncodedImages, gather: torch.Tensor):
     """A copy of the model's own output class holding only the gathered fields the forward reads."""
     cls = type(enc.template)
-    fields = {"pooler_output": _gathered(enc.rows, gather, enc.pooled_as)}
+    fields = {enc.field: _gathered(enc.rows, gather, enc.pooled_as)}
     for name, layers in enc.per_layer.items():
         fields[name] = [_gathered(layer, gather, "list") for layer in layers]
     return cls(**fields)
