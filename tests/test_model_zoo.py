@@ -40,22 +40,12 @@ from treetrain.models.support_vision import VISION_EXACT, VISION_TYPES
 from . import zoo
 from .hybrid_models import float64_everywhere
 from .reference import grad_err, grads, random_coeffs, reference_logprobs, rel_err
-from .zoo import causal_lm_types, zoo_model, zoo_paths
+from .zoo import bare_model, causal_lm_types, zoo_model, zoo_paths
 
 # float64 end to end (float64_everywhere keeps HF's internal float32 casts in float64): what is
 # left is summation order, a few ulps relative (measured 2e-16 log-probs, 1e-14 gradients)
 LOGP_TOL = 1e-12
 GRAD_TOL = 1e-10
-
-
-def _bare(model_type: str) -> nn.Module:
-    """A module that only carries ``model_type``'s default config (what the type check reads)."""
-    m = nn.Module()
-    try:
-        m.config = CONFIG_MAPPING[model_type]()
-    except Exception:  # a few defaults fail their own validation: the type is all the check reads
-        m.config = SimpleNamespace(model_type=model_type)
-    return m
 
 
 def _too_old(model_type: str) -> bool:
@@ -67,7 +57,7 @@ def test_every_causal_lm_type_is_exact_or_refused_by_name():
     types = causal_lm_types()
     assert len(types) > 120  # the whole mapping, not a sample (142 in transformers 5.0, 196 in 5.24)
     for model_type in types:
-        why = refusal(_bare(model_type))
+        why = refusal(bare_model(model_type))
         if model_type in VISION_EXACT:  # multimodal types: tests/test_vlm_zoo.py runs them
             assert (why is None) == (_version(transformers.__version__) >= _version(VERIFIED_FROM)), why
         elif model_type in EXACT and not _too_old(model_type):
@@ -77,7 +67,7 @@ def test_every_causal_lm_type_is_exact_or_refused_by_name():
         else:
             assert why is not None and repr(model_type) in why, (model_type, why)
             with pytest.raises(ValueError, match="not supported"):
-                check_model(_bare(model_type))
+                check_model(bare_model(model_type))
 
 
 def test_no_causal_lm_type_is_refused_as_not_verified():
@@ -86,7 +76,7 @@ def test_no_causal_lm_type_is_refused_as_not_verified():
     for model_type in causal_lm_types():
         # multimodal types (Gemma 3, Qwen3.5, ...): the VLM zoo's (tests/test_vlm_zoo.py)
         assert model_type in EXACT or model_type in REFUSED or model_type in VISION_TYPES, model_type
-        why = refusal(_bare(model_type))
+        why = refusal(bare_model(model_type))
         assert why is None or "not verified" not in why, (model_type, why)
     newer = nn.Module()
     newer.config = SimpleNamespace(model_type="from_a_newer_transformers")
@@ -124,7 +114,7 @@ def test_unbuilt_types_are_refused():
         if model_type in VISION_TYPES:  # a multimodal type: tests/test_vlm_zoo.py builds and runs it
             continue
         assert model_type in REFUSED and model_type not in EXACT, model_type
-        assert refusal(_bare(model_type)) is not None
+        assert refusal(bare_model(model_type)) is not None
 
 
 @pytest.mark.parametrize("model_type", [t for t in causal_lm_types() if not _unbuilt(t)])
@@ -168,7 +158,7 @@ def test_exact_architecture(model_type):
         pytest.skip(f"transformers {transformers.__version__} has no model type {model_type!r}")
     if _too_old(model_type):  # refused by name on this transformers, not run unverified
         with pytest.raises(ValueError, match="verified exact only with transformers"):
-            check_model(_bare(model_type))
+            check_model(bare_model(model_type))
         return
     paths = zoo_paths()
     coeffs = random_coeffs(paths, seed=3)

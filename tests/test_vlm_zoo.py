@@ -15,12 +15,10 @@
 from __future__ import annotations
 
 import copy
-from types import SimpleNamespace
 
 import pytest
 import torch
 import transformers
-from torch import nn
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from treetrain.logprobs import path_logprobs
@@ -32,7 +30,7 @@ from treetrain.trees.tree import TrajectoryTree
 from .hybrid_models import float64_everywhere
 from .reference import grads, random_coeffs, rel_err
 from .vlm_zoo import reference_vlm_logprobs, vlm_config, vlm_model, vlm_tree, vlm_types
-from .zoo import zoo_paths
+from .zoo import bare_model, zoo_paths
 
 NEW_ENOUGH = _version(transformers.__version__) >= _version(VERIFIED_FROM)
 # float64 with HF's float32 casts lifted: summation order only (measured <= 4e-16 log-probs,
@@ -44,26 +42,17 @@ F64_LOGP, F64_GRAD = 1e-12, 1e-10
 SHIPPED_LOGP, SHIPPED_GRAD = 1e-6, 1e-5
 
 
-def _bare(model_type: str) -> nn.Module:
-    m = nn.Module()
-    try:
-        m.config = CONFIG_MAPPING[model_type]()
-    except Exception:  # a default that fails its own validation: the type is all the check reads
-        m.config = SimpleNamespace(model_type=model_type)
-    return m
-
-
 def test_every_vlm_type_is_exact_or_refused_by_name():
     types = vlm_types()
     assert len(types) >= (90 if NEW_ENOUGH else 70)  # the whole mapping (100 in 5.24, 73 in 5.10.4)
     for model_type in types:
-        why = refusal(_bare(model_type))
+        why = refusal(bare_model(model_type))
         if vision_verified(model_type, transformers.__version__):
             assert why is None, (model_type, why)
         else:
             assert why is not None and repr(model_type) in why, (model_type, why)
             with pytest.raises(ValueError, match="not supported"):
-                check_model(_bare(model_type))
+                check_model(bare_model(model_type))
 
 
 def test_every_vlm_type_has_a_verdict():

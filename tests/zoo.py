@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import copy
 import zlib
+from types import SimpleNamespace
 
 import torch
 import transformers
+from torch import nn
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -618,3 +620,13 @@ def zoo_paths(vocab: int = VOCAB, seed: int = 1) -> list[list[int]]:
 
 def reference_copy(model):
     return copy.deepcopy(model)
+
+
+def bare_model(model_type: str) -> nn.Module:
+    """A module that only carries ``model_type``'s default config (all the support checks read)."""
+    m = nn.Module()
+    try:
+        m.config = CONFIG_MAPPING[model_type]()
+    except Exception:  # a few defaults fail their own validation: the type is all the check reads
+        m.config = SimpleNamespace(model_type=model_type)
+    return m
