@@ -173,6 +173,10 @@ PER_TYPE: dict[str, dict] = {
     "aria": dict(projector_patch_to_query_dict={16: 4}),
     # its vision and audio adapters: from the towers' widths to the text hidden size; its DSA layers
     # keep every key of the image tree's paths (up to 17 tokens; exact up to index_topk, refused beyond)
+    # MiniCPM-V: the window-attention merger after the first tower layer (default: the 7th of 12)
+    "minicpm_ocr": dict(insert_layer_id=0, vision_config=dict(insert_layer_id=0)),
+    "minicpmv4_6": dict(insert_layer_id=0, vision_config=dict(insert_layer_id=0)),
+    "minicpmv4_7": dict(insert_layer_id=0, vision_config=dict(insert_layer_id=0)),
     "dots3_note": dict(
         text_config=dict(index_topk=32),
         vision_config=dict(
@@ -444,6 +448,28 @@ def _merged_positions(vc, g, size, dtype):
     }
 
 
+def _packed(vc, g, size, dtype):
+    """NaViT-packed patches of one image as one row, ``[1, C, P, h * w * P]``, with its ``(h, w)``
+    patch grid as ``target_sizes`` (MiniCPM-V: whole 2 x 2 windows of 2 x 2 merges, one slice)."""
+    C, P = _channels_patch(vc)
+    h, w = 4, 4 * (2 + size)
+    pv = torch.randn(1, C, P, h * w * P, generator=g, dtype=dtype)
+    return {"pixel_values": pv, "target_sizes": torch.tensor([[h, w]])}
+
+
+def _merge_sized(vc, g, size, dtype):
+    """Qwen-style flattened patches with their grid and the image's ``image_merge_sizes``
+    (VideoLLaMA 3: the merge size is per image)."""
+    C, P = _channels_patch(vc)
+    h, w = 4, 2 * (2 + size)  # whole 2 x 2 merge windows
+    pv = torch.randn(h * w, C * P * P, generator=g, dtype=dtype)
+    return {
+        "pixel_values": pv,
+        "image_grid_thw": torch.tensor([[1, h, w]]),
+        "image_merge_sizes": torch.tensor([2]),
+    }
+
+
 # layout name -> random pixels of one image: (vision config, generator, size, dtype) -> tensors
 LAYOUTS = {
     "anyres_grid": _anyres_grid,
@@ -459,6 +485,8 @@ LAYOUTS = {
     "square": _square,
     "patch_rows": _patch_rows,
     "merged_positions": _merged_positions,
+    "packed": _packed,
+    "merge_sized": _merge_sized,
 }
 SAMPLE_COUNTED = {"llava_onevision"}  # its images' features depend on how many share their sample
 # model type -> its layout, where the feature function's parameters do not tell it
@@ -474,6 +502,10 @@ IMAGE_LAYOUT: dict[str, str] = {
     "deepseek_vl_hybrid": "dual",
     "fuyu": "patch_rows",
     "gemma4_unified": "merged_positions",
+    "minicpm_ocr": "packed",
+    "minicpmv4_6": "packed",
+    "minicpmv4_7": "packed",
+    "video_llama_3": "merge_sized",
 }
 
 
@@ -533,6 +565,9 @@ def path_inputs(model, images) -> dict[str, torch.Tensor]:
         if layout == "anyres_grid" and name == "pixel_values":
             most = max(p.shape[1] for p in parts)
             parts = [torch.nn.functional.pad(p, (0, 0, 0, 0, 0, 0, 0, most - p.shape[1])) for p in parts]
+        if layout == "packed" and name == "pixel_values":  # one row of all the sample's patches
+            out[name] = torch.cat(parts, dim=-1)
+            continue
         stacked = layout == "patch_rows" or (  # Fuyu: one sample's patches in one row
             name in ("pixel_values", "pixel_attention_mask")
             and images[0].tensors["pixel_values"].dim() == 5

@@ -90,6 +90,12 @@ VISION_EXACT |= {
     "kimi_k25": "patch images with a (t, h, w) grid; MLA text model",
     "lfm3_vl": "3D positions; a 2D convolution in the tower (not a recurrence); short convolutions",
     "lighton_ocr": "Pixtral tower",
+    "minicpm_ocr": "NaViT-packed patches with target_sizes (h, w); window-attention merger inside the tower "
+    "('4x' mode: skipped)",
+    "minicpmv4_6": "NaViT-packed patches with target_sizes (h, w); window-attention merger inside the "
+    "tower; 2 x 2 merger",
+    "minicpmv4_7": "NaViT-packed patches with target_sizes (h, w); window-attention merger inside the "
+    "tower; 2 x 2 merger",
     "llava_next_video": "anyres crops",
     "ovis2": "visual vocabulary embedding",
     "paddleocr_vl": "3D positions",
@@ -97,6 +103,7 @@ VISION_EXACT |= {
     "qianfan_ocr": "pixel-shuffle projector",
     "qwen2_5_omni_thinker": "3D positions (audio tower present, not run)",
     "qwen3_omni_moe_thinker": "3D positions; deepstack; MoE (audio tower present, not run)",
+    "video_llama_3": "flattened patches with a (t, h, w) grid and a per-image merge size (image_merge_sizes)",
     "video_llava": "",
     "vipllava": "features of several tower layers",
 }
@@ -250,21 +257,6 @@ VISION_REFUSED |= {
         "its vision config has no image_size (temporal patches of a merged grid), a layout the zoo does "
         "not build"
     ),
-    "minicpm_ocr": (
-        "not run by the zoo (timeboxed): "
-        "its get_image_features requires target_sizes (per-slice patch grids of its image slicing), a "
-        "layout the zoo does not build"
-    ),
-    "minicpmv4_6": (
-        "not run by the zoo (timeboxed): "
-        "its get_image_features requires target_sizes (per-slice patch grids), a layout the zoo does not "
-        "build"
-    ),
-    "minicpmv4_7": (
-        "not run by the zoo (timeboxed): "
-        "its get_image_features requires target_sizes (per-slice patch grids), a layout the zoo does not "
-        "build"
-    ),
     "molmo2": (
         "not run by the zoo (timeboxed): "
         "its vision config's image_size is a list[int] field (the zoo's square int size is rejected), its"
@@ -294,11 +286,6 @@ VISION_REFUSED |= {
         "not run by the zoo (timeboxed): "
         "its vision config has no patch_size (SAM-style and CLIP sub-configs), a layout the zoo does not "
         "build"
-    ),
-    "video_llama_3": (
-        "not run by the zoo (timeboxed): "
-        "its get_image_features requires image_merge_sizes (a per-image merge size beside the grid), a "
-        "layout the zoo does not build"
     ),
 }
 
