@@ -177,6 +177,8 @@ PER_TYPE: dict[str, dict] = {
     "minicpm_ocr": dict(insert_layer_id=0, vision_config=dict(insert_layer_id=0)),
     "minicpmv4_6": dict(insert_layer_id=0, vision_config=dict(insert_layer_id=0)),
     "minicpmv4_7": dict(insert_layer_id=0, vision_config=dict(insert_layer_id=0)),
+    # its adapter reads the tower's pixel-shuffled output (width 32 x 2 x 2 merges) at the top level
+    "muse_glimmer": dict(out_hidden_size=128, projector_hidden_size=32),
     "dots3_note": dict(
         text_config=dict(index_topk=32),
         vision_config=dict(
@@ -470,6 +472,16 @@ def _merge_sized(vc, g, size, dtype):
     }
 
 
+def _temporal_patches(vc, g, size, dtype):
+    """Qwen-style flattened patches of ``patch_temporal`` frames each (``[h * w, C * T * P * P]``) over
+    whole ``merge_size`` windows, with their ``(t, h, w)`` grid (Muse Glimmer's own key names)."""
+    C, P = _channels_patch(vc)
+    m = vc.merge_size
+    h, w = 2 * m, (2 + size) * m
+    pv = torch.randn(h * w, C * vc.patch_temporal * P * P, generator=g, dtype=dtype)
+    return {"pixel_values": pv, "image_grid_thw": torch.tensor([[1, h, w]])}
+
+
 # layout name -> random pixels of one image: (vision config, generator, size, dtype) -> tensors
 LAYOUTS = {
     "anyres_grid": _anyres_grid,
@@ -487,6 +499,7 @@ LAYOUTS = {
     "merged_positions": _merged_positions,
     "packed": _packed,
     "merge_sized": _merge_sized,
+    "temporal_patches": _temporal_patches,
 }
 SAMPLE_COUNTED = {"llava_onevision"}  # its images' features depend on how many share their sample
 # model type -> its layout, where the feature function's parameters do not tell it
@@ -506,6 +519,7 @@ IMAGE_LAYOUT: dict[str, str] = {
     "minicpmv4_6": "packed",
     "minicpmv4_7": "packed",
     "video_llama_3": "merge_sized",
+    "muse_glimmer": "temporal_patches",
 }
 
 

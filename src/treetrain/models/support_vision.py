@@ -97,6 +97,8 @@ VISION_EXACT |= {
     "minicpmv4_7": "NaViT-packed patches with target_sizes (h, w); window-attention merger inside the "
     "tower; 2 x 2 merger",
     "llava_next_video": "anyres crops",
+    "muse_glimmer": "flattened patches of patch_temporal frames with a (t, h, w) grid; pixel-shuffle merge;"
+    " sliding and NoPE full layers, gated attention; head: logits * output_multiplier, softcap",
     "ovis2": "visual vocabulary embedding",
     "paddleocr_vl": "3D positions",
     "pp_chart2table": "SAM-style tower",
@@ -261,11 +263,6 @@ VISION_REFUSED |= {
         "not run by the zoo (timeboxed): "
         "its vision config's image_size is a list[int] field (the zoo's square int size is rejected), its"
         " crops layout is not built"
-    ),
-    "muse_glimmer": (
-        "not run by the zoo (timeboxed): "
-        "its projector reads patches of patch_temporal * C * P * P values (96 at the tiny config; the "
-        "zoo's flattened patches have 48): its temporal patch layout is not built"
     ),
     "muse_spark": (
         "not run by the zoo (timeboxed): "
