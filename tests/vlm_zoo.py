@@ -179,6 +179,35 @@ PER_TYPE: dict[str, dict] = {
     "minicpmv4_7": dict(insert_layer_id=0, vision_config=dict(insert_layer_id=0)),
     # its adapter reads the tower's pixel-shuffled output (width 32 x 2 x 2 merges) at the top level
     "muse_glimmer": dict(out_hidden_size=128, projector_hidden_size=32),
+    # a SAM tower (64-pixel images in 16-pixel patches, two stride-2 convolutions to a 1 x 1 grid) into
+    # a small Qwen2-style encoder with its learned queries
+    "deepseek_ocr2": dict(
+        text_config=dict(mlp_layer_types=["dense", "sparse"]),  # a dense and an MoE MLP
+        vision_config=dict(
+            sam_config=dict(
+                hidden_size=32,
+                output_channels=16,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                image_size=64,
+                patch_size=16,
+                mlp_dim=64,
+                window_size=2,
+                global_attn_indexes=[1],
+                downsample_channels=[16, 32],
+            ),
+            encoder_config=dict(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                vocab_size=16,
+                layer_types=["full_attention", "full_attention"],
+                max_window_layers=2,
+            ),
+        ),
+    ),
     "dots3_note": dict(
         text_config=dict(index_topk=32),
         vision_config=dict(
@@ -482,6 +511,12 @@ def _temporal_patches(vc, g, size, dtype):
     return {"pixel_values": pv, "image_grid_thw": torch.tensor([[1, h, w]])}
 
 
+def _sam_square(vc, g, size, dtype):
+    """One ``[1, C, S, S]`` image of the size of the vision config's SAM tower (DeepSeek-OCR 2)."""
+    S = vc.sam_config.image_size
+    return {"pixel_values": torch.randn(1, vc.sam_config.num_channels, S, S, generator=g, dtype=dtype)}
+
+
 # layout name -> random pixels of one image: (vision config, generator, size, dtype) -> tensors
 LAYOUTS = {
     "anyres_grid": _anyres_grid,
@@ -500,6 +535,7 @@ LAYOUTS = {
     "packed": _packed,
     "merge_sized": _merge_sized,
     "temporal_patches": _temporal_patches,
+    "sam_square": _sam_square,
 }
 SAMPLE_COUNTED = {"llava_onevision"}  # its images' features depend on how many share their sample
 # model type -> its layout, where the feature function's parameters do not tell it
@@ -520,6 +556,7 @@ IMAGE_LAYOUT: dict[str, str] = {
     "minicpmv4_7": "packed",
     "video_llama_3": "merge_sized",
     "muse_glimmer": "temporal_patches",
+    "deepseek_ocr2": "sam_square",
 }
 
 

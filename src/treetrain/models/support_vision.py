@@ -70,6 +70,9 @@ VISION_EXACT |= {
     "dots3_note": "its text model's DSA sparse attention, exact for paths of at most index_topk tokens "
     "(refused beyond), and sliding latent-attention layers; a MoE vision tower",
     "deepseek_vl_hybrid": "a second high-resolution (SAM) tower",
+    "deepseek_ocr2": "a SAM tower into a Qwen2-style encoder of learned queries (bidirectional over the "
+    "patches, causal over the queries), a view separator per image (global views; the zoo passes no "
+    "local crops); MoE text model",
     "ernie4_5_vl_moe": "3D positions (interleaved h, w, t); separate text and vision experts",
     "exaone4_5": "3D positions",
     "fuyu": "no vision tower: a linear embedding of flattened patches (its features in last_hidden_state)",
@@ -229,11 +232,6 @@ VISION_REFUSED |= {
 }
 
 VISION_REFUSED |= {
-    "deepseek_ocr2": (
-        "not run by the zoo (timeboxed): "
-        "its vision config (SAM and Qwen2-encoder sub-configs) has none of the zoo's size keys: the "
-        "default-size tower did not build and encode within 100 s on CPU"
-    ),
     "gemma3n": (
         "not run by the zoo (timeboxed): "
         "its vision tower is timm's MobileNetV5 (TimmWrapperModel): timm is not installed in this "
