@@ -208,6 +208,35 @@ PER_TYPE: dict[str, dict] = {
             ),
         ),
     ),
+    # a SAM tower (128-pixel images in 16-pixel patches, two stride-2 convolutions to a 2 x 2 grid) into
+    # a small CLIP encoder over that grid (its positions: 28-pixel images of 14-pixel patches, 2 x 2)
+    "unlimited_ocr": dict(
+        # a dense and an MoE MLP; as many KV heads as heads (its text attention's eager function, shared
+        # with its CLIP encoder, repeats no KV heads: grouped heads fail in HF's own forward)
+        text_config=dict(mlp_layer_types=["dense", "sparse"], num_key_value_heads=4),
+        vision_config=dict(
+            sam_config=dict(
+                hidden_size=32,
+                output_channels=16,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                image_size=128,
+                patch_size=16,
+                mlp_dim=64,
+                window_size=2,
+                global_attn_indexes=[1],
+                downsample_channels=[16, 32],
+            ),
+            encoder_config=dict(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                image_size=28,
+                patch_size=14,
+            ),
+        ),
+    ),
     "dots3_note": dict(
         text_config=dict(index_topk=32),
         vision_config=dict(
@@ -557,6 +586,7 @@ IMAGE_LAYOUT: dict[str, str] = {
     "video_llama_3": "merge_sized",
     "muse_glimmer": "temporal_patches",
     "deepseek_ocr2": "sam_square",
+    "unlimited_ocr": "sam_square",
 }
 
 

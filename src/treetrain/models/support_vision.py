@@ -108,6 +108,9 @@ VISION_EXACT |= {
     "qianfan_ocr": "pixel-shuffle projector",
     "qwen2_5_omni_thinker": "3D positions (audio tower present, not run)",
     "qwen3_omni_moe_thinker": "3D positions; deepstack; MoE (audio tower present, not run)",
+    "unlimited_ocr": "a SAM tower into a CLIP encoder over its grid (features: CLIP's beside SAM's), a "
+    "newline per row and a view separator per image (global views; the zoo passes no local crops); MoE "
+    "text model whose reference sliding layers keep every prefill key (plain causal without a cache)",
     "video_llama_3": "flattened patches with a (t, h, w) grid and a per-image merge size (image_merge_sizes)",
     "video_llava": "",
     "vipllava": "features of several tower layers",
@@ -276,11 +279,6 @@ VISION_REFUSED |= {
     "step3p7": (
         "not run by the zoo (timeboxed): "
         "its vision config's mlp_ratio is a float field (the zoo's int is rejected); not run further"
-    ),
-    "unlimited_ocr": (
-        "not run by the zoo (timeboxed): "
-        "its vision config has no patch_size (SAM-style and CLIP sub-configs), a layout the zoo does not "
-        "build"
     ),
 }
 
