@@ -237,6 +237,9 @@ PER_TYPE: dict[str, dict] = {
             ),
         ),
     ),
+    # its tower's depth is stored as n_layers (num_hidden_layers only maps to it): 2 layers of its
+    # per-patch HMLP
+    "inkling_mm_model": dict(vision_config=dict(n_layers=2)),
     "dots3_note": dict(
         text_config=dict(index_topk=32),
         vision_config=dict(
@@ -546,6 +549,14 @@ def _sam_square(vc, g, size, dtype):
     return {"pixel_values": torch.randn(1, vc.sam_config.num_channels, S, S, generator=g, dtype=dtype)}
 
 
+def _patch_cubes(vc, g, size, dtype):
+    """``[patches, T, P, P, C]`` space-time patch cubes, one token each (Inkling's per-patch HMLP
+    tower, no image size: the patch count is the image's)."""
+    C, P = _channels_patch(vc)
+    pv = torch.randn(2 * (2 + size), vc.temporal_patch_size, P, P, C, generator=g, dtype=dtype)
+    return {"pixel_values": pv}
+
+
 # layout name -> random pixels of one image: (vision config, generator, size, dtype) -> tensors
 LAYOUTS = {
     "anyres_grid": _anyres_grid,
@@ -565,6 +576,7 @@ LAYOUTS = {
     "merge_sized": _merge_sized,
     "temporal_patches": _temporal_patches,
     "sam_square": _sam_square,
+    "patch_cubes": _patch_cubes,
 }
 SAMPLE_COUNTED = {"llava_onevision"}  # its images' features depend on how many share their sample
 # model type -> its layout, where the feature function's parameters do not tell it
@@ -587,6 +599,7 @@ IMAGE_LAYOUT: dict[str, str] = {
     "muse_glimmer": "temporal_patches",
     "deepseek_ocr2": "sam_square",
     "unlimited_ocr": "sam_square",
+    "inkling_mm_model": "patch_cubes",
 }
 
 

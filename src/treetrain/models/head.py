@@ -23,7 +23,7 @@ Gemma 2/3/3n/4, VaultGemma, NanoChat,     ``softcap = config.final_logit_softcap
 Beam
 RecurrentGemma                            ``softcap = config.logits_soft_cap``
 xLSTM                                     ``softcap = config.output_logit_soft_cap``
-Inkling                                   ``hidden_scale = 1 / config.logits_mup_width_multiplier``;
+Inkling (+ its VLM, inkling_mm_model)     ``hidden_scale = 1 / config.logits_mup_width_multiplier``;
                                           ``vocab = config.unpadded_vocab_size`` (the rows kept)
 Inkling2, Inkling2-Loop                   ``softcap = config.final_logit_softcapping``
 Muse Glimmer (VLM)                        ``logit_scale = text_config.output_multiplier``;
@@ -174,6 +174,7 @@ _TRANSFORMS: dict[str, Callable[[nn.Module], dict]] = {
     "Gemma4ForConditionalGeneration": _final_softcap,
     "Gemma4UnifiedForConditionalGeneration": _final_softcap,
     "MuseGlimmerForConditionalGeneration": _muse_glimmer,
+    "InklingForConditionalGeneration": _inkling,
 }
 
 

@@ -89,6 +89,9 @@ VISION_EXACT |= {
     "hunyuan_vl": "3D positions",
     "hyperclovax_vision_v2": "3D positions; head: logits * logits_scaling",
     "idefics2": "perceiver resampler; pixel masks",
+    "inkling_mm_model": "a per-patch HMLP tower (space-time patch cubes folded to depth, one token each); "
+    "Inkling's text model (as inkling_text: short convolutions routed along the tree); audio tower "
+    "present, not run; head: hidden / logits_mup_width_multiplier",
     "janus": "",
     "kimi_k25": "patch images with a (t, h, w) grid; MLA text model",
     "lfm3_vl": "3D positions; a 2D convolution in the tower (not a recurrence); short convolutions",
@@ -254,11 +257,6 @@ VISION_REFUSED |= {
     "inkling2_loop": (
         "not run by the zoo (timeboxed): "
         "as inkling2 (its vision config's float mlp_ratio, its merged patch-grid pixel layout)"
-    ),
-    "inkling_mm_model": (
-        "not run by the zoo (timeboxed): "
-        "its vision config has no image_size (temporal patches of a merged grid), a layout the zoo does "
-        "not build"
     ),
     "molmo2": (
         "not run by the zoo (timeboxed): "
