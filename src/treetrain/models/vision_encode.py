@@ -74,7 +74,9 @@ class EncodedImages:
     rows: list[torch.Tensor]
     per_layer: dict[str, list[list[torch.Tensor]]]
     template: object
-    pooled_as: str  # "list" (a sequence per image), "stack" ([n_images, rows, H]) or "flat"
+    pooled_as: (
+        str  # "list" (a sequence per image), "stack" ([n_images, rows, H]), "flat" or "rows" ([rows, 1, H])
+    )
     field: str = "pooler_output"  # where the output holds them (:func:`feature_field`)
 
 
@@ -102,6 +104,8 @@ def _split(value, sizes: list[int], n: int):
         return [v.reshape(-1, v.shape[-1]) for v in value], "stack"
     if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[0] == sum(sizes):
         return list(value.split(sizes)), "flat"
+    if isinstance(value, torch.Tensor) and value.dim() == 3 and value.shape[:2] == (sum(sizes), 1):
+        return list(value[:, 0].split(sizes)), "rows"  # a token per row (Inkling's per-patch tower)
     if n == 1 and isinstance(value, torch.Tensor):
         return [value.reshape(-1, value.shape[-1])], "stack" if value.dim() == 3 else "flat"
     return None
@@ -206,6 +210,8 @@ def _gathered(rows: list[torch.Tensor], gather: torch.Tensor, pooled_as: str):
     feats = torch.cat(rows).index_select(0, gather)
     if pooled_as == "list":
         return [feats]
+    if pooled_as == "rows":
+        return feats[:, None]
     return feats[None] if pooled_as == "stack" else feats
 
 
