@@ -74,9 +74,8 @@ class EncodedImages:
     rows: list[torch.Tensor]
     per_layer: dict[str, list[list[torch.Tensor]]]
     template: object
-    pooled_as: (
-        str  # "list" (a sequence per image), "stack" ([n_images, rows, H]), "flat" or "rows" ([rows, 1, H])
-    )
+    # "list" (a sequence per image), "stack" ([n_images, rows, H]), "flat" or "rows" ([rows, 1, H])
+    pooled_as: str
     field: str = "pooler_output"  # where the output holds them (:func:`feature_field`)
 
 
