@@ -49,6 +49,7 @@ STATUS: dict[str, tuple[str, str]] = {
     ),
     "cosmos3_edge": ("exact", "2e-08 / 3e-07, f64 3e-16 / 2e-15"),
     "cosmos3_omni": ("exact", "3e-08 / 5e-07, f64 2e-16 / 4e-15"),
+    "deepseek_ocr2": ("exact", "3e-08 / 6e-07, f64 3e-16 / 3e-15"),
     "deepseek_vl": (
         "exact",
         "3e-08 / 3e-05, f64 3e-16 / 1e-13 (as-shipped gradient worst at the SigLIP tower k_proj.bias "
@@ -120,6 +121,7 @@ STATUS: dict[str, tuple[str, str]] = {
         " image states (Idefics 1 / Flamingo)",
     ),
     "idefics2": ("exact", "3e-08 / 5e-07, f64 3e-16 / 7e-15"),
+    "inkling_mm_model": ("exact", "9e-09 / 3e-06, f64 2e-16 / 1e-14"),
     "instructblip": (
         "refused",
         "no multimodal ...Model (vision tower, Q-Former and a whole ...ForCausalLM side by side, as "
@@ -151,6 +153,9 @@ STATUS: dict[str, tuple[str, str]] = {
     ),
     "lighton_ocr": ("exact", "4e-08 / 6e-07, f64 2e-16 / 3e-15"),
     "llava_next_video": ("exact", "3e-08 / 4e-06, f64 3e-16 / 3e-14"),
+    "minicpmv4_6": ("exact", "7e-08 / 8e-06, f64 3e-16 / 4e-14"),
+    "minicpm_ocr": ("exact", "5e-08 / 7e-06, f64 2e-16 / 4e-14"),
+    "minicpmv4_7": ("exact", "6e-08 / 6e-06, f64 3e-16 / 4e-14"),
     "minimax_m3_vl": (
         "refused",
         "block-sparse indexed attention (MiniMaxM3VLIndexer): each query keeps its own top-"
@@ -172,6 +177,7 @@ STATUS: dict[str, tuple[str, str]] = {
         "refused",
         "no image placeholders: cross-attention layers to the image states (mllama), no get_image_features",
     ),
+    "muse_glimmer": ("exact", "2e-08 / 9e-07, f64 2e-16 / 5e-15"),
     "nemotron_h_omni": (
         "refused",
         "no multimodal ...Model to run as the tree's decoder: NemotronH_Omni_Reasoning_V3 holds its "
@@ -217,6 +223,8 @@ STATUS: dict[str, tuple[str, str]] = {
         "encoder-decoder (images and prompt in the T5Gemma 2 encoder; the decoder cross-attends)",
     ),
     "udop": ("refused", "encoder-decoder (T5 with layout and image patches in the encoder)"),
+    "unlimited_ocr": ("exact", "3e-08 / 5e-07, f64 2e-16 / 2e-15"),
+    "video_llama_3": ("exact", "2e-08 / 3e-07, f64 2e-16 / 2e-15"),
     "video_llava": (
         "exact",
         "3e-08 / 1e-05, f64 3e-16 / 6e-14 (as-shipped gradient worst at the CLIP tower k_proj.bias (true "
