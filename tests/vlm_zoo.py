@@ -173,6 +173,73 @@ PER_TYPE: dict[str, dict] = {
     "aria": dict(projector_patch_to_query_dict={16: 4}),
     # its vision and audio adapters: from the towers' widths to the text hidden size; its DSA layers
     # keep every key of the image tree's paths (up to 17 tokens; exact up to index_topk, refused beyond)
+    # MiniCPM-V: the window-attention merger after the first tower layer (default: the 7th of 12)
+    "minicpm_ocr": dict(insert_layer_id=0, vision_config=dict(insert_layer_id=0)),
+    "minicpmv4_6": dict(insert_layer_id=0, vision_config=dict(insert_layer_id=0)),
+    "minicpmv4_7": dict(insert_layer_id=0, vision_config=dict(insert_layer_id=0)),
+    # its adapter reads the tower's pixel-shuffled output (width 32 x 2 x 2 merges) at the top level
+    "muse_glimmer": dict(out_hidden_size=128, projector_hidden_size=32),
+    # a SAM tower (64-pixel images in 16-pixel patches, two stride-2 convolutions to a 1 x 1 grid) into
+    # a small Qwen2-style encoder with its learned queries
+    "deepseek_ocr2": dict(
+        text_config=dict(mlp_layer_types=["dense", "sparse"]),  # a dense and an MoE MLP
+        vision_config=dict(
+            sam_config=dict(
+                hidden_size=32,
+                output_channels=16,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                image_size=64,
+                patch_size=16,
+                mlp_dim=64,
+                window_size=2,
+                global_attn_indexes=[1],
+                downsample_channels=[16, 32],
+            ),
+            encoder_config=dict(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                vocab_size=16,
+                layer_types=["full_attention", "full_attention"],
+                max_window_layers=2,
+            ),
+        ),
+    ),
+    # a SAM tower (128-pixel images in 16-pixel patches, two stride-2 convolutions to a 2 x 2 grid) into
+    # a small CLIP encoder over that grid (its positions: 28-pixel images of 14-pixel patches, 2 x 2)
+    "unlimited_ocr": dict(
+        # a dense and an MoE MLP; as many KV heads as heads (its text attention's eager function, shared
+        # with its CLIP encoder, repeats no KV heads: grouped heads fail in HF's own forward)
+        text_config=dict(mlp_layer_types=["dense", "sparse"], num_key_value_heads=4),
+        vision_config=dict(
+            sam_config=dict(
+                hidden_size=32,
+                output_channels=16,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                image_size=128,
+                patch_size=16,
+                mlp_dim=64,
+                window_size=2,
+                global_attn_indexes=[1],
+                downsample_channels=[16, 32],
+            ),
+            encoder_config=dict(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                image_size=28,
+                patch_size=14,
+            ),
+        ),
+    ),
+    # its tower's depth is stored as n_layers (num_hidden_layers only maps to it): 2 layers of its
+    # per-patch HMLP
+    "inkling_mm_model": dict(vision_config=dict(n_layers=2)),
     "dots3_note": dict(
         text_config=dict(index_topk=32),
         vision_config=dict(
@@ -444,6 +511,52 @@ def _merged_positions(vc, g, size, dtype):
     }
 
 
+def _packed(vc, g, size, dtype):
+    """NaViT-packed patches of one image as one row, ``[1, C, P, h * w * P]``, with its ``(h, w)``
+    patch grid as ``target_sizes`` (MiniCPM-V: whole 2 x 2 windows of 2 x 2 merges, one slice)."""
+    C, P = _channels_patch(vc)
+    h, w = 4, 4 * (2 + size)
+    pv = torch.randn(1, C, P, h * w * P, generator=g, dtype=dtype)
+    return {"pixel_values": pv, "target_sizes": torch.tensor([[h, w]])}
+
+
+def _merge_sized(vc, g, size, dtype):
+    """Qwen-style flattened patches with their grid and the image's ``image_merge_sizes``
+    (VideoLLaMA 3: the merge size is per image)."""
+    C, P = _channels_patch(vc)
+    h, w = 4, 2 * (2 + size)  # whole 2 x 2 merge windows
+    pv = torch.randn(h * w, C * P * P, generator=g, dtype=dtype)
+    return {
+        "pixel_values": pv,
+        "image_grid_thw": torch.tensor([[1, h, w]]),
+        "image_merge_sizes": torch.tensor([2]),
+    }
+
+
+def _temporal_patches(vc, g, size, dtype):
+    """Qwen-style flattened patches of ``patch_temporal`` frames each (``[h * w, C * T * P * P]``) over
+    whole ``merge_size`` windows, with their ``(t, h, w)`` grid (Muse Glimmer's own key names)."""
+    C, P = _channels_patch(vc)
+    m = vc.merge_size
+    h, w = 2 * m, (2 + size) * m
+    pv = torch.randn(h * w, C * vc.patch_temporal * P * P, generator=g, dtype=dtype)
+    return {"pixel_values": pv, "image_grid_thw": torch.tensor([[1, h, w]])}
+
+
+def _sam_square(vc, g, size, dtype):
+    """One ``[1, C, S, S]`` image of the size of the vision config's SAM tower (DeepSeek-OCR 2)."""
+    S = vc.sam_config.image_size
+    return {"pixel_values": torch.randn(1, vc.sam_config.num_channels, S, S, generator=g, dtype=dtype)}
+
+
+def _patch_cubes(vc, g, size, dtype):
+    """``[patches, T, P, P, C]`` space-time patch cubes, one token each (Inkling's per-patch HMLP
+    tower, no image size: the patch count is the image's)."""
+    C, P = _channels_patch(vc)
+    pv = torch.randn(2 * (2 + size), vc.temporal_patch_size, P, P, C, generator=g, dtype=dtype)
+    return {"pixel_values": pv}
+
+
 # layout name -> random pixels of one image: (vision config, generator, size, dtype) -> tensors
 LAYOUTS = {
     "anyres_grid": _anyres_grid,
@@ -459,6 +572,11 @@ LAYOUTS = {
     "square": _square,
     "patch_rows": _patch_rows,
     "merged_positions": _merged_positions,
+    "packed": _packed,
+    "merge_sized": _merge_sized,
+    "temporal_patches": _temporal_patches,
+    "sam_square": _sam_square,
+    "patch_cubes": _patch_cubes,
 }
 SAMPLE_COUNTED = {"llava_onevision"}  # its images' features depend on how many share their sample
 # model type -> its layout, where the feature function's parameters do not tell it
@@ -474,6 +592,14 @@ IMAGE_LAYOUT: dict[str, str] = {
     "deepseek_vl_hybrid": "dual",
     "fuyu": "patch_rows",
     "gemma4_unified": "merged_positions",
+    "minicpm_ocr": "packed",
+    "minicpmv4_6": "packed",
+    "minicpmv4_7": "packed",
+    "video_llama_3": "merge_sized",
+    "muse_glimmer": "temporal_patches",
+    "deepseek_ocr2": "sam_square",
+    "unlimited_ocr": "sam_square",
+    "inkling_mm_model": "patch_cubes",
 }
 
 
@@ -533,6 +659,9 @@ def path_inputs(model, images) -> dict[str, torch.Tensor]:
         if layout == "anyres_grid" and name == "pixel_values":
             most = max(p.shape[1] for p in parts)
             parts = [torch.nn.functional.pad(p, (0, 0, 0, 0, 0, 0, 0, most - p.shape[1])) for p in parts]
+        if layout == "packed" and name == "pixel_values":  # one row of all the sample's patches
+            out[name] = torch.cat(parts, dim=-1)
+            continue
         stacked = layout == "patch_rows" or (  # Fuyu: one sample's patches in one row
             name in ("pixel_values", "pixel_attention_mask")
             and images[0].tensors["pixel_values"].dim() == 5

@@ -23,9 +23,11 @@ Gemma 2/3/3n/4, VaultGemma, NanoChat,     ``softcap = config.final_logit_softcap
 Beam
 RecurrentGemma                            ``softcap = config.logits_soft_cap``
 xLSTM                                     ``softcap = config.output_logit_soft_cap``
-Inkling                                   ``hidden_scale = 1 / config.logits_mup_width_multiplier``;
+Inkling (+ its VLM, inkling_mm_model)     ``hidden_scale = 1 / config.logits_mup_width_multiplier``;
                                           ``vocab = config.unpadded_vocab_size`` (the rows kept)
 Inkling2, Inkling2-Loop                   ``softcap = config.final_logit_softcapping``
+Muse Glimmer (VLM)                        ``logit_scale = text_config.output_multiplier``;
+                                          ``softcap = text_config.final_logit_softcapping``
 Dory                                      ``weight = W * (lm_head.logit_scale * logit_scale_factor)[:, None]``
                                           (a learned logit scale per vocabulary entry)
 ========================================  ============================================================
@@ -125,6 +127,11 @@ def _per_token_logit_scale(model: nn.Module) -> dict:
     return {"weight": head.weight * (head.logit_scale * head.logit_scale_factor)[:, None]}
 
 
+def _muse_glimmer(model: nn.Module) -> dict:
+    cfg = _cfg(model)
+    return {"logit_scale": float(cfg.output_multiplier), "softcap": float(cfg.final_logit_softcapping)}
+
+
 def _final_softcap(model: nn.Module) -> dict:
     return {"softcap": getattr(_cfg(model), "final_logit_softcapping", None) or None}
 
@@ -166,6 +173,8 @@ _TRANSFORMS: dict[str, Callable[[nn.Module], dict]] = {
     "Gemma3nForConditionalGeneration": _final_softcap,
     "Gemma4ForConditionalGeneration": _final_softcap,
     "Gemma4UnifiedForConditionalGeneration": _final_softcap,
+    "MuseGlimmerForConditionalGeneration": _muse_glimmer,
+    "InklingForConditionalGeneration": _inkling,
 }
 
 

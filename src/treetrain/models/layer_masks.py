@@ -109,7 +109,12 @@ def _layer_mask(tree: TreeMask, window: int | None, bidir: bool = False) -> torc
 
 
 def _probe(
-    mask_function, window: int | None, runs: torch.Tensor | None = None, T: int = 0, bidir: bool = False
+    mask_function,
+    window: int | None,
+    runs: torch.Tensor | None = None,
+    T: int = 0,
+    bidir: bool = False,
+    near: int | None = None,
 ) -> bool:
     """Whether ``mask_function(b, h, q, kv)`` is causal (with ``q - kv < window`` when set) on probe
     rows on both sides of the window, evaluated as HF's SDPA mask does (broadcast index tensors).
@@ -117,10 +122,11 @@ def _probe(
     With ``runs [B, 2]`` (the DFS runs of image tokens of a forward over ``T`` tokens) the probe rows
     include the runs' ends; with ``T`` the rows stay below it (the function may read per-token data,
     text-only forwards included); ``bidir``:
-    whether it is that OR "both in one run" (HF's ``blockwise_overlay`` over the forward's tokens)."""
+    whether it is that OR "both in one run" (HF's ``blockwise_overlay`` over the forward's tokens);
+    ``near``: a window whose edges are probed too (HF's ``local_size`` when probing for no window)."""
     rows = {0, 1, 2, 5, 17}
-    if window is not None:
-        rows |= {window - 1, window, window + 1, 2 * window + 1}
+    for w in {window, near} - {None}:
+        rows |= {w - 1, w, w + 1, 2 * w + 1}
     run_id = None
     if runs is not None:
         for s, e in runs[:4].tolist():
@@ -160,13 +166,16 @@ def mask_interface(*args, **kwargs):
     runs = tree.vision_runs if tree.vision_runs is not None and tree.vision_runs.numel() else None
     # a window HF applies as an and-mask (Gemma 3's sliding layers with image blocks) comes without
     # local_size: the config's sliding_window is then the one to check
-    windows = [window] if window is not None else [None, getattr(config, "sliding_window", None)]
+    # local_size: a window HF composed, unless an or-mask over it restores plain causal (Unlimited OCR's
+    # reference sliding layers see every "prefill" key: all of them without a cache)
+    windows = [window, None] if window is not None else [None, getattr(config, "sliding_window", None)]
     shapes = [
         (w, b) for w in dict.fromkeys(windows) for b in ((False, True) if runs is not None else (False,))
     ]
     try:
         found = next(
-            (s for s in shapes if _probe(kwargs["mask_function"], *s[:1], runs, tree.num_tokens, s[1])), None
+            (s for s in shapes if _probe(kwargs["mask_function"], s[0], runs, tree.num_tokens, s[1], window)),
+            None,
         )
     except Exception as e:  # a mask function that is not index-based: not one the tree can read
         raise ValueError(f"{what}: its attention mask function cannot be read by tree attention ({e})") from e

@@ -70,6 +70,9 @@ VISION_EXACT |= {
     "dots3_note": "its text model's DSA sparse attention, exact for paths of at most index_topk tokens "
     "(refused beyond), and sliding latent-attention layers; a MoE vision tower",
     "deepseek_vl_hybrid": "a second high-resolution (SAM) tower",
+    "deepseek_ocr2": "a SAM tower into a Qwen2-style encoder of learned queries (bidirectional over the "
+    "patches, causal over the queries), a view separator per image (global views; the zoo passes no "
+    "local crops); MoE text model",
     "ernie4_5_vl_moe": "3D positions (interleaved h, w, t); separate text and vision experts",
     "exaone4_5": "3D positions",
     "fuyu": "no vision tower: a linear embedding of flattened patches (its features in last_hidden_state)",
@@ -86,17 +89,32 @@ VISION_EXACT |= {
     "hunyuan_vl": "3D positions",
     "hyperclovax_vision_v2": "3D positions; head: logits * logits_scaling",
     "idefics2": "perceiver resampler; pixel masks",
+    "inkling_mm_model": "a per-patch HMLP tower (space-time patch cubes folded to depth, one token each); "
+    "Inkling's text model (as inkling_text: short convolutions routed along the tree); audio tower "
+    "present, not run; head: hidden / logits_mup_width_multiplier",
     "janus": "",
     "kimi_k25": "patch images with a (t, h, w) grid; MLA text model",
     "lfm3_vl": "3D positions; a 2D convolution in the tower (not a recurrence); short convolutions",
     "lighton_ocr": "Pixtral tower",
+    "minicpm_ocr": "NaViT-packed patches with target_sizes (h, w); window-attention merger inside the tower "
+    "('4x' mode: skipped)",
+    "minicpmv4_6": "NaViT-packed patches with target_sizes (h, w); window-attention merger inside the "
+    "tower; 2 x 2 merger",
+    "minicpmv4_7": "NaViT-packed patches with target_sizes (h, w); window-attention merger inside the "
+    "tower; 2 x 2 merger",
     "llava_next_video": "anyres crops",
+    "muse_glimmer": "flattened patches of patch_temporal frames with a (t, h, w) grid; pixel-shuffle merge;"
+    " sliding and NoPE full layers, gated attention; head: logits * output_multiplier, softcap",
     "ovis2": "visual vocabulary embedding",
     "paddleocr_vl": "3D positions",
     "pp_chart2table": "SAM-style tower",
     "qianfan_ocr": "pixel-shuffle projector",
     "qwen2_5_omni_thinker": "3D positions (audio tower present, not run)",
     "qwen3_omni_moe_thinker": "3D positions; deepstack; MoE (audio tower present, not run)",
+    "unlimited_ocr": "a SAM tower into a CLIP encoder over its grid (features: CLIP's beside SAM's), a "
+    "newline per row and a view separator per image (global views; the zoo passes no local crops); MoE "
+    "text model whose reference sliding layers keep every prefill key (plain causal without a cache)",
+    "video_llama_3": "flattened patches with a (t, h, w) grid and a per-image merge size (image_merge_sizes)",
     "video_llava": "",
     "vipllava": "features of several tower layers",
 }
@@ -220,11 +238,6 @@ VISION_REFUSED |= {
 }
 
 VISION_REFUSED |= {
-    "deepseek_ocr2": (
-        "not run by the zoo (timeboxed): "
-        "its vision config (SAM and Qwen2-encoder sub-configs) has none of the zoo's size keys: the "
-        "default-size tower did not build and encode within 100 s on CPU"
-    ),
     "gemma3n": (
         "not run by the zoo (timeboxed): "
         "its vision tower is timm's MobileNetV5 (TimmWrapperModel): timm is not installed in this "
@@ -245,35 +258,10 @@ VISION_REFUSED |= {
         "not run by the zoo (timeboxed): "
         "as inkling2 (its vision config's float mlp_ratio, its merged patch-grid pixel layout)"
     ),
-    "inkling_mm_model": (
-        "not run by the zoo (timeboxed): "
-        "its vision config has no image_size (temporal patches of a merged grid), a layout the zoo does "
-        "not build"
-    ),
-    "minicpm_ocr": (
-        "not run by the zoo (timeboxed): "
-        "its get_image_features requires target_sizes (per-slice patch grids of its image slicing), a "
-        "layout the zoo does not build"
-    ),
-    "minicpmv4_6": (
-        "not run by the zoo (timeboxed): "
-        "its get_image_features requires target_sizes (per-slice patch grids), a layout the zoo does not "
-        "build"
-    ),
-    "minicpmv4_7": (
-        "not run by the zoo (timeboxed): "
-        "its get_image_features requires target_sizes (per-slice patch grids), a layout the zoo does not "
-        "build"
-    ),
     "molmo2": (
         "not run by the zoo (timeboxed): "
         "its vision config's image_size is a list[int] field (the zoo's square int size is rejected), its"
         " crops layout is not built"
-    ),
-    "muse_glimmer": (
-        "not run by the zoo (timeboxed): "
-        "its projector reads patches of patch_temporal * C * P * P values (96 at the tiny config; the "
-        "zoo's flattened patches have 48): its temporal patch layout is not built"
     ),
     "muse_spark": (
         "not run by the zoo (timeboxed): "
@@ -289,16 +277,6 @@ VISION_REFUSED |= {
     "step3p7": (
         "not run by the zoo (timeboxed): "
         "its vision config's mlp_ratio is a float field (the zoo's int is rejected); not run further"
-    ),
-    "unlimited_ocr": (
-        "not run by the zoo (timeboxed): "
-        "its vision config has no patch_size (SAM-style and CLIP sub-configs), a layout the zoo does not "
-        "build"
-    ),
-    "video_llama_3": (
-        "not run by the zoo (timeboxed): "
-        "its get_image_features requires image_merge_sizes (a per-image merge size beside the grid), a "
-        "layout the zoo does not build"
     ),
 }
 

@@ -37,6 +37,15 @@ _POOLED = ("pooler_output", "last_hidden_state")
 # an image tensor holding the number of images of the processor sample it came from: LLaVA-OneVision
 # tiles the image of a one-image sample and not those of a several-image sample ([k], int)
 _SAMPLE_COUNT = "batch_num_images"
+# NaViT-packed pixels: where an image carries this tensor, its pixel_values are one row of patches
+# side by side ([1, C, P, patches * P], MiniCPM-V's target_sizes of (h, w) patch grids): images batch
+# along that last dim, not the first
+_PACKED_BY = "target_sizes"
+
+
+def _cat_dim(names) -> dict[str, int]:
+    """Per tensor name the dim a call over several images concatenates it along."""
+    return {"pixel_values": -1} if _PACKED_BY in names else {}
 
 
 def feature_field(out) -> str:
@@ -65,7 +74,8 @@ class EncodedImages:
     rows: list[torch.Tensor]
     per_layer: dict[str, list[list[torch.Tensor]]]
     template: object
-    pooled_as: str  # "list" (a sequence per image), "stack" ([n_images, rows, H]) or "flat"
+    # "list" (a sequence per image), "stack" ([n_images, rows, H]), "flat" or "rows" ([rows, 1, H])
+    pooled_as: str
     field: str = "pooler_output"  # where the output holds them (:func:`feature_field`)
 
 
@@ -93,6 +103,8 @@ def _split(value, sizes: list[int], n: int):
         return [v.reshape(-1, v.shape[-1]) for v in value], "stack"
     if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[0] == sum(sizes):
         return list(value.split(sizes)), "flat"
+    if isinstance(value, torch.Tensor) and value.dim() == 3 and value.shape[:2] == (sum(sizes), 1):
+        return list(value[:, 0].split(sizes)), "rows"  # a token per row (Inkling's per-patch tower)
     if n == 1 and isinstance(value, torch.Tensor):
         return [value.reshape(-1, value.shape[-1])], "stack" if value.dim() == 3 else "flat"
     return None
@@ -104,7 +116,8 @@ def _call(outer: nn.Module, modality: str, group: Sequence[ImageInput]):
         raise ValueError(f"{type(outer).__name__} has no {_FEATURES[modality]}: it cannot read {modality}s")
     device = outer.get_input_embeddings().weight.device
     names = [k for k in group[0].tensors if k != _SAMPLE_COUNT]
-    kwargs = {k: torch.cat([im.tensors[k] for im in group]).to(device) for k in names}
+    dims = _cat_dim(names)
+    kwargs = {k: torch.cat([im.tensors[k] for im in group], dim=dims.get(k, 0)).to(device) for k in names}
     if _SAMPLE_COUNT in group[0].tensors:
         kwargs[_SAMPLE_COUNT] = _sample_count(group).to(device)
     for k, v in kwargs.items():  # pixels in the tower's dtype; grids and masks stay integer/bool
@@ -196,6 +209,8 @@ def _gathered(rows: list[torch.Tensor], gather: torch.Tensor, pooled_as: str):
     feats = torch.cat(rows).index_select(0, gather)
     if pooled_as == "list":
         return [feats]
+    if pooled_as == "rows":
+        return feats[:, None]
     return feats[None] if pooled_as == "stack" else feats
 
 
