@@ -42,6 +42,13 @@ def pairs(n: int = 8, prompt: bool = True, margin: bool = False) -> Dataset:
     return Dataset.from_dict(rows)
 
 
+def _scale_matrices(model, factor: float) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim >= 2:
+                p.mul_(factor)
+
+
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory):
     transformers.logging.set_verbosity_error()
@@ -55,10 +62,7 @@ def reward_model(tmp_path_factory):
     torch.manual_seed(0)
     cfg = tiny_config("qwen3", vocab=len(tok), num_labels=1, pad_token_id=0, eos_token_id=1)
     model = transformers.AutoModelForSequenceClassification.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim >= 2:
-                p.mul_(1.5)
+    _scale_matrices(model, 1.5)
     path = tmp_path_factory.mktemp("pref") / "reward"
     model.save_pretrained(path)
     tok.save_pretrained(path)
@@ -127,10 +131,7 @@ def reference(policy, tmp_path_factory):
     training shuffled) and TRL's padded batch round a tie differently: ``rewards/accuracies``,
     the share of rows with margin > 0, then counts rounding (measured 0.25 vs 0 on a 2e-7 margin)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(policy)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim >= 2:
-                p.mul_(1.1)
+    _scale_matrices(model, 1.1)
     path = tmp_path_factory.mktemp("pref") / "reference"
     model.save_pretrained(path)
     return str(path)

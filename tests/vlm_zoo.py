@@ -82,6 +82,11 @@ AUDIO_SMALL = dict(
 FIXED_SIZE = dict(image_size=32, patch_size=8)
 
 # model type -> config overrides (text_config / vision_config keys as nested dicts)
+# a small SAM tower (16-pixel patches, two stride-2 convolutions): DeepSeek-OCR2's and Unlimited-OCR's
+_SAM = dict(
+    hidden_size=32, output_channels=16, num_hidden_layers=2, num_attention_heads=2, patch_size=16,
+    mlp_dim=64, window_size=2, global_attn_indexes=[1], downsample_channels=[16, 32],
+)  # fmt: skip
 PER_TYPE: dict[str, dict] = {
     # Qwen2-VL's vision hidden_size is its merger's output width: the text model's
     "qwen2_vl": {"vision_config": {"hidden_size": 64}},
@@ -184,18 +189,7 @@ PER_TYPE: dict[str, dict] = {
     "deepseek_ocr2": dict(
         text_config=dict(mlp_layer_types=["dense", "sparse"]),  # a dense and an MoE MLP
         vision_config=dict(
-            sam_config=dict(
-                hidden_size=32,
-                output_channels=16,
-                num_hidden_layers=2,
-                num_attention_heads=2,
-                image_size=64,
-                patch_size=16,
-                mlp_dim=64,
-                window_size=2,
-                global_attn_indexes=[1],
-                downsample_channels=[16, 32],
-            ),
+            sam_config=dict(_SAM, image_size=64),
             encoder_config=dict(
                 hidden_size=32,
                 intermediate_size=64,
@@ -215,18 +209,7 @@ PER_TYPE: dict[str, dict] = {
         # with its CLIP encoder, repeats no KV heads: grouped heads fail in HF's own forward)
         text_config=dict(mlp_layer_types=["dense", "sparse"], num_key_value_heads=4),
         vision_config=dict(
-            sam_config=dict(
-                hidden_size=32,
-                output_channels=16,
-                num_hidden_layers=2,
-                num_attention_heads=2,
-                image_size=128,
-                patch_size=16,
-                mlp_dim=64,
-                window_size=2,
-                global_attn_indexes=[1],
-                downsample_channels=[16, 32],
-            ),
+            sam_config=dict(_SAM, image_size=128),
             encoder_config=dict(
                 hidden_size=32,
                 intermediate_size=64,
