@@ -95,6 +95,7 @@ PER_TYPE: dict[str, dict] = {
     "qwen3_5_moe": {"text_config": dict(_GDN_SMALL)},
     # Gemma 3: 16 patches pooled to 4 tokens per image
     "gemma3": {"mm_tokens_per_image": 4},
+    "shieldgemma2": {"mm_tokens_per_image": 4},  # a Gemma 3 checkpoint under its own type
     # Gemma 4 has no default vision config: a small one, 2x2 patches pooled per token
     # (and its image blocks attend bidirectionally: "vision", off by default)
     "gemma4": {
@@ -184,6 +185,15 @@ PER_TYPE: dict[str, dict] = {
     "minicpmv4_7": dict(insert_layer_id=0, vision_config=dict(insert_layer_id=0)),
     # its adapter reads the tower's pixel-shuffled output (width 32 x 2 x 2 merges) at the top level
     "muse_glimmer": dict(out_hidden_size=128, projector_hidden_size=32),
+    # Muse Spark: as Muse Glimmer; a dense and an MoE MLP, its experts' inner width small; its audio
+    # tower (never run) scatters its output onto the text embeddings, so that output's width is the
+    # text hidden size (validated); its stages narrow
+    "muse_spark": dict(
+        out_hidden_size=128,
+        projector_hidden_size=32,
+        text_config=dict(moe_hidden_size=32, mlp_layer_types=["dense", "sparse"]),
+        audio_config=dict(out_hidden_size=64, hidden_sizes=[16, 16, 16, 16], depths=[1, 1, 1, 1]),
+    ),
     # a SAM tower (64-pixel images in 16-pixel patches, two stride-2 convolutions to a 1 x 1 grid) into
     # a small Qwen2-style encoder with its learned queries
     "deepseek_ocr2": dict(
@@ -223,6 +233,17 @@ PER_TYPE: dict[str, dict] = {
     # its tower's depth is stored as n_layers (num_hidden_layers only maps to it): 2 layers of its
     # per-patch HMLP
     "inkling_mm_model": dict(vision_config=dict(n_layers=2)),
+    # HY-V4-VL: learned positions for 64-pixel images (16 x 16 patches, interpolated); its DSA text model
+    # (as the text zoo's hy_v4) keeps every key of the image tree's paths (index_topk 32); 3D sections
+    # over its latent attention's rotary width (qk_rope_head_dim 8: sections summing to 4)
+    "hy_v4_vl": dict(
+        vision_config=dict(max_image_size=64),
+        text_config=dict(
+            indexer_types=["full", "shared"],
+            index_topk=32,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 1, 1]),
+        ),
+    ),
     "dots3_note": dict(
         text_config=dict(index_topk=32),
         vision_config=dict(
@@ -580,6 +601,7 @@ IMAGE_LAYOUT: dict[str, str] = {
     "minicpmv4_7": "packed",
     "video_llama_3": "merge_sized",
     "muse_glimmer": "temporal_patches",
+    "muse_spark": "temporal_patches",
     "deepseek_ocr2": "sam_square",
     "unlimited_ocr": "sam_square",
     "inkling_mm_model": "patch_cubes",

@@ -174,6 +174,7 @@ _TRANSFORMS: dict[str, Callable[[nn.Module], dict]] = {
     "Gemma4ForConditionalGeneration": _final_softcap,
     "Gemma4UnifiedForConditionalGeneration": _final_softcap,
     "MuseGlimmerForConditionalGeneration": _muse_glimmer,
+    "MuseSparkForConditionalGeneration": _muse_glimmer,
     "InklingForConditionalGeneration": _inkling,
 }
 

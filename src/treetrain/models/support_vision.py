@@ -87,6 +87,8 @@ VISION_EXACT |= {
     "got_ocr2": "SAM-style tower",
     "granite_docling": "tiles with a tile mask; head: logits / logits_scaling",
     "hunyuan_vl": "3D positions",
+    "hy_v4_vl": "3D positions; its text model's DSA sparse attention (layers sharing a selection), exact "
+    "for paths of at most index_topk tokens (refused beyond); attention sinks; hyper-connections; MoE",
     "hyperclovax_vision_v2": "3D positions; head: logits * logits_scaling",
     "idefics2": "perceiver resampler; pixel masks",
     "inkling_mm_model": "a per-patch HMLP tower (space-time patch cubes folded to depth, one token each); "
@@ -105,12 +107,17 @@ VISION_EXACT |= {
     "llava_next_video": "anyres crops",
     "muse_glimmer": "flattened patches of patch_temporal frames with a (t, h, w) grid; pixel-shuffle merge;"
     " sliding and NoPE full layers, gated attention; head: logits * output_multiplier, softcap",
+    "muse_spark": "as muse_glimmer (flattened patches of patch_temporal frames with a (t, h, w) grid; "
+    "pixel-shuffle merge; sliding and NoPE full layers, gated attention; head: logits * output_multiplier, "
+    "softcap); residual gates; MoE; audio tower present, not run",
     "ovis2": "visual vocabulary embedding",
     "paddleocr_vl": "3D positions",
     "pp_chart2table": "SAM-style tower",
     "qianfan_ocr": "pixel-shuffle projector",
     "qwen2_5_omni_thinker": "3D positions (audio tower present, not run)",
     "qwen3_omni_moe_thinker": "3D positions; deepstack; MoE (audio tower present, not run)",
+    "shieldgemma2": "a Gemma 3 checkpoint under its own type: bidirectional attention inside each image "
+    "block; sliding windows",
     "unlimited_ocr": "a SAM tower into a CLIP encoder over its grid (features: CLIP's beside SAM's), a "
     "newline per row and a view separator per image (global views; the zoo passes no local crops); MoE "
     "text model whose reference sliding layers keep every prefill key (plain causal without a cache)",
@@ -243,11 +250,6 @@ VISION_REFUSED |= {
         "its vision tower is timm's MobileNetV5 (TimmWrapperModel): timm is not installed in this "
         "environment, so the model cannot be built here"
     ),
-    "hy_v4_vl": (
-        "not run by the zoo (timeboxed): "
-        "its MLA text model validates mrope_section against qk_rope_head_dim // 2 (the zoo's [2, 3, 3] "
-        "sections are for head_dim 16): the tiny config is rejected"
-    ),
     "inkling2": (
         "not run by the zoo (timeboxed): "
         "its vision config's mlp_ratio is a float field; with 2.0 its patch embedding reshapes "
@@ -262,17 +264,6 @@ VISION_REFUSED |= {
         "not run by the zoo (timeboxed): "
         "its vision config's image_size is a list[int] field (the zoo's square int size is rejected), its"
         " crops layout is not built"
-    ),
-    "muse_spark": (
-        "not run by the zoo (timeboxed): "
-        "its config validates audio_config.out_hidden_size (8192 by default) against the text hidden "
-        "size: the zoo's audio shrink does not set it, the tiny config is rejected"
-    ),
-    "shieldgemma2": (
-        "not run by the zoo (timeboxed): "
-        "a classifier checkpoint of Gemma3ForConditionalGeneration under its own type; the zoo's Gemma 3 "
-        "pooling (mm_tokens_per_image) is not applied to it: with the default 256 tokens over 16 patches "
-        "its pooler's stride is 0"
     ),
     "step3p7": (
         "not run by the zoo (timeboxed): "
