@@ -87,6 +87,7 @@ _SAM = dict(
     hidden_size=32, output_channels=16, num_hidden_layers=2, num_attention_heads=2, patch_size=16,
     mlp_dim=64, window_size=2, global_attn_indexes=[1], downsample_channels=[16, 32],
 )  # fmt: skip
+_INKLING2_VISION = dict(mlp_ratio=2.0, posemb_grid_size=8, projection_hidden_dim=32)
 PER_TYPE: dict[str, dict] = {
     # Qwen2-VL's vision hidden_size is its merger's output width: the text model's
     "qwen2_vl": {"vision_config": {"hidden_size": 64}},
@@ -236,6 +237,9 @@ PER_TYPE: dict[str, dict] = {
     # HY-V4-VL: learned positions for 64-pixel images (16 x 16 patches, interpolated); its DSA text model
     # (as the text zoo's hy_v4) keeps every key of the image tree's paths (index_topk 32); 3D sections
     # over its latent attention's rotary width (qk_rope_head_dim 8: sections summing to 4)
+    # Inkling 2: its vision config's mlp_ratio is a float field; a small position grid and projector
+    "inkling2": dict(vision_config=_INKLING2_VISION),
+    "inkling2_loop": dict(vision_config=_INKLING2_VISION),
     "hy_v4_vl": dict(
         vision_config=dict(max_image_size=64),
         text_config=dict(
@@ -561,6 +565,16 @@ def _patch_cubes(vc, g, size, dtype):
     return {"pixel_values": pv}
 
 
+def _merge_windows(vc, g, size, dtype):
+    """``[h * w, M * P, M * P, C]`` windows of ``M x M`` patches, one per language-model token, in
+    raster order, with their ``(t, h, w)`` grid counted in tokens (Inkling 2)."""
+    C, P = _channels_patch(vc)
+    side = P * vc.spatial_merge_size
+    h, w = 2, 2 + size
+    pv = torch.randn(h * w, side, side, C, generator=g, dtype=dtype)
+    return {"pixel_values": pv, "image_grid_thw": torch.tensor([[1, h, w]])}
+
+
 # layout name -> random pixels of one image: (vision config, generator, size, dtype) -> tensors
 LAYOUTS = {
     "anyres_grid": _anyres_grid,
@@ -581,6 +595,7 @@ LAYOUTS = {
     "temporal_patches": _temporal_patches,
     "sam_square": _sam_square,
     "patch_cubes": _patch_cubes,
+    "merge_windows": _merge_windows,
 }
 SAMPLE_COUNTED = {"llava_onevision"}  # its images' features depend on how many share their sample
 # model type -> its layout, where the feature function's parameters do not tell it
@@ -605,6 +620,8 @@ IMAGE_LAYOUT: dict[str, str] = {
     "deepseek_ocr2": "sam_square",
     "unlimited_ocr": "sam_square",
     "inkling_mm_model": "patch_cubes",
+    "inkling2": "merge_windows",
+    "inkling2_loop": "merge_windows",
 }
 
 

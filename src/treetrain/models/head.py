@@ -176,6 +176,8 @@ _TRANSFORMS: dict[str, Callable[[nn.Module], dict]] = {
     "MuseGlimmerForConditionalGeneration": _muse_glimmer,
     "MuseSparkForConditionalGeneration": _muse_glimmer,
     "InklingForConditionalGeneration": _inkling,
+    "Inkling2ForConditionalGeneration": _final_softcap,
+    "Inkling2LoopForConditionalGeneration": _final_softcap,
 }
 
 

@@ -94,6 +94,10 @@ VISION_EXACT |= {
     "inkling_mm_model": "a per-patch HMLP tower (space-time patch cubes folded to depth, one token each); "
     "Inkling's text model (as inkling_text: short convolutions routed along the tree); audio tower "
     "present, not run; head: hidden / logits_mup_width_multiplier",
+    "inkling2": "windows of merge x merge patches, one per token, with a (t, h, w) grid; a class token per "
+    "image in its tower; its text model as inkling2_text (short and dynamic convolutions routed along the "
+    "tree, per-query sinks, block attention residuals; MoE); head: final logit softcap",
+    "inkling2_loop": "as inkling2; its text model as inkling2_loop_text (looped layers with message gates)",
     "janus": "",
     "kimi_k25": "patch images with a (t, h, w) grid; MLA text model",
     "lfm3_vl": "3D positions; a 2D convolution in the tower (not a recurrence); short convolutions",
@@ -249,16 +253,6 @@ VISION_REFUSED |= {
         "not run by the zoo (timeboxed): "
         "its vision tower is timm's MobileNetV5 (TimmWrapperModel): timm is not installed in this "
         "environment, so the model cannot be built here"
-    ),
-    "inkling2": (
-        "not run by the zoo (timeboxed): "
-        "its vision config's mlp_ratio is a float field; with 2.0 its patch embedding reshapes "
-        "pixel_values as [-1, merge, patch, merge, patch, C*...] patch grids, a layout the zoo does not "
-        "build"
-    ),
-    "inkling2_loop": (
-        "not run by the zoo (timeboxed): "
-        "as inkling2 (its vision config's float mlp_ratio, its merged patch-grid pixel layout)"
     ),
     "molmo2": (
         "not run by the zoo (timeboxed): "
