@@ -240,6 +240,12 @@ PER_TYPE: dict[str, dict] = {
     # Inkling 2: its vision config's mlp_ratio is a float field; a small position grid and projector
     "inkling2": dict(vision_config=_INKLING2_VISION),
     "inkling2_loop": dict(vision_config=_INKLING2_VISION),
+    # Step 3.7: a float mlp_ratio; 64-pixel images (8 x 8 patches, two stride-2 convolutions: 4 tokens);
+    # a sliding layer of its own head count (a per-layer config) and a full one
+    "step3p7": dict(
+        vision_config=dict(mlp_ratio=2.0, image_size=64),
+        text_config=dict(layer_types=["sliding_attention", "full_attention"], num_sliding_attention_heads=2),
+    ),
     "hy_v4_vl": dict(
         vision_config=dict(max_image_size=64),
         text_config=dict(

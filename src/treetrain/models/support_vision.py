@@ -122,6 +122,8 @@ VISION_EXACT |= {
     "qwen3_omni_moe_thinker": "3D positions; deepstack; MoE (audio tower present, not run)",
     "shieldgemma2": "a Gemma 3 checkpoint under its own type: bidirectional attention inside each image "
     "block; sliding windows",
+    "step3p7": "a tower of fixed-size images downsampled by two stride-2 convolutions; sliding layers of "
+    "their own head count and full layers, per-head attention gates; MoE",
     "unlimited_ocr": "a SAM tower into a CLIP encoder over its grid (features: CLIP's beside SAM's), a "
     "newline per row and a view separator per image (global views; the zoo passes no local crops); MoE "
     "text model whose reference sliding layers keep every prefill key (plain causal without a cache)",
@@ -258,10 +260,6 @@ VISION_REFUSED |= {
         "not run by the zoo (timeboxed): "
         "its vision config's image_size is a list[int] field (the zoo's square int size is rejected), its"
         " crops layout is not built"
-    ),
-    "step3p7": (
-        "not run by the zoo (timeboxed): "
-        "its vision config's mlp_ratio is a float field (the zoo's int is rejected); not run further"
     ),
 }
 
