@@ -29,7 +29,7 @@ from treetrain.trees.tree import TrajectoryTree
 
 from .hybrid_models import float64_everywhere
 from .reference import grads, random_coeffs, rel_err
-from .vlm_zoo import reference_vlm_logprobs, vlm_config, vlm_model, vlm_tree, vlm_types
+from .vlm_zoo import IMAGE, reference_vlm_logprobs, vlm_config, vlm_model, vlm_tree, vlm_types
 from .zoo import bare_model, zoo_paths
 
 NEW_ENOUGH = _version(transformers.__version__) >= _version(VERIFIED_FROM)
@@ -158,6 +158,23 @@ def test_llama4_refusal_cause_still_holds():
     model = transformers.Llama4ForConditionalGeneration._from_config(cfg, dtype=torch.float32).eval()
     with pytest.raises(AttributeError, match="image_outputs"):
         model(input_ids=torch.tensor([[5, 6, 7]]))
+
+
+def test_molmo2_refusal_cause_still_holds():
+    """Molmo 2 is refused because every image token of a sequence is in one bidirectional block
+    (``block_sequence_ids`` 0 at each image token): an image's states depend on the images after it,
+    so a prefix shared by branches with different images has no one value. A text token keeps its
+    causal state; when the block becomes per image this test fails."""
+    if not NEW_ENOUGH:
+        pytest.skip("the cause is read on transformers 5.24")
+    model = vlm_model("molmo2")
+    ids = torch.tensor([[5, IMAGE, IMAGE, 6, 7, IMAGE, IMAGE, 8]])
+    types = (ids == IMAGE).long()
+    with torch.no_grad():
+        whole = model.model(input_ids=ids, mm_token_type_ids=types).last_hidden_state[0]
+        prefix = model.model(input_ids=ids[:, :4], mm_token_type_ids=types[:, :4]).last_hidden_state[0]
+    assert torch.equal(whole[0], prefix[0])  # text before the images: causal
+    assert (whole[1:3] - prefix[1:3]).abs().max() > 1e-3  # the first image sees the second
 
 
 @pytest.mark.parametrize("model_type", sorted(SHIPPED_FLOAT64_FAILS))

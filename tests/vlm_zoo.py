@@ -246,6 +246,20 @@ PER_TYPE: dict[str, dict] = {
         vision_config=dict(mlp_ratio=2.0, image_size=64),
         text_config=dict(layer_types=["sliding_attention", "full_attention"], num_sliding_attention_heads=2),
     ),
+    # Molmo 2 (refused: its image tokens share one bidirectional block; built for that test): a list
+    # image size, one position per patch; its pooling adapter over the tower's two layers, small
+    "molmo2": dict(
+        vision_config=dict(image_size=[32, 32], num_position_embeddings=16),
+        adapter_config=dict(
+            vision_feature_layer=[-1, -2],
+            hidden_size=32,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=64,
+            text_hidden_size=64,
+        ),
+    ),
     "hy_v4_vl": dict(
         vision_config=dict(max_image_size=64),
         text_config=dict(

@@ -252,14 +252,17 @@ VISION_REFUSED |= {
 
 VISION_REFUSED |= {
     "gemma3n": (
-        "not run by the zoo (timeboxed): "
-        "its vision tower is timm's MobileNetV5 (TimmWrapperModel): timm is not installed in this "
-        "environment, so the model cannot be built here"
+        "its vision tower is timm's MobileNetV5 (vision_config gemma3n_vision, built by TimmWrapperModel "
+        "through timm.create_model): timm imports torchvision, whose PyPI wheels (0.28.0 for torch 2.13) "
+        "are CUDA builds whose compiled ops need libtorch_cuda, absent from the CPU torch this project "
+        "tests on, so `import torchvision` fails (operator torchvision::nms does not exist) and the model "
+        "cannot be built here; its text model is exact as gemma3n_text (models.support)"
     ),
     "molmo2": (
-        "not run by the zoo (timeboxed): "
-        "its vision config's image_size is a list[int] field (the zoo's square int size is rejected), its"
-        " crops layout is not built"
+        "every image token of a sequence is in one bidirectional block (Molmo2Model.forward: "
+        "block_sequence_ids 0 at each image token), so an image's states depend on the images after it "
+        "in its path: a prefix shared by branches with different images has no single value (text-only "
+        "trees, plain causal, are exact: 3e-08 / 5e-07, f64 1e-16 / 2e-15)"
     ),
 }
 
