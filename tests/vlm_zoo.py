@@ -178,8 +178,6 @@ PER_TYPE: dict[str, dict] = {
     "fuyu": dict(patch_size=4),  # patches of 4 x 4 pixels, embedded by one linear layer
     # its projector's learned queries per patch count: the 16 patches of a 32-pixel image -> 4 rows
     "aria": dict(projector_patch_to_query_dict={16: 4}),
-    # its vision and audio adapters: from the towers' widths to the text hidden size; its DSA layers
-    # keep every key of the image tree's paths (up to 17 tokens; exact up to index_topk, refused beyond)
     # MiniCPM-V: the window-attention merger after the first tower layer (default: the 7th of 12)
     "minicpm_ocr": dict(insert_layer_id=0, vision_config=dict(insert_layer_id=0)),
     "minicpmv4_6": dict(insert_layer_id=0, vision_config=dict(insert_layer_id=0)),
@@ -234,9 +232,6 @@ PER_TYPE: dict[str, dict] = {
     # its tower's depth is stored as n_layers (num_hidden_layers only maps to it): 2 layers of its
     # per-patch HMLP
     "inkling_mm_model": dict(vision_config=dict(n_layers=2)),
-    # HY-V4-VL: learned positions for 64-pixel images (16 x 16 patches, interpolated); its DSA text model
-    # (as the text zoo's hy_v4) keeps every key of the image tree's paths (index_topk 32); 3D sections
-    # over its latent attention's rotary width (qk_rope_head_dim 8: sections summing to 4)
     # Inkling 2: its vision config's mlp_ratio is a float field; a small position grid and projector
     "inkling2": dict(vision_config=_INKLING2_VISION),
     "inkling2_loop": dict(vision_config=_INKLING2_VISION),
@@ -260,6 +255,10 @@ PER_TYPE: dict[str, dict] = {
             text_hidden_size=64,
         ),
     ),
+    # HY-V4-VL: learned positions for 64-pixel images (a 16 x 16 grid of 4-pixel patches, interpolated
+    # to each image's grid); its DSA text model (as the text zoo's hy_v4) keeps every key of the image
+    # tree's paths (index_topk 32); 3D sections over its latent attention's rotary width
+    # (qk_rope_head_dim 8: sections summing to 4)
     "hy_v4_vl": dict(
         vision_config=dict(max_image_size=64),
         text_config=dict(
@@ -268,6 +267,9 @@ PER_TYPE: dict[str, dict] = {
             rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 1, 1]),
         ),
     ),
+    # dots.llm3 note: its vision and audio adapters from the towers' widths to the text hidden size; its
+    # DSA layers keep every key of the image tree's paths (up to 17 tokens; exact up to index_topk,
+    # refused beyond)
     "dots3_note": dict(
         text_config=dict(index_topk=32),
         vision_config=dict(
