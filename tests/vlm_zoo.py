@@ -87,6 +87,7 @@ _SAM = dict(
     hidden_size=32, output_channels=16, num_hidden_layers=2, num_attention_heads=2, patch_size=16,
     mlp_dim=64, window_size=2, global_attn_indexes=[1], downsample_channels=[16, 32],
 )  # fmt: skip
+_INKLING2_VISION = dict(mlp_ratio=2.0, posemb_grid_size=8, projection_hidden_dim=32)
 PER_TYPE: dict[str, dict] = {
     # Qwen2-VL's vision hidden_size is its merger's output width: the text model's
     "qwen2_vl": {"vision_config": {"hidden_size": 64}},
@@ -95,6 +96,7 @@ PER_TYPE: dict[str, dict] = {
     "qwen3_5_moe": {"text_config": dict(_GDN_SMALL)},
     # Gemma 3: 16 patches pooled to 4 tokens per image
     "gemma3": {"mm_tokens_per_image": 4},
+    "shieldgemma2": {"mm_tokens_per_image": 4},  # a Gemma 3 checkpoint under its own type
     # Gemma 4 has no default vision config: a small one, 2x2 patches pooled per token
     # (and its image blocks attend bidirectionally: "vision", off by default)
     "gemma4": {
@@ -176,14 +178,21 @@ PER_TYPE: dict[str, dict] = {
     "fuyu": dict(patch_size=4),  # patches of 4 x 4 pixels, embedded by one linear layer
     # its projector's learned queries per patch count: the 16 patches of a 32-pixel image -> 4 rows
     "aria": dict(projector_patch_to_query_dict={16: 4}),
-    # its vision and audio adapters: from the towers' widths to the text hidden size; its DSA layers
-    # keep every key of the image tree's paths (up to 17 tokens; exact up to index_topk, refused beyond)
     # MiniCPM-V: the window-attention merger after the first tower layer (default: the 7th of 12)
     "minicpm_ocr": dict(insert_layer_id=0, vision_config=dict(insert_layer_id=0)),
     "minicpmv4_6": dict(insert_layer_id=0, vision_config=dict(insert_layer_id=0)),
     "minicpmv4_7": dict(insert_layer_id=0, vision_config=dict(insert_layer_id=0)),
     # its adapter reads the tower's pixel-shuffled output (width 32 x 2 x 2 merges) at the top level
     "muse_glimmer": dict(out_hidden_size=128, projector_hidden_size=32),
+    # Muse Spark: as Muse Glimmer; a dense and an MoE MLP, its experts' inner width small; its audio
+    # tower (never run) scatters its output onto the text embeddings, so that output's width is the
+    # text hidden size (validated); its stages narrow
+    "muse_spark": dict(
+        out_hidden_size=128,
+        projector_hidden_size=32,
+        text_config=dict(moe_hidden_size=32, mlp_layer_types=["dense", "sparse"]),
+        audio_config=dict(out_hidden_size=64, hidden_sizes=[16, 16, 16, 16], depths=[1, 1, 1, 1]),
+    ),
     # a SAM tower (64-pixel images in 16-pixel patches, two stride-2 convolutions to a 1 x 1 grid) into
     # a small Qwen2-style encoder with its learned queries
     "deepseek_ocr2": dict(
@@ -223,6 +232,44 @@ PER_TYPE: dict[str, dict] = {
     # its tower's depth is stored as n_layers (num_hidden_layers only maps to it): 2 layers of its
     # per-patch HMLP
     "inkling_mm_model": dict(vision_config=dict(n_layers=2)),
+    # Inkling 2: its vision config's mlp_ratio is a float field; a small position grid and projector
+    "inkling2": dict(vision_config=_INKLING2_VISION),
+    "inkling2_loop": dict(vision_config=_INKLING2_VISION),
+    # Step 3.7: a float mlp_ratio; 64-pixel images (8 x 8 patches, two stride-2 convolutions: 4 tokens);
+    # a sliding layer of its own head count (a per-layer config) and a full one
+    "step3p7": dict(
+        vision_config=dict(mlp_ratio=2.0, image_size=64),
+        text_config=dict(layer_types=["sliding_attention", "full_attention"], num_sliding_attention_heads=2),
+    ),
+    # Molmo 2 (refused: its image tokens share one bidirectional block; built for that test): a list
+    # image size, one position per patch; its pooling adapter over the tower's two layers, small
+    "molmo2": dict(
+        vision_config=dict(image_size=[32, 32], num_position_embeddings=16),
+        adapter_config=dict(
+            vision_feature_layer=[-1, -2],
+            hidden_size=32,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=64,
+            text_hidden_size=64,
+        ),
+    ),
+    # HY-V4-VL: learned positions for 64-pixel images (a 16 x 16 grid of 4-pixel patches, interpolated
+    # to each image's grid); its DSA text model (as the text zoo's hy_v4) keeps every key of the image
+    # tree's paths (index_topk 32); 3D sections over its latent attention's rotary width
+    # (qk_rope_head_dim 8: sections summing to 4)
+    "hy_v4_vl": dict(
+        vision_config=dict(max_image_size=64),
+        text_config=dict(
+            indexer_types=["full", "shared"],
+            index_topk=32,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 1, 1]),
+        ),
+    ),
+    # dots.llm3 note: its vision and audio adapters from the towers' widths to the text hidden size; its
+    # DSA layers keep every key of the image tree's paths (up to 17 tokens; exact up to index_topk,
+    # refused beyond)
     "dots3_note": dict(
         text_config=dict(index_topk=32),
         vision_config=dict(
@@ -540,6 +587,16 @@ def _patch_cubes(vc, g, size, dtype):
     return {"pixel_values": pv}
 
 
+def _merge_windows(vc, g, size, dtype):
+    """``[h * w, M * P, M * P, C]`` windows of ``M x M`` patches, one per language-model token, in
+    raster order, with their ``(t, h, w)`` grid counted in tokens (Inkling 2)."""
+    C, P = _channels_patch(vc)
+    side = P * vc.spatial_merge_size
+    h, w = 2, 2 + size
+    pv = torch.randn(h * w, side, side, C, generator=g, dtype=dtype)
+    return {"pixel_values": pv, "image_grid_thw": torch.tensor([[1, h, w]])}
+
+
 # layout name -> random pixels of one image: (vision config, generator, size, dtype) -> tensors
 LAYOUTS = {
     "anyres_grid": _anyres_grid,
@@ -560,6 +617,7 @@ LAYOUTS = {
     "temporal_patches": _temporal_patches,
     "sam_square": _sam_square,
     "patch_cubes": _patch_cubes,
+    "merge_windows": _merge_windows,
 }
 SAMPLE_COUNTED = {"llava_onevision"}  # its images' features depend on how many share their sample
 # model type -> its layout, where the feature function's parameters do not tell it
@@ -580,9 +638,12 @@ IMAGE_LAYOUT: dict[str, str] = {
     "minicpmv4_7": "packed",
     "video_llama_3": "merge_sized",
     "muse_glimmer": "temporal_patches",
+    "muse_spark": "temporal_patches",
     "deepseek_ocr2": "sam_square",
     "unlimited_ocr": "sam_square",
     "inkling_mm_model": "patch_cubes",
+    "inkling2": "merge_windows",
+    "inkling2_loop": "merge_windows",
 }
 
 

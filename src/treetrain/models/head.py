@@ -174,7 +174,10 @@ _TRANSFORMS: dict[str, Callable[[nn.Module], dict]] = {
     "Gemma4ForConditionalGeneration": _final_softcap,
     "Gemma4UnifiedForConditionalGeneration": _final_softcap,
     "MuseGlimmerForConditionalGeneration": _muse_glimmer,
+    "MuseSparkForConditionalGeneration": _muse_glimmer,
     "InklingForConditionalGeneration": _inkling,
+    "Inkling2ForConditionalGeneration": _final_softcap,
+    "Inkling2LoopForConditionalGeneration": _final_softcap,
 }
 
 

@@ -87,11 +87,17 @@ VISION_EXACT |= {
     "got_ocr2": "SAM-style tower",
     "granite_docling": "tiles with a tile mask; head: logits / logits_scaling",
     "hunyuan_vl": "3D positions",
+    "hy_v4_vl": "3D positions; its text model's DSA sparse attention (layers sharing a selection), exact "
+    "for paths of at most index_topk tokens (refused beyond); attention sinks; hyper-connections; MoE",
     "hyperclovax_vision_v2": "3D positions; head: logits * logits_scaling",
     "idefics2": "perceiver resampler; pixel masks",
     "inkling_mm_model": "a per-patch HMLP tower (space-time patch cubes folded to depth, one token each); "
     "Inkling's text model (as inkling_text: short convolutions routed along the tree); audio tower "
     "present, not run; head: hidden / logits_mup_width_multiplier",
+    "inkling2": "windows of merge x merge patches, one per token, with a (t, h, w) grid; a class token per "
+    "image in its tower; its text model as inkling2_text (short and dynamic convolutions routed along the "
+    "tree, per-query sinks, block attention residuals; MoE); head: final logit softcap",
+    "inkling2_loop": "as inkling2; its text model as inkling2_loop_text (looped layers with message gates)",
     "janus": "",
     "kimi_k25": "patch images with a (t, h, w) grid; MLA text model",
     "lfm3_vl": "3D positions; a 2D convolution in the tower (not a recurrence); short convolutions",
@@ -105,12 +111,19 @@ VISION_EXACT |= {
     "llava_next_video": "anyres crops",
     "muse_glimmer": "flattened patches of patch_temporal frames with a (t, h, w) grid; pixel-shuffle merge;"
     " sliding and NoPE full layers, gated attention; head: logits * output_multiplier, softcap",
+    "muse_spark": "as muse_glimmer (flattened patches of patch_temporal frames with a (t, h, w) grid; "
+    "pixel-shuffle merge; sliding and NoPE full layers, gated attention; head: logits * output_multiplier, "
+    "softcap); residual gates; MoE; audio tower present, not run",
     "ovis2": "visual vocabulary embedding",
     "paddleocr_vl": "3D positions",
     "pp_chart2table": "SAM-style tower",
     "qianfan_ocr": "pixel-shuffle projector",
     "qwen2_5_omni_thinker": "3D positions (audio tower present, not run)",
     "qwen3_omni_moe_thinker": "3D positions; deepstack; MoE (audio tower present, not run)",
+    "shieldgemma2": "a Gemma 3 checkpoint under its own type: bidirectional attention inside each image "
+    "block; sliding windows",
+    "step3p7": "a tower of fixed-size images downsampled by two stride-2 convolutions; sliding layers of "
+    "their own head count and full layers, per-head attention gates; MoE",
     "unlimited_ocr": "a SAM tower into a CLIP encoder over its grid (features: CLIP's beside SAM's), a "
     "newline per row and a view separator per image (global views; the zoo passes no local crops); MoE "
     "text model whose reference sliding layers keep every prefill key (plain causal without a cache)",
@@ -239,44 +252,17 @@ VISION_REFUSED |= {
 
 VISION_REFUSED |= {
     "gemma3n": (
-        "not run by the zoo (timeboxed): "
-        "its vision tower is timm's MobileNetV5 (TimmWrapperModel): timm is not installed in this "
-        "environment, so the model cannot be built here"
-    ),
-    "hy_v4_vl": (
-        "not run by the zoo (timeboxed): "
-        "its MLA text model validates mrope_section against qk_rope_head_dim // 2 (the zoo's [2, 3, 3] "
-        "sections are for head_dim 16): the tiny config is rejected"
-    ),
-    "inkling2": (
-        "not run by the zoo (timeboxed): "
-        "its vision config's mlp_ratio is a float field; with 2.0 its patch embedding reshapes "
-        "pixel_values as [-1, merge, patch, merge, patch, C*...] patch grids, a layout the zoo does not "
-        "build"
-    ),
-    "inkling2_loop": (
-        "not run by the zoo (timeboxed): "
-        "as inkling2 (its vision config's float mlp_ratio, its merged patch-grid pixel layout)"
+        "its vision tower is timm's MobileNetV5 (vision_config gemma3n_vision, built by TimmWrapperModel "
+        "through timm.create_model): timm imports torchvision, whose PyPI wheels (0.28.0 for torch 2.13) "
+        "are CUDA builds whose compiled ops need libtorch_cuda, absent from the CPU torch this project "
+        "tests on, so `import torchvision` fails (operator torchvision::nms does not exist) and the model "
+        "cannot be built here; its text model is exact as gemma3n_text (models.support)"
     ),
     "molmo2": (
-        "not run by the zoo (timeboxed): "
-        "its vision config's image_size is a list[int] field (the zoo's square int size is rejected), its"
-        " crops layout is not built"
-    ),
-    "muse_spark": (
-        "not run by the zoo (timeboxed): "
-        "its config validates audio_config.out_hidden_size (8192 by default) against the text hidden "
-        "size: the zoo's audio shrink does not set it, the tiny config is rejected"
-    ),
-    "shieldgemma2": (
-        "not run by the zoo (timeboxed): "
-        "a classifier checkpoint of Gemma3ForConditionalGeneration under its own type; the zoo's Gemma 3 "
-        "pooling (mm_tokens_per_image) is not applied to it: with the default 256 tokens over 16 patches "
-        "its pooler's stride is 0"
-    ),
-    "step3p7": (
-        "not run by the zoo (timeboxed): "
-        "its vision config's mlp_ratio is a float field (the zoo's int is rejected); not run further"
+        "every image token of a sequence is in one bidirectional block (Molmo2Model.forward: "
+        "block_sequence_ids 0 at each image token), so an image's states depend on the images after it "
+        "in its path: a prefix shared by branches with different images has no single value (text-only "
+        "trees, plain causal, are exact: 3e-08 / 5e-07, f64 1e-16 / 2e-15)"
     ),
 }
 
