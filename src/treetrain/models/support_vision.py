@@ -159,9 +159,10 @@ VISION_REFUSED |= {
         "cross-attention (sequence-aligned resampler)"
     ),
     "fast_vlm": (
-        "its vision tower is timm's FastViT (vision_config model_type timm_wrapper): timm (and "
-        "torchvision) are not installed in this environment, so the model cannot be built here; its data "
-        "flow is LLaVA's (placeholders scattered in order)"
+        "its vision tower is timm's FastViT (vision_config model_type timm_wrapper): timm imports "
+        "torchvision, whose PyPI wheels for torch 2.13 are CUDA builds (gemma3n's cause), so the model "
+        "cannot be built on the CPU torch this project tests on; its data flow is LLaVA's (placeholders "
+        "scattered in order)"
     ),
     "florence2": (
         "encoder-decoder (DaViT image features and the prompt go through a BART encoder; the decoder "
@@ -231,7 +232,8 @@ VISION_REFUSED |= {
     ),
     "perception_lm": (
         "its vision tower is timm's (vision_config model_type timm_wrapper, Perception Encoder): timm "
-        "(and torchvision) are not installed in this environment, so the model cannot be built here"
+        "imports torchvision, whose PyPI wheels for torch 2.13 are CUDA builds (gemma3n's cause), so the "
+        "model cannot be built on the CPU torch this project tests on"
     ),
     "pi0": (
         "not a next-token model: a vision-language-action policy (PaliGemma prefix-LM with a flow-"
