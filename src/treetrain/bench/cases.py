@@ -309,7 +309,8 @@ def run_case(
     capacity = case_capacity(trees, capacity)
     vocab = model.get_output_embeddings().weight.shape[0]
     base_flops, tree_flops, computed = case_flops(trees, capacity, cost, vocab)
-    modes = ["sequence", "tree"] + (["hf"] if all(t.num_paths == 1 for t in trees) else [])
+    plain = all(t.num_paths == 1 and t.image_table is None for t in trees)  # hf_step: token ids only
+    modes = ["sequence", "tree"] + (["hf"] if plain else [])
     base_cap = capacity
     if baseline_capacities:
         base_cap = fastest_capacity(model, trees, (capacity, *baseline_capacities), backend, device)
@@ -438,13 +439,18 @@ def bench_model(
 ):
     """A random-init Qwen3-architecture model (no download), untied head; unless given: GQA 2:1,
     ``head_dim = hidden // heads``, MLP ``3 * hidden``. With ``path``, the pretrained model of that
-    local directory instead (its own sizes; the others are ignored)."""
+    local directory instead (its own sizes; the others are ignored; a vision-language model whole,
+    its vision tower too, as ``train`` loads it)."""
     import transformers
 
     if path is not None:
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, attn_implementation="sdpa"
-        )
+        from pathlib import Path
+
+        from treetrain.train.build import is_vision_language
+
+        vlm = is_vision_language(Path(path))
+        auto = transformers.AutoModelForImageTextToText if vlm else transformers.AutoModelForCausalLM
+        model = auto.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
         return model.to(device)
     torch.manual_seed(seed)
     cfg = transformers.Qwen3Config(
