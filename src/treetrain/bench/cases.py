@@ -298,20 +298,22 @@ def run_case(
     matmul_size: int = 2048,
     factory=None,
     baseline_capacities: tuple[int, ...] = (),
+    baseline_capacity: int | None = None,
 ) -> Result:
     """One case: both modes (and a plain HF step on one-path cases) timed ``repeats`` times each,
     interleaved, after an untimed warm-up round; the load while they ran and the verdict on them.
     ``factory(*model_args)`` rebuilds the model for the peak-memory processes (:func:`peak_memory`).
     ``baseline_capacities``: other micro-batch budgets for the baseline alone (``ONE_PATH``: one
     path per forward), searched before the timed rounds (:func:`fastest_capacity`); the fastest is
-    the baseline."""
+    the baseline; ``baseline_capacity``: the baseline's budget, fixed, instead of ``capacity`` (no search
+    without ``baseline_capacities``)."""
     device = model.get_input_embeddings().weight.device
     capacity = case_capacity(trees, capacity)
     vocab = model.get_output_embeddings().weight.shape[0]
     base_flops, tree_flops, computed = case_flops(trees, capacity, cost, vocab)
     plain = all(t.num_paths == 1 and t.image_table is None for t in trees)  # hf_step: token ids only
     modes = ["sequence", "tree"] + (["hf"] if plain else [])
-    base_cap = capacity
+    base_cap = capacity if baseline_capacity is None else baseline_capacity
     if baseline_capacities:
         base_cap = fastest_capacity(model, trees, (capacity, *baseline_capacities), backend, device)
     budget = {"sequence": base_cap, "tree": capacity}
