@@ -93,6 +93,8 @@ def test_bench_data_text(tmp_path):
     stdout, result = _bench(tmp_path, "--model", str(model), "--data", str(data))
     _consistent(stdout, result, _stats("--model", str(model), "--data", str(data)), f"FLOP bound ({model})")
     assert "vision" not in stdout and result["paths"] == 5
+    proc = treetrain("bench", "--model", str(model), "--data", str(data), "--estimate")
+    assert proc.returncode == 0 and f"estimate: `treetrain bench --data {data}`" in proc.stdout, proc.stderr
 
 
 def test_bench_data_errors_are_one_line(tmp_path):

@@ -126,8 +126,9 @@ def estimate(args, cases: list, cost=None) -> int:
         total += flops
         step = f"baseline {b / 1e12:.2f}, tree {t / 1e12:.2f} TFLOP per step"
         print(f"  {name}: {step}; {flops / QUIET_RATE:.0f} s")
+    run = f"--data {args.data}" if getattr(args, "data", None) else f"--preset {args.preset}"
     print(
-        f"estimate: `treetrain bench --preset {args.preset}`: about {total / QUIET_RATE / 60:.0f} min "
+        f"estimate: `treetrain bench {run}`: about {total / QUIET_RATE / 60:.0f} min "
         f"({total / QUIET_RATE:,.0f} s) at {QUIET_RATE / 1e9:.0f} GFLOP/s (a quiet 2-core EPYC; FLOPs only: "
         "model building and fixed costs come on top)"
     )
