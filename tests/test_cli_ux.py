@@ -116,7 +116,8 @@ def test_dpo_on_a_paths_file_names_file_and_line(paths_file, tmp_path):
 
 def _listing_error(proc: subprocess.CompletedProcess, command: str) -> str:
     """Exit status 2, ``treetrain COMMAND: error: FILE: N of M records are invalid:`` and one line per
-    bad record (as ``train`` lists them, issue 35), no usage, no traceback."""
+    bad record (as ``train`` lists them, issue 35), no usage, no traceback; several bad records (one
+    is one line: :func:`_one_line_error`)."""
     assert proc.returncode == 2 and proc.stderr.startswith(f"treetrain {command}: error: "), proc.stderr
     assert "records are invalid:" in proc.stderr.splitlines()[0]
     assert "usage:" not in proc.stderr and "Traceback" not in proc.stderr
@@ -127,16 +128,16 @@ def test_stats_rejects_token_ids_that_train_rejects(tmp_path):
     oov = tmp_path / "oov.jsonl"
     oov.write_text('{"paths": [[1, 2, 151936], [1, 2, 4]]}\n')  # 151936: one past Qwen3's vocabulary
     message = f'{oov}:1: field "paths"[0][2]: token id 151936 is outside the vocabulary (vocab_size=151936)'
-    assert message in _listing_error(treetrain("stats", "--data", str(oov)), "stats")
+    assert message in _one_line_error(treetrain("stats", "--data", str(oov)), "stats")  # one record: one line
     proc = treetrain("train", "--data", str(oov), "--output", str(tmp_path / "o"), "--no-progress")
     assert proc.returncode == 2 and message in proc.stderr  # train lists every invalid record
     assert treetrain("stats", "--data", str(oov), "--vocab-size", "151937").returncode == 0
-    err = _listing_error(treetrain("stats", "--data", str(oov), "--vocab-size", "100"), "stats")
+    err = _one_line_error(treetrain("stats", "--data", str(oov), "--vocab-size", "100"), "stats")
     assert "token id 151936 is outside the vocabulary (vocab_size=100)" in err and "--vocab-size 100" in err
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text('{"model_type": "qwen3", "vocab_size": 1000}')  # defaults otherwise
-    err = _listing_error(treetrain("stats", "--data", str(oov), "--model", str(model)), "stats")
+    err = _one_line_error(treetrain("stats", "--data", str(oov), "--model", str(model)), "stats")
     assert "(vocab_size=1000)" in err and f"--model {model}'s" in err
 
 
@@ -240,14 +241,14 @@ def test_a_late_record_without_rewards_fails_validation_by_name(tmp_path):
             "--no-progress"]  # fmt: skip
     named = f'{data}:3 (id "late"): field "rewards": missing; --advantages group computes each path'
     proc = treetrain(*argv, "--output", str(tmp_path / "o"))
-    assert named in _listing_error(proc, "train") and "step 1" not in proc.stdout, proc.stdout
+    assert named in _one_line_error(proc, "train") and "step 1" not in proc.stdout, proc.stdout
     assert not (tmp_path / "o" / "metrics.jsonl").exists()
     proc = treetrain(*argv, "--output", str(tmp_path / "lazy"), "--lazy-validate", "--prefetch", "0")
     line = _one_line_error(proc, "train")
     assert named in line and "step 2/3" in proc.stdout and "step 3/3" not in proc.stdout, proc.stdout
     rows[2]["rewards"], rows[2]["advantages"] = [1, 0], [0.5, -0.5]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    err = _listing_error(treetrain(*argv, "--output", str(tmp_path / "both")), "train")
+    err = _one_line_error(treetrain(*argv, "--output", str(tmp_path / "both")), "train")
     assert f'{data}:3 (id "late"): field "advantages": --advantages group computes them from "rewards"' in err
 
 

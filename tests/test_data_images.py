@@ -290,8 +290,10 @@ def test_image_errors_exit_2(vlm, bad_models, tmp_path, case, capsys):
     rc = main(["train", "--model", str(model_dir), "--data", str(data), "--output", str(tmp_path / "o"),
                "--steps", "1", "--no-progress"])  # fmt: skip
     err = capsys.readouterr().err
-    assert rc == 2, err
-    assert f"err_{case}.jsonl:1:" in err and re.search(pattern, err), err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == 2 and len(lines) == 1, err  # one line: file:line, record, message, part, the fix
+    assert lines[0].startswith("treetrain train: error: ") and f"err_{case}.jsonl:1:" in lines[0], err
+    assert re.search(pattern, lines[0]), err
 
 
 # ---- policy gradient, DPO, stats -----------------------------------------------------------------

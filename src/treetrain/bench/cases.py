@@ -298,19 +298,22 @@ def run_case(
     matmul_size: int = 2048,
     factory=None,
     baseline_capacities: tuple[int, ...] = (),
+    baseline_capacity: int | None = None,
 ) -> Result:
     """One case: both modes (and a plain HF step on one-path cases) timed ``repeats`` times each,
     interleaved, after an untimed warm-up round; the load while they ran and the verdict on them.
     ``factory(*model_args)`` rebuilds the model for the peak-memory processes (:func:`peak_memory`).
     ``baseline_capacities``: other micro-batch budgets for the baseline alone (``ONE_PATH``: one
     path per forward), searched before the timed rounds (:func:`fastest_capacity`); the fastest is
-    the baseline."""
+    the baseline; ``baseline_capacity``: the baseline's budget, fixed, instead of ``capacity`` (no search
+    without ``baseline_capacities``)."""
     device = model.get_input_embeddings().weight.device
     capacity = case_capacity(trees, capacity)
     vocab = model.get_output_embeddings().weight.shape[0]
     base_flops, tree_flops, computed = case_flops(trees, capacity, cost, vocab)
-    modes = ["sequence", "tree"] + (["hf"] if all(t.num_paths == 1 for t in trees) else [])
-    base_cap = capacity
+    plain = all(t.num_paths == 1 and t.image_table is None for t in trees)  # hf_step: token ids only
+    modes = ["sequence", "tree"] + (["hf"] if plain else [])
+    base_cap = capacity if baseline_capacity is None else baseline_capacity
     if baseline_capacities:
         base_cap = fastest_capacity(model, trees, (capacity, *baseline_capacities), backend, device)
     budget = {"sequence": base_cap, "tree": capacity}
@@ -438,13 +441,18 @@ def bench_model(
 ):
     """A random-init Qwen3-architecture model (no download), untied head; unless given: GQA 2:1,
     ``head_dim = hidden // heads``, MLP ``3 * hidden``. With ``path``, the pretrained model of that
-    local directory instead (its own sizes; the others are ignored)."""
+    local directory instead (its own sizes; the others are ignored; a vision-language model whole,
+    its vision tower too, as ``train`` loads it)."""
     import transformers
 
     if path is not None:
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, attn_implementation="sdpa"
-        )
+        from pathlib import Path
+
+        from treetrain.train.build import is_vision_language
+
+        vlm = is_vision_language(Path(path))
+        auto = transformers.AutoModelForImageTextToText if vlm else transformers.AutoModelForCausalLM
+        model = auto.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
         return model.to(device)
     torch.manual_seed(seed)
     cfg = transformers.Qwen3Config(

@@ -38,6 +38,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 from treetrain.bench import allocator, noise
+from treetrain.bench import data as bench_data
 from treetrain.bench.presets import PRESETS, estimate
 from treetrain.bench.report import _mib, format_table, hardware_slug, plot, results_header
 
@@ -95,6 +96,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="tokens of the one-path case (also timed as a plain HF step; 0: none)",
     )
     p.add_argument("--sample", action="store_true", help="also the bundled sample (real agent dialogues)")
+    bench_data.add_flags(p)
     p.add_argument(
         "--sample-by-kind",
         action="store_true",
@@ -164,9 +166,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
-    """Flags left unset take the preset's values."""
+    """Flags left unset take the preset's values (with ``--data``, ``--capacity`` is the data's:
+    :func:`treetrain.bench.data.resolve_capacity`)."""
     out = argparse.Namespace(**vars(args))
     for k, v in PRESETS[args.preset].items():
+        if k == "capacity" and getattr(args, "data", None):
+            continue
         if getattr(out, k, None) is None:
             setattr(out, k, v)
     return out
@@ -175,6 +180,10 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
 def _cases(args, vocab: int) -> list[tuple[str, list[TrajectoryTree]]]:
     from treetrain.bench.cases import group_tree, one_path_tree, per_turn_tree
 
+    if getattr(args, "data", None):  # the user's data alone; --capacity then fits its largest tree
+        name, trees = bench_data.read_case(args, getattr(args, "model_dir", None))
+        args.capacity = bench_data.resolve_capacity(args.capacity, PRESETS[args.preset]["capacity"], trees)
+        return [(name, trees)]
     cases = [(f"group POR {p:.0%}", [group_tree(p, args.paths, args.path_len, vocab)]) for p in args.por]
     if args.turns:
         cases.append((f"per-turn {args.turns} turns", [per_turn_tree(args.turns, args.turn_len, vocab)]))
@@ -253,8 +262,10 @@ def main(args: argparse.Namespace) -> int:
 
         path = resolve_model(args.model)
         args.hidden, args.layers, args.vocab, args.heads = pretrained_sizes(path)
+    args.model_dir = path
+    cases = _cases(args, args.vocab)
     if args.estimate:
-        return estimate(args, _cases(args, args.vocab))
+        return estimate(args, cases, None if path is None else model_cost(path))
     shape = (args.kv_heads, args.head_dim, args.intermediate)
     model_args = (args.hidden, args.layers, args.vocab, args.heads, device, dtype, 0, *shape, path)
     model = bench_model(*model_args)
@@ -273,7 +284,8 @@ def main(args: argparse.Namespace) -> int:
     machine = noise.busy(before["load"])
     if machine:
         print("  WARNING, a busy machine: " + "; ".join(machine) + ". Timings will be marked.", flush=True)
-    cases = _cases(args, args.vocab)
+    if args.data:
+        print(bench_data.data_line(args.data, cases[0][1], cost), flush=True)
     # work of every case: both modes, warm-up + repeats, plus the untimed log-prob check (~1/3 step),
     # and the baseline's budget search (3 steps of each other budget: one, typically)
     work = [
@@ -355,6 +367,15 @@ def main(args: argparse.Namespace) -> int:
         plot(results, args.plot)
         print(f"plot: {args.plot}")
     return 0
+
+
+def model_cost(path: str):
+    """The FLOP cost model of the model directory ``path`` (its vision tower too), as ``stats``'."""
+    import transformers
+
+    from treetrain.trees.flops import CostModel
+
+    return CostModel.from_config(transformers.AutoConfig.from_pretrained(path))
 
 
 def pretrained_sizes(path: str) -> tuple[int, int, int, int]:

@@ -100,11 +100,13 @@ PRESETS: dict[str, dict] = {
 QUIET_RATE = 155e9
 
 
-def estimate(args, cases: list) -> int:
+def estimate(args, cases: list, cost=None) -> int:
     """Print the run's time on a quiet 2-core CPU from the FLOPs of its ``cases`` (``[(name, trees)]``,
     as ``command._cases`` builds them): per case ``repeats`` + a warm-up
     step of both modes, the log-prob check (~0.4 step) and the live-memory step, at
-    :data:`QUIET_RATE` (``--memory``'s fresh processes not counted)."""
+    :data:`QUIET_RATE` (``--memory``'s fresh processes not counted). ``cost``: a
+    :class:`~treetrain.trees.flops.CostModel` (a ``--model``'s, its vision tower too) instead of the
+    one the sizes in ``args`` give."""
     from types import SimpleNamespace
 
     from treetrain.bench.cases import case_capacity, case_flops
@@ -116,7 +118,7 @@ def estimate(args, cases: list) -> int:
         num_attention_heads=args.heads, num_key_value_heads=kv, head_dim=head_dim,
         intermediate_size=args.intermediate or 3 * args.hidden,
     )  # fmt: skip
-    cost = CostModel.from_config(config)
+    cost = cost or CostModel.from_config(config)
     total = 0.0
     for name, trees in cases:
         b, t, _ = case_flops(trees, case_capacity(trees, args.capacity), cost, args.vocab)
@@ -124,8 +126,9 @@ def estimate(args, cases: list) -> int:
         total += flops
         step = f"baseline {b / 1e12:.2f}, tree {t / 1e12:.2f} TFLOP per step"
         print(f"  {name}: {step}; {flops / QUIET_RATE:.0f} s")
+    run = f"--data {args.data}" if getattr(args, "data", None) else f"--preset {args.preset}"
     print(
-        f"estimate: `treetrain bench --preset {args.preset}`: about {total / QUIET_RATE / 60:.0f} min "
+        f"estimate: `treetrain bench {run}`: about {total / QUIET_RATE / 60:.0f} min "
         f"({total / QUIET_RATE:,.0f} s) at {QUIET_RATE / 1e9:.0f} GFLOP/s (a quiet 2-core EPYC; FLOPs only: "
         "model building and fixed costs come on top)"
     )

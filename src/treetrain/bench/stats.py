@@ -147,6 +147,8 @@ def _read(path, tokenizer, args, vocab_size: int, vocab_name: str) -> tuple[list
         if not any("outside the vocabulary" in str(x) for x in stream.errors):
             raise
         hint = f"the vocabulary checked is {vocab_name}: pass --model DIR or --vocab-size N for another's"
+        if len(e.errors) == 1:  # one bad record: one line
+            raise DataError(f"{e} ({hint})") from None
         raise DataError(f"{e.reason}\n  ({hint})", file=e.file) from None
     return trees, stream.counts
 

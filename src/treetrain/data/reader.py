@@ -233,10 +233,15 @@ class TreeStream(Iterator[tuple[TrajectoryTree, SampleInfo]]):
 
     def raise_errors(self, max_errors: int = 20) -> None:
         """Raise one :class:`DataError` listing the first ``max_errors`` invalid records (and how
-        many there are), if the pass collected any (``on_error="collect"``)."""
+        many there are), if the pass collected any (``on_error="collect"``). One invalid record is
+        raised as its own error, one line (``file:line: field ...: what is wrong``), no summary."""
         c = self.counts
         if not c.errors:
             return
+        if c.errors == 1 and len(self.errors) == 1:
+            err = self.errors[0]
+            err.errors = [err]
+            raise err
         shown = self.errors[:max_errors]
         more = f"\n  ... and {c.errors - len(shown)} more" if c.errors > len(shown) else ""
         listing = "\n  ".join(map(str, shown))

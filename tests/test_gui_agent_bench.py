@@ -1,0 +1,50 @@
+"""``benchmarks/gui_agent.py``: TRL's per-path step computes the tree's loss, the bounds and the run's
+FLOPs add up, and ``--quick`` runs end to end (timings are not checked)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+pytest.importorskip("trl")
+
+from benchmarks import gui_agent  # noqa: E402
+from treetrain.bench import cases as bench  # noqa: E402
+
+
+def test_trl_step_is_the_tree_step(tmp_path):
+    """The same token-mean loss over the actions, from TRL's per-path scoring and from the tree."""
+    a = gui_agent.parse_args(["--quick"])
+    model, tree = gui_agent.gui_model(a), gui_agent.episode(a)
+    trainer = gui_agent.trl_trainer(model, str(tmp_path))
+    assert not trainer.args.activation_checkpointing and not trainer.args.gradient_checkpointing
+    rows = gui_agent.trl_rows(a)
+    assert len(rows) == tree.num_paths and [r["num_images"] for r in rows] == [[1], [1], [2], [2], [3], [3]]
+    trl = gui_agent.trl_step(trainer, rows, a.text)
+    model.zero_grad(set_to_none=True)
+    micro = bench.prepare("tree", [tree], tree.num_tokens)
+    assert trl == pytest.approx(bench.train_step("tree", model, [tree], micro, None), rel=1e-5)
+
+
+def test_bounds_and_run_flops():
+    a = gui_agent.parse_args(["--quick"])
+    tree = gui_agent.episode(a)
+    work = {"baseline": gui_agent.baseline_work([tree], 14), "tree": gui_agent.tree_work([tree], 14)}
+    trl = gui_agent.trl_work(work)
+    assert trl.recomputed == trl.targets == work["baseline"].targets == a.text * tree.num_paths
+    assert (trl.tokens, trl.images) == (work["baseline"].tokens, work["baseline"].images)
+    assert gui_agent.run_flops(2, 0, 10.0, 1.0, 11.0) == pytest.approx(4.4 * 10 + 7.4 + 3 * 11)
+    budgets = gui_agent.baseline_budgets(tree, tree.num_tokens)
+    assert budgets[0] == tree.num_tokens and len(set(budgets)) == len(budgets) <= 3
+
+
+def test_quick_runs(capsys):
+    torch.manual_seed(0)
+    assert gui_agent.main(["--quick", "--allocator", "system"]) == 0
+    out = capsys.readouterr().out
+    assert "## Tree vs TRL's GRPOTrainer, its best configuration" in out and "(one path)" in out
