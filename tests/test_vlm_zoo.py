@@ -24,7 +24,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from treetrain.logprobs import path_logprobs
 from treetrain.models.support import VERIFIED_FROM, _version, check_model, refusal, vision_verified
 from treetrain.models.support_vision import VISION_EXACT, VISION_REFUSED
-from treetrain.models.vision_encode import feature_field
+from treetrain.models.vision_encode import scattered_features
 from treetrain.trees.tree import TrajectoryTree
 
 from .hybrid_models import float64_everywhere
@@ -107,7 +107,7 @@ def _encoded_rows(model) -> list[int]:
 
     def counted(*args, **kwargs):
         out = own(*args, **kwargs)
-        pooled = getattr(out, feature_field(out))
+        pooled = scattered_features(out)
         feats = [pooled] if torch.is_tensor(pooled) else list(pooled)
         rows.append(sum(f.numel() // f.shape[-1] for f in feats))
         return out

@@ -19,7 +19,7 @@ import transformers
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
-from treetrain.models.vision_encode import feature_field
+from treetrain.models.vision_encode import scattered_features
 from treetrain.trees.images import ImageInput
 
 from .zoo import _GDN_SMALL, AWAY, SMALL
@@ -124,6 +124,25 @@ PER_TYPE: dict[str, dict] = {
     # LLaVA-NeXT / OneVision tile an image into crops of the vision tower's size: grids of 1x1 and 1x2
     "llava_next": {"image_grid_pinpoints": [[32, 32], [32, 64]]},
     "llava_onevision": {"image_grid_pinpoints": [[32, 32], [32, 64]]},
+    # Granite 4 Vision: LLaVA-NeXT's crops, each a 4 x 4 patch grid windowed by Q-Formers to 2 x 2 ("1/2");
+    # two tower layers' features and four spatial offsets added at six distinct decoder layers; a tower
+    # width of 64 (its Q-Former has width / 64 heads); the Q-Former as the type's default, narrow (a dict
+    # replaces the default's init keys: given again)
+    "granite4_vision": dict(
+        image_grid_pinpoints=[[32, 32], [32, 64]],
+        downsample_rate="1/2",
+        deepstack_layer_map=[[1, 0], [2, 1]],
+        spatial_target_layers=[2, 3, 4, 5],
+        vision_config=dict(hidden_size=64),
+        text_config=dict(num_hidden_layers=6),
+        qformer_config=dict(
+            model_type="blip_2_qformer",
+            num_hidden_layers=1,
+            intermediate_size=64,
+            cross_attention_frequency=1,
+            use_qformer_text_input=False,
+        ),
+    ),
     "lfm2_vl": {"vision_config": {"num_patches": 16}, "projector_hidden_size": 32},
     "kimi_k25": dict(projection_hidden_size=32),  # the projector's pre-norm width: the tower's
     "paligemma": dict(projection_dim=64),  # the projector's output: the text hidden size
@@ -624,6 +643,7 @@ SAMPLE_COUNTED = {"llava_onevision"}  # its images' features depend on how many 
 IMAGE_LAYOUT: dict[str, str] = {
     "llava_next": "anyres_grid",
     "llava_onevision": "anyres_grid",
+    "granite4_vision": "anyres_grid",
     "lfm2_vl": "naflex",
     "gemma4": "positions",
     "kimi_k25": "patch_images",
@@ -682,8 +702,7 @@ def zoo_image(model, seed: int, size: int = 0, sample_images: int = 1) -> ImageI
         kwargs = dict(tensors)
         if "batch_num_images" in kwargs and sample_images > 1:
             kwargs["batch_num_images"] = torch.tensor([2])  # one untiled image (see vision_encode)
-        out = model.model.get_image_features(**kwargs, return_dict=True)
-        out = getattr(out, feature_field(out))
+        out = scattered_features(model.model.get_image_features(**kwargs, return_dict=True))
     feats = out if isinstance(out, torch.Tensor) else torch.cat([o.reshape(-1, o.shape[-1]) for o in out])
     rows = feats.numel() // feats.shape[-1]
     return ImageInput(tensors, num_tokens=rows, token_id=IMAGE)

@@ -15,7 +15,8 @@ e.g. TRL's ``1 / temperature``.) What each architecture sets, read from the inst
 Cohere, Cohere2, Cohere2-MoE, Compass     ``logit_scale = model.logit_scale`` (``logits * logit_scale``;
                                           Compass's vision model: where not None)
 Granite, Granite-SWA, GraniteMoE (+SWA,   ``logit_scale = 1 / config.logits_scaling``
-shared, hybrid), Granite Docling (VLM)
+shared, hybrid), Granite Docling and
+Granite 4 Vision (VLMs)
 HyperCLOVA X (+ Vision V2)                ``logit_scale = config.logits_scaling``
 Falcon-H1                                 ``logit_scale = model.model.lm_head_multiplier``
 MiniCPM3                                  ``hidden_scale = 1 / config.logits_scaling``
@@ -151,6 +152,7 @@ _TRANSFORMS: dict[str, Callable[[nn.Module], dict]] = {
     "GraniteMoeSharedForCausalLM": _divide_by_logits_scaling,
     "GraniteMoeHybridForCausalLM": _divide_by_logits_scaling,
     "GraniteDoclingForConditionalGeneration": _divide_by_logits_scaling,
+    "Granite4VisionForConditionalGeneration": _divide_by_logits_scaling,
     "HyperCLOVAXForCausalLM": _multiply_by_logits_scaling,
     "HyperCLOVAXVisionV2ForConditionalGeneration": _multiply_by_logits_scaling,
     "FalconH1ForCausalLM": _falcon_h1,

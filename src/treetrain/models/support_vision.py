@@ -86,6 +86,9 @@ VISION_EXACT |= {
     "glmga": "3D positions (GLM's)",
     "got_ocr2": "SAM-style tower",
     "granite_docling": "tiles with a tile mask; head: logits / logits_scaling",
+    "granite4_vision": "anyres crops; no pooled features: Q-Former-projected features of several tower "
+    "layers and four spatial offsets, each added at its own decoder layer (placeholders zeroed first); "
+    "head: logits / logits_scaling",
     "hunyuan_vl": "3D positions",
     "hy_v4_vl": "3D positions; its text model's DSA sparse attention (layers sharing a selection), exact "
     "for paths of at most index_topk tokens (refused beyond); attention sinks; hyper-connections; MoE",
@@ -175,12 +178,6 @@ VISION_REFUSED |= {
     "glm5_next": (
         "DSA indexed attention layers (Glm5NextTextIndexer: each query attends only its own top-"
         "index_topk pooled key groups), a per-query key subset the tree mask cannot express"
-    ),
-    "granite4_vision": (
-        "its encoder output has no pooler_output: get_image_features returns deepstack_features as "
-        "(decoder layer, per-image features) pairs, which its decoder adds at those layers (placeholders "
-        "zeroed first); treetrain's vision_encode gathers pooler_output and per-layer deepstack lists "
-        "only (not implemented)"
     ),
     "idefics": (
         "no image placeholders: gated cross-attention layers (IdeficsGatedCrossAttentionLayer) attend the"

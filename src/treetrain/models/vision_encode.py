@@ -4,10 +4,11 @@ placeholder that carries it.
 A vision-language model's forward (transformers 5.x) takes precomputed encoder outputs,
 ``mm_encoder_outputs={"image": out, "video": out}``, and scatters ``out.pooler_output`` (Fuyu, whose
 features are its patch embeddings, ``out.last_hidden_state``; and Qwen3-VL's ``deepstack_features``,
-one per early decoder layer) into the placeholder positions of ``input_ids`` in order. The tree
-forward encodes each distinct image once with the model's own ``get_image_features``
-(``get_video_features``), then hands the forward an output whose rows are gathered into DFS
-placeholder order: an image reached by three paths is encoded once and its rows
+one per early decoder layer; Granite 4 Vision has no pooled field, only ``deepstack_features`` as
+``(decoder layer, per-image features)`` pairs, each added at its layer) into the placeholder positions
+of ``input_ids`` in order. The tree forward encodes each distinct image once with the model's own
+``get_image_features`` (``get_video_features``), then hands the forward an output whose rows are
+gathered into DFS placeholder order: an image reached by three paths is encoded once and its rows
 appear three times, so autograd sums the three uses into the tower's gradient, as the per-path
 baseline's three encodes would.
 
@@ -26,7 +27,15 @@ from torch import nn
 from treetrain.trees.images import ImageInput
 from treetrain.trees.packing import PackedTree
 
-__all__ = ["EncodedImages", "dfs_encoder_outputs", "encode_images", "feature_field", "vision_model"]
+__all__ = [
+    "EncodedImages",
+    "dfs_encoder_outputs",
+    "encode_images",
+    "feature_field",
+    "layer_pairs",
+    "scattered_features",
+    "vision_model",
+]
 
 _FEATURES = {"image": "get_image_features", "video": "get_video_features"}
 # what a forward may read from the encoder output besides pooler_output, gathered the same way
@@ -34,6 +43,10 @@ _PER_LAYER = ("deepstack_features",)
 # the field holding the features the forward scatters: pooler_output, else last_hidden_state (Fuyu's
 # get_image_features returns its patch embeddings there and its forward reads them from there)
 _POOLED = ("pooler_output", "last_hidden_state")
+# an output with no pooled field whose deepstack_features are (decoder layer, per-image features) pairs
+# (Granite 4 Vision): its forward counts the placeholders by the first pair's features and adds each
+# pair's at its layer
+_PAIRED = "deepstack_features"
 # an image tensor holding the number of images of the processor sample it came from: LLaVA-OneVision
 # tiles the image of a one-image sample and not those of a several-image sample ([k], int)
 _SAMPLE_COUNT = "batch_num_images"
@@ -48,13 +61,37 @@ def _cat_dim(names) -> dict[str, int]:
     return {"pixel_values": -1} if _PACKED_BY in names else {}
 
 
+def layer_pairs(out) -> list[int] | None:
+    """The decoder layers of an output that has no pooled field and holds its features as
+    ``deepstack_features`` pairs ``(layer, per-image features)``; None for any other output.
+
+    Example: Granite 4 Vision's ``[(0, [a, b]), (3, [a', b'])]`` -> ``[0, 3]``."""
+    if any(getattr(out, name, None) is not None for name in _POOLED):
+        return None
+    pairs = getattr(out, _PAIRED, None)
+    if not pairs or not all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], int) for p in pairs):
+        return None
+    return [layer for layer, _ in pairs]
+
+
 def feature_field(out) -> str:
     """The name of the field of a feature function's output that its forward scatters into the
-    placeholders: ``pooler_output``, or ``last_hidden_state`` where the output has no pooled field."""
+    placeholders: ``pooler_output``, or ``last_hidden_state`` where the output has no pooled field, or
+    ``deepstack_features`` where it holds ``(layer, features)`` pairs only (:func:`layer_pairs`)."""
     for name in _POOLED:
         if getattr(out, name, None) is not None:
             return name
+    if layer_pairs(out) is not None:
+        return _PAIRED
     raise ValueError(f"{type(out).__name__} has neither {' nor '.join(_POOLED)}: no features to scatter")
+
+
+def scattered_features(out):
+    """The features whose rows fill the placeholders, one row each (a tensor or a per-image sequence):
+    the :func:`feature_field`'s, or the first pair's where the output holds ``(layer, features)`` pairs
+    (every pair has the same rows)."""
+    value = getattr(out, feature_field(out))
+    return value[0][1] if layer_pairs(out) is not None else value
 
 
 def vision_model(model: nn.Module) -> nn.Module:
@@ -68,8 +105,8 @@ def vision_model(model: nn.Module) -> nn.Module:
 @dataclass
 class EncodedImages:
     """Per distinct image (input order) its feature rows ``[n_i, H]`` and, per extra layer field
-    (``deepstack_features``), one ``[n_i, H]`` per layer; ``template``: an output of the model's own
-    class to fill."""
+    (``deepstack_features``, its pairs' features where it holds ``(layer, features)`` pairs), one
+    ``[n_i, H]`` per layer; ``template``: an output of the model's own class to fill."""
 
     rows: list[torch.Tensor]
     per_layer: dict[str, list[list[torch.Tensor]]]
@@ -77,6 +114,7 @@ class EncodedImages:
     # "list" (a sequence per image), "stack" ([n_images, rows, H]), "flat" or "rows" ([rows, 1, H])
     pooled_as: str
     field: str = "pooler_output"  # where the output holds them (:func:`feature_field`)
+    layers: list[int] | None = None  # per-layer entries' decoder layers, kept as pairs (:func:`layer_pairs`)
 
 
 def _signature(im: ImageInput) -> tuple:
@@ -131,15 +169,18 @@ def _encode_group(outer, modality: str, group: Sequence[ImageInput]):
     when the output cannot be split per image (then each image is encoded alone)."""
     out = _call(outer, modality, group)
     sizes = [im.num_tokens for im in group]
-    split = _split(getattr(out, feature_field(out)), sizes, len(group))
+    split = _split(scattered_features(out), sizes, len(group))
     if split is None:
         return None
     rows, pooled_as = split
+    paired = layer_pairs(out) is not None
     per_layer = {}
     for name in _PER_LAYER:
         layers = getattr(out, name, None)
         if layers is None:
             continue
+        if paired:
+            layers = [features for _, features in layers]
         per = [_split(layer, sizes, len(group)) for layer in layers]
         if any(p is None for p in per):
             return None
@@ -180,7 +221,7 @@ def encode_images(outer: nn.Module, images: Sequence[ImageInput], modality: str)
                 f"{type(outer).__name__}: an {modality} gave {r.shape[0]} feature rows but its ImageInput "
                 f"says num_tokens={im.num_tokens} (build ImageInputs with treetrain.image_inputs)"
             )
-    return EncodedImages(rows, per_layer, template, pooled_as, feature_field(template))
+    return EncodedImages(rows, per_layer, template, pooled_as, feature_field(template), layer_pairs(template))
 
 
 def dfs_encoder_outputs(outer: nn.Module, packed: PackedTree) -> dict:
@@ -215,9 +256,11 @@ def _gathered(rows: list[torch.Tensor], gather: torch.Tensor, pooled_as: str):
 
 
 def _filled(enc: EncodedImages, gather: torch.Tensor):
-    """A copy of the model's own output class holding only the gathered fields the forward reads."""
+    """A copy of the model's own output class holding only the gathered fields the forward reads
+    (``(layer, features)`` pairs again where the model's output holds its features so)."""
     cls = type(enc.template)
-    fields = {enc.field: _gathered(enc.rows, gather, enc.pooled_as)}
+    fields = {} if enc.layers is not None else {enc.field: _gathered(enc.rows, gather, enc.pooled_as)}
     for name, layers in enc.per_layer.items():
-        fields[name] = [_gathered(layer, gather, "list") for layer in layers]
+        gathered = [_gathered(layer, gather, "list") for layer in layers]
+        fields[name] = gathered if enc.layers is None else list(zip(enc.layers, gathered))
     return cls(**fields)
