@@ -153,6 +153,9 @@ def python_results() -> dict[str, str | None]:
 RUNNABLE = [p for p in pages() if python_blocks(p)]
 
 
+# one xdist worker takes every page: python_results() runs all pages in one subprocess (cached per
+# worker), so pages spread over two workers ran that whole subprocess twice
+@pytest.mark.xdist_group("docs-python-blocks")
 @pytest.mark.parametrize("page", RUNNABLE, ids=lambda p: str(p.relative_to(ROOT)))
 def test_python_blocks_run(page):
     error = python_results()[str(page.relative_to(ROOT))]
