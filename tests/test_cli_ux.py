@@ -15,8 +15,6 @@ import time
 
 import pytest
 
-from .reference import tiny_config
-
 ENV = {**os.environ, "PYTHONWARNINGS": "default"}  # warnings shown as a user would see them
 
 
@@ -73,15 +71,6 @@ def test_help_takes_well_under_half_of_importing_torch():
 
 
 # ---- item 4: errors that say what is wrong, in one line ----------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> str:
-    """A config-only Qwen3 directory of vocabulary 97 (random init): for the runs whose point is not
-    the model, a fraction of the default tiny Qwen3's work (its 151,936-row embedding, saved twice)."""
-    d = tmp_path_factory.mktemp("tiny")
-    tiny_config("qwen3", vocab=97).save_pretrained(d)
-    return str(d)
 
 
 @pytest.fixture
@@ -175,11 +164,10 @@ def _lrs(out) -> dict[int, float]:
 
 
 @pytest.mark.slow  # three training processes (about 30 s on a quiet 2-core machine)
-def test_extending_a_finished_run_follows_the_schedule_of_the_new_total(paths_file, tmp_path, tiny):
+def test_extending_a_finished_run_follows_the_schedule_of_the_new_total(paths_file, tmp_path):
     """2 steps, then ``--resume --steps 4``: steps 3 and 4 run at the lr of an uninterrupted 4-step
     run (warmup 1, cosine to 0.1 of the peak), not at the finished schedule's 0 and a restarted decay."""
-    common = ["--data", str(paths_file), "--model", tiny, "--no-progress", "--warmup-steps", "1",
-              "--min-lr-ratio", "0.1"]  # fmt: skip
+    common = ["--data", str(paths_file), "--no-progress", "--warmup-steps", "1", "--min-lr-ratio", "0.1"]
     extended, straight = tmp_path / "extended", tmp_path / "straight"
     first = treetrain("train", *common, "--steps", "2", "--checkpoint-every", "2", "--output", str(extended))
     assert first.returncode == 0, first.stderr[-3000:]
@@ -198,7 +186,7 @@ def test_extending_a_finished_run_follows_the_schedule_of_the_new_total(paths_fi
 # ---- item 2: GRPO reward metrics in every sink -------------------------------------------------
 
 
-def test_grpo_logs_reward_statistics_in_every_sink(tmp_path, tiny):
+def test_grpo_logs_reward_statistics_in_every_sink(tmp_path):
     """Two steps of two groups: [1, 0] and [1, 1] (all equal: zero advantage), then [0.5, 0.5, 2]
     and [1, 0] again (the file's next epoch)."""
     import json
@@ -212,8 +200,8 @@ def test_grpo_logs_reward_statistics_in_every_sink(tmp_path, tiny):
         ([[8, 9], [8, 10], [11]], [0.5, 0.5, 2]),
     ]
     data.write_text("".join(json.dumps({"paths": p, "rewards": r}) + "\n" for p, r in groups))
-    proc = treetrain("train", "--data", str(data), "--model", tiny, "--objective", "grpo", "--advantages",
-                     "group", "--batch-trees", "2", "--steps", "2", "--output", str(out), "--no-progress",
+    proc = treetrain("train", "--data", str(data), "--objective", "grpo", "--advantages", "group",
+                     "--batch-trees", "2", "--steps", "2", "--output", str(out), "--no-progress",
                      "--report-to", "tensorboard")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     want = {
@@ -253,7 +241,7 @@ def test_no_progress_runs_print_nothing_on_stderr(paths_file, tmp_path, extra):
 # ---- issue 45: records checked before step 1, bars only on a terminal ---------------------------
 
 
-def test_a_late_record_without_rewards_fails_validation_by_name(tmp_path, tiny, capsys):
+def test_a_late_record_without_rewards_fails_validation_by_name(tmp_path, capsys):
     """``--advantages group`` needs every record's rewards: the third record's absence is found by the
     validation before step 1 (it used to stop the run at step 3 as "tree 0 of the batch"), named by
     file, line and id; with ``--lazy-validate`` the run stops when that record is read, named alike."""
@@ -262,8 +250,8 @@ def test_a_late_record_without_rewards_fails_validation_by_name(tmp_path, tiny, 
             {"id": "b", "paths": [[5, 6], [5, 7]], "rewards": [0, 1]},
             {"id": "late", "paths": [[8, 9], [8, 10]]}]  # fmt: skip
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    argv = ["train", "--data", str(data), "--model", tiny, "--objective", "grpo", "--advantages", "group",
-            "--steps", "3", "--no-progress"]  # fmt: skip
+    argv = ["train", "--data", str(data), "--objective", "grpo", "--advantages", "group", "--steps", "3",
+            "--no-progress"]  # fmt: skip
     named = f'{data}:3 (id "late"): field "rewards": missing; --advantages group computes each path'
     proc = treetrain(*argv, "--output", str(tmp_path / "o"))
     assert named in _listing_error(proc, "train") and "step 1" not in proc.stdout, proc.stdout
@@ -277,7 +265,7 @@ def test_a_late_record_without_rewards_fails_validation_by_name(tmp_path, tiny, 
     assert f'{data}:3 (id "late"): field "advantages": --advantages group computes them from "rewards"' in err
 
 
-def test_progress_bar_only_on_a_terminal(paths_file, tmp_path, tiny):
+def test_progress_bar_only_on_a_terminal(paths_file, tmp_path):
     """Into a pipe (as into a file), the step lines alone, no bar redraws mixed in; on a terminal
     (a pseudo-terminal here) the bar draws on stderr."""
     import fcntl
@@ -285,7 +273,7 @@ def test_progress_bar_only_on_a_terminal(paths_file, tmp_path, tiny):
     import struct
     import termios
 
-    argv = ["train", "--data", str(paths_file), "--model", tiny, "--steps", "2"]
+    argv = ["train", "--data", str(paths_file), "--steps", "2"]
     proc = treetrain(*argv, "--output", str(tmp_path / "pipe"))
     assert proc.returncode == 0 and "\r" not in proc.stderr and "step/s" not in proc.stderr, proc.stderr
     assert re.search(r"^step 1/2  loss .*\nstep 2/2  loss ", proc.stdout, re.M), proc.stdout
