@@ -49,7 +49,26 @@ def one_thread():
 _PROCESS_MODULES = ("distributed", "faults", "parallel_cp", "integrations_wrapped", "integrations_verl")
 
 
+@pytest.hookimpl(trylast=True)  # after xdist's own hook (see below)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if any(k in item.module.__name__ for k in _PROCESS_MODULES):
             item.add_marker(pytest.mark.xdist_group("processes"))
+    if getattr(config.option, "loadgroup", False):  # an xdist worker under --dist loadgroup
+        _group_suffix(items)
+
+
+def _group_suffix(items) -> None:
+    """The ``@GROUP`` suffix of a grouped test's node id, by which xdist's loadgroup scheduler sends a
+    group to one worker. xdist 3.8 writes it to ``item._nodeid``, which pytest 9.2's structured node
+    ids no longer read: every group was silently spread over the workers (pytest-xdist issue 1386),
+    the processes group above and each module whose tests share a module-scoped fixture (set up once
+    per worker that got one of them). Added here where xdist's did not take."""
+    from _pytest.nodeid import NodeId
+
+    for item in items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                        for m in item.iter_markers("xdist_group")})  # fmt: skip
+        nodeid = item.nodeid
+        if names and nodeid.rfind("@") <= nodeid.rfind("]"):
+            item._id = NodeId.parse(f"{nodeid}@{'_'.join(names)}")  # noqa: SLF001

@@ -1,6 +1,7 @@
 """What a new user meets on the command line (issue 23), each through the real ``treetrain`` command
 in a subprocess: a quick ``--help``, clear one-line errors, a quiet run, reward metrics, and
-extending a finished run."""
+extending a finished run. (A listing of invalid records that a test has already met through a
+subprocess is checked again in-process, ``cli`` below: the same argv, stderr and status.)"""
 
 from __future__ import annotations
 
@@ -30,6 +31,19 @@ def _best_seconds(cmd: list[str], repeats: int = 2) -> float:
         subprocess.run(cmd, capture_output=True, check=True, timeout=300)
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+def cli(capsys, *argv: str) -> subprocess.CompletedProcess:
+    """``treetrain ARGV`` in-process (``main(argv)``): status, stdout and stderr as a subprocess gives."""
+    from treetrain.cli import main
+
+    capsys.readouterr()
+    try:
+        rc = main(list(argv))
+    except SystemExit as e:  # argparse's own errors
+        rc = e.code if isinstance(e.code, int) else 1
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["treetrain", *argv], rc, out, err)
 
 
 # ---- item 6: a quick CLI -----------------------------------------------------------------------
@@ -228,7 +242,7 @@ def test_no_progress_runs_print_nothing_on_stderr(paths_file, tmp_path, extra):
 # ---- issue 45: records checked before step 1, bars only on a terminal ---------------------------
 
 
-def test_a_late_record_without_rewards_fails_validation_by_name(tmp_path):
+def test_a_late_record_without_rewards_fails_validation_by_name(tmp_path, capsys):
     """``--advantages group`` needs every record's rewards: the third record's absence is found by the
     validation before step 1 (it used to stop the run at step 3 as "tree 0 of the batch"), named by
     file, line and id; with ``--lazy-validate`` the run stops when that record is read, named alike."""
@@ -248,7 +262,7 @@ def test_a_late_record_without_rewards_fails_validation_by_name(tmp_path):
     assert named in line and "step 2/3" in proc.stdout and "step 3/3" not in proc.stdout, proc.stdout
     rows[2]["rewards"], rows[2]["advantages"] = [1, 0], [0.5, -0.5]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    err = _one_line_error(treetrain(*argv, "--output", str(tmp_path / "both")), "train")
+    err = _one_line_error(cli(capsys, *argv, "--output", str(tmp_path / "both")), "train")
     assert f'{data}:3 (id "late"): field "advantages": --advantages group computes them from "rewards"' in err
 
 

@@ -14,7 +14,9 @@ A ```` ```bash ```` block runs only when the line before it is ``<!-- run -->``:
 commands must be a ``treetrain ...`` command or a ``python examples/...`` script of the
 repository (kept small enough to run in seconds). They run in
 order, one block after another in one working directory per page, which holds the same
-``data.jsonl``.
+``data.jsonl``; one subprocess runs a page's commands (one torch import per page), each as its
+command line does: ``treetrain`` through its entry point with ``sys.argv`` set, a script as
+``__main__``, its exit status checked.
 """
 
 from __future__ import annotations
@@ -122,6 +124,35 @@ print("@@RESULTS@@" + json.dumps(results))
 """
 
 
+BASH_RUNNER = r"""
+import json, os, runpy, sys
+
+for i, argv in enumerate(json.load(sys.stdin)):
+    for stream in (sys.stdout, sys.stderr):
+        print(f"@@COMMAND {i}@@", file=stream, flush=True)
+    sys.argv = list(argv)
+    try:
+        if argv[0] == "treetrain":
+            from treetrain.cli import main
+
+            rc = main()
+        else:  # an examples/ script, by its path, its folder first on sys.path as python gives it
+            sys.path.insert(0, os.path.dirname(argv[0]))
+            try:
+                runpy.run_path(argv[0], run_name="__main__")
+            finally:
+                sys.path.pop(0)
+            rc = 0
+    except SystemExit as e:
+        rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if rc:
+        print(f"@@FAILED {i} {rc}@@", flush=True)
+        sys.exit(1)
+"""
+
+
 def _data_jsonl() -> str:
     return "".join(json.dumps(r) + "\n" for r in DATA)
 
@@ -153,6 +184,9 @@ def python_results() -> dict[str, str | None]:
 RUNNABLE = [p for p in pages() if python_blocks(p)]
 
 
+# one xdist worker takes every page: python_results() runs all pages in one subprocess (cached per
+# worker), so pages spread over two workers ran that whole subprocess twice
+@pytest.mark.xdist_group("docs-python-blocks")
 @pytest.mark.parametrize("page", RUNNABLE, ids=lambda p: str(p.relative_to(ROOT)))
 def test_python_blocks_run(page):
     error = python_results()[str(page.relative_to(ROOT))]
@@ -166,14 +200,16 @@ COMMAND_PAGES = [p for p in pages() if bash_commands(p)]
 @pytest.mark.parametrize("page", COMMAND_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_bash_commands_run(page, tmp_path):
     (tmp_path / "data.jsonl").write_text(_data_jsonl())
-    for line, argv in bash_commands(page):
-        if argv[0] == "python":  # an examples/ script of the repository, run from the page's folder
-            cmd = [sys.executable, str(ROOT / argv[1]), *argv[2:]]
-        else:
-            cmd = [sys.executable, "-m", "treetrain", *argv[1:]]
-        r = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=_env(), timeout=300)
-        where = f"{page.relative_to(ROOT)}:{line}: {shlex.join(argv)}"
-        assert r.returncode == 0, f"{where}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
+    commands = bash_commands(page)
+    todo = [[str(ROOT / argv[1]), *argv[2:]] if argv[0] == "python" else argv for _, argv in commands]
+    r = subprocess.run([sys.executable, "-c", BASH_RUNNER], input=json.dumps(todo), capture_output=True,
+                       text=True, cwd=tmp_path, env=_env(), timeout=300)  # fmt: skip
+    ran = r.stdout.count("@@COMMAND ")
+    i = max(ran - 1, 0)
+    line, argv = commands[i]
+    where = f"{page.relative_to(ROOT)}:{line}: {shlex.join(argv)}"
+    out, err = (x.rpartition(f"@@COMMAND {i}@@")[2] for x in (r.stdout, r.stderr))
+    assert r.returncode == 0 and ran == len(commands), f"{where}\n{out[-2000:]}\n{err[-2000:]}"
 
 
 JSON_PAGES = [p for p in pages() if any(lang == "json" for lang, *_ in blocks(p))]

@@ -1,8 +1,13 @@
-"""What a new user hit on a second trial (issue 35), each through the real ``treetrain`` command in
-a subprocess where it is command-line behaviour: the model directory's tokenizer, a final model
-that loads with its tokenizer, re-runs without ``--output``, ``--keep-checkpoints``, the banner and
-step lines, ``--eval-data``, a summary whose figures say what they count, hints for unknown config
-keys and hub ids, ``stats`` listing every bad record and showing text, and the example configs.
+"""What a new user hit on a second trial (issue 35), through the ``treetrain`` command line where it
+is command-line behaviour: the model directory's tokenizer, a final model that loads with its
+tokenizer, re-runs without ``--output``, ``--keep-checkpoints``, the banner and step lines,
+``--eval-data``, a summary whose figures say what they count, hints for unknown config keys and hub
+ids, ``stats`` listing every bad record and showing text, and the example configs.
+
+A test's first training run goes through the real ``treetrain`` command in a subprocess (``treetrain``
+below); the other commands, which only need the command line's parsing, messages and exit status, run
+in-process through :func:`treetrain.cli.main` (``cli`` below: the same argv, stdout, stderr and status,
+without a second process's ~5 s of imports).
 
 Models are tiny random-init configs (no download); every run is one to four steps.
 """
@@ -38,6 +43,26 @@ def treetrain(*argv: str, cwd: Path | None = None) -> subprocess.CompletedProces
         env=ENV,
         cwd=cwd,
     )
+
+
+def cli(capsys, *argv: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``treetrain ARGV`` in-process (``main(argv)`` from ``cwd``): its status, stdout and stderr in
+    the subprocess's form (argparse's own errors exit through SystemExit: its code is the status)."""
+    from treetrain.cli import main
+
+    capsys.readouterr()
+    here = Path.cwd()
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        try:
+            rc = main(list(argv))
+        except SystemExit as e:
+            rc = e.code if isinstance(e.code, int) else 1
+    finally:
+        os.chdir(here)
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["treetrain", *argv], rc, out, err)
 
 
 def ok(proc: subprocess.CompletedProcess) -> str:
@@ -83,9 +108,9 @@ PATHS = [{"paths": [[1, 2, 3, 4], [1, 2, 5]], "rewards": [1.0, 0.0]},
 # ---- items 1 and 2: the model directory's tokenizer; a final model that loads with it -----------
 
 
-def test_model_directory_tokenizer_is_used_and_saved_beside_the_final_model(chat_model, tmp_path):
+def test_model_directory_tokenizer_is_used_and_saved_beside_the_final_model(chat_model, tmp_path, capsys):
     data = write_jsonl(tmp_path / "chat.jsonl", CHAT)
-    out = ok(treetrain("stats", "--data", str(data), "--model", str(chat_model), "--show", "1"))
+    out = ok(cli(capsys, "stats", "--data", str(data), "--model", str(chat_model), "--show", "1"))
     assert re.search(r"^paths +2$", out, re.M) and '"<|im_start|>user\\nhi<|im_end|>' in out, out  # text
     run = tmp_path / "run"
     out = ok(treetrain("train", "--data", str(data), "--model", str(chat_model), "--steps", "1",
@@ -116,7 +141,7 @@ def test_lora_adapter_output_holds_the_tokenizer(chat_model, tmp_path):
 # ---- item 4 (and 7): re-running without --output; the banner and a line per step -----------------
 
 
-def test_rerun_without_output_makes_a_new_run_directory(tiny, tmp_path):
+def test_rerun_without_output_makes_a_new_run_directory(tiny, tmp_path, capsys):
     data = write_jsonl(tmp_path / "p.jsonl", PATHS)
     argv = ("train", "--data", str(data), "--model", str(tiny), "--steps", "2", "--no-progress")
     first = ok(treetrain(*argv, cwd=tmp_path))
@@ -132,18 +157,18 @@ def test_rerun_without_output_makes_a_new_run_directory(tiny, tmp_path):
     assert re.search(r"^step 2/2  loss .*  reward_mean 0\.375$", first, re.M), first
     before = {p: p.read_bytes() for p in (tmp_path / "runs" / "train").rglob("*") if p.is_file()}
 
-    second = ok(treetrain(*argv, cwd=tmp_path))
+    second = ok(cli(capsys, *argv, cwd=tmp_path))
     assert "output     runs/train-2\n" in second and "outputs in " in second and "runs/train-2/" in second
     assert {p: p.read_bytes() for p in (tmp_path / "runs" / "train").rglob("*") if p.is_file()} == before
     assert (tmp_path / "runs" / "train-2" / "final" / "model.safetensors").is_file()
 
     # --resume without --output continues the newest run (here: refused, it has no checkpoint)
-    proc = treetrain(*argv, "--resume", cwd=tmp_path)
+    proc = cli(capsys, *argv, "--resume", cwd=tmp_path)
     refusal = "--output runs/train-2: --resume, but this finished run has no checkpoint"
     assert proc.returncode == 2 and refusal in proc.stderr, proc.stderr
 
     # an explicit --output holding a run without checkpoints: no --resume advised (it could not work)
-    proc = treetrain(*argv, "--output", "runs/train", cwd=tmp_path)
+    proc = cli(capsys, *argv, "--output", "runs/train", cwd=tmp_path)
     assert proc.returncode == 2 and "holds an earlier run" in proc.stderr, proc.stderr
     assert "--resume" not in proc.stderr and "no checkpoint to continue from" in proc.stderr
 
@@ -151,7 +176,7 @@ def test_rerun_without_output_makes_a_new_run_directory(tiny, tmp_path):
 # ---- items 6 and 9: --keep-checkpoints; the summary of a resumed run --------------------------
 
 
-def test_keep_checkpoints_and_the_summary_of_a_resumed_run(tiny, tmp_path):
+def test_keep_checkpoints_and_the_summary_of_a_resumed_run(tiny, tmp_path, capsys):
     data = write_jsonl(tmp_path / "p.jsonl", PATHS)
     run = tmp_path / "run"
     argv = ("train", "--data", str(data), "--model", str(tiny), "--output", str(run), "--no-progress",
@@ -159,7 +184,7 @@ def test_keep_checkpoints_and_the_summary_of_a_resumed_run(tiny, tmp_path):
     ok(treetrain(*argv, "--steps", "3", "--keep-checkpoints", "3"))
     names = lambda: sorted(p.name for p in (run / "checkpoints").iterdir())  # noqa: E731
     assert names() == ["latest", "step_1", "step_2", "step_3"]  # the default would keep 2
-    out = ok(treetrain(*argv, "--steps", "4", "--keep-checkpoints", "1", "--resume"))
+    out = ok(cli(capsys, *argv, "--steps", "4", "--keep-checkpoints", "1", "--resume"))
     assert names() == ["latest", "step_4"]
     loss = [json.loads(ln)["loss"] for ln in (run / "metrics.jsonl").read_text().splitlines()]
     assert re.search(r"steps +4  \(this run: step 4, [\d.]+ s wall; resumed after step 3\)", out), out
@@ -246,12 +271,12 @@ def test_unknown_config_keys_get_the_nearest_option(tmp_path):
         merge(TrainConfig(), {"wibble": 1}, "--config run.yaml")
 
 
-def test_a_hub_id_says_nothing_is_downloaded_and_how_to_pass_a_local_copy(tmp_path):
+def test_a_hub_id_says_nothing_is_downloaded_and_how_to_pass_a_local_copy(tmp_path, capsys):
     hint = ("'Qwen/Qwen3-0.6B' looks like a Hugging Face Hub id, but treetrain never downloads: fetch a "
             "local copy first (hf download Qwen/Qwen3-0.6B --local-dir Qwen3-0.6B) and pass --model "
             "Qwen3-0.6B")  # fmt: skip
     for command in ("train", "stats"):
-        proc = treetrain(command, "--model", "Qwen/Qwen3-0.6B", cwd=tmp_path)
+        proc = cli(capsys, command, "--model", "Qwen/Qwen3-0.6B", cwd=tmp_path)
         assert proc.returncode == 2 and hint in proc.stderr, proc.stderr
 
 

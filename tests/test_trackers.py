@@ -21,6 +21,10 @@ from .test_train import write_trees
 
 CHECKED = ("loss", "grad_norm", "lr", "por", "err", "tokens_per_s", "tokens")
 
+# one xdist worker takes the module: the module-scoped tracked_run (a training process with all four
+# trackers) ran once per worker that got one of its tests
+pytestmark = pytest.mark.xdist_group("trackers")
+
 
 @pytest.fixture(scope="module")
 def tracked_run(tmp_path_factory):
