@@ -14,6 +14,8 @@ hence 1e-10 relative. Many more chunk splits, in one process: ``tests/test_paral
 from __future__ import annotations
 
 import contextlib
+import functools
+import multiprocessing
 import os
 import socket
 
@@ -166,6 +168,7 @@ def _run_rank(rank: int, world: int, arch: str) -> dict:
     return saved
 
 
+@functools.cache  # the same reference for every world size that runs ``arch``
 def _one_process(arch: str):
     from treetrain.objectives.policy.aggregation import loss_normalizer
     from treetrain.objectives.policy.config import Objective
@@ -202,6 +205,55 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(((a - b).abs() <= RTOL * b.abs().max().clamp_min(1e-30)).all())
 
 
+def _selected_archs(session, world: int) -> list[str]:
+    """The families every selected case of ``test_cp_equals_one_process`` on ``world`` ranks needs."""
+    archs: list[str] = []
+    for item in session.items:
+        mine = (
+            item.module.__name__ == __name__
+            and getattr(item, "originalname", "") == "test_cp_equals_one_process"
+        )
+        if mine and item.callspec.params["world"] == world:
+            archs += [a for a in item.callspec.params["archs"] if a not in archs]
+    return archs
+
+
+@pytest.fixture(scope="module")
+def cp_runs(request, tmp_path_factory):
+    """``get(world, archs)``: every rank's results, from ONE process group per world size that runs the
+    families of all the selected cases on that many ranks. The ranks are forked from a forkserver that
+    imported this module (torch, transformers, treetrain) once, instead of each rank importing them
+    (seconds of CPU per rank, on CI's 2 cores)."""
+    multiprocessing.set_forkserver_preload([__name__])  # before the module's first start
+    done: dict[int, dict] = {}
+
+    def get(world: int, archs: tuple[str, ...]) -> dict:
+        if world not in done:
+            every = _selected_archs(request.session, world)
+            every += [a for a in archs if a not in every]
+            out = str(tmp_path_factory.mktemp(f"cp{world}") / "cp.pt")
+            args = (world, _free_port(), out, tuple(every))
+            mp.start_processes(_worker, args=args, nprocs=world, join=True, start_method="forkserver")
+            done[world] = torch.load(out)
+        return {arch: done[world][arch] for arch in archs}
+
+    return get
+
+
+@functools.cache  # the same reference for every world size that runs ``arch``
+def _float32_reference(arch: str):
+    """The float64 truth of the weighted log-prob loss's gradients (HF's float32 casts off), and the
+    one-process float32 tree's own gradients of it."""
+    model = _model(arch)
+    packed = _packed(model, _trees(arch))
+    g = torch.Generator().manual_seed(0)
+    w1, w2 = (torch.randn(packed.num_tokens, generator=g, dtype=torch.float64) for _ in "12")
+    with float64_everywhere():  # the float64 truth of this loss (HF's float32 casts off)
+        _loss(*tree_logprobs(model, packed, backend="dense"), w1, w2).backward()
+    one = _float32_grads(arch, packed, w1, w2, lambda m, p: tree_logprobs(m, p, backend="dense"))
+    return {n: p.grad for n, p in model.named_parameters()}, one
+
+
 @pytest.mark.parametrize(
     "world, archs",
     [
@@ -210,16 +262,14 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
         # dense qwen3 case passed too; left out to keep CI short, as tests/test_parallel_cp_train.py
         # trains dense on 4 CP ranks)
         pytest.param(4, ("qwen3_5",), marks=pytest.mark.slow, id="4-qwen3_5"),
-        # one process group for four families (each spawn costs seconds of imports)
+        # the 2-rank cases share one process group (cp_runs)
         pytest.param(
             2, ("qwen3_5", "lfm2", "kimi_linear", "nemotron_h"), marks=pytest.mark.slow, id="2-recurrent"
         ),
     ],
 )
-def test_cp_equals_one_process(tmp_path, world, archs):
-    out = str(tmp_path / "cp.pt")
-    mp.spawn(_worker, args=(world, _free_port(), out, archs), nprocs=world, join=True)
-    for arch, got in torch.load(out).items():
+def test_cp_equals_one_process(cp_runs, world, archs):
+    for arch, got in cp_runs(world, archs).items():
         if arch != "qwen3" and world == 2:  # the cut the module docstring names
             assert got["bounds"][1] == 46
         logp, ent, sft, grads = _one_process(arch)
@@ -229,15 +279,9 @@ def test_cp_equals_one_process(tmp_path, world, archs):
         bad = [n for n in grads if not _close(got["grads"][n], grads[n])]
         assert not bad, (arch, bad)
         if "grads32" in got:  # float32 GDN under CP: within 2x of the one-process tree's own error
-            model = _model(arch)
-            packed = _packed(model, _trees(arch))
-            g = torch.Generator().manual_seed(0)
-            w1, w2 = (torch.randn(packed.num_tokens, generator=g, dtype=torch.float64) for _ in "12")
-            with float64_everywhere():  # the float64 truth of this loss (HF's float32 casts off)
-                _loss(*tree_logprobs(model, packed, backend="dense"), w1, w2).backward()
-            one = _float32_grads(arch, packed, w1, w2, lambda m, p: tree_logprobs(m, p, backend="dense"))
-            for n, p in model.named_parameters():
-                cp_e, one_e = rel_err(got["grads32"][n], p.grad), rel_err(one[n], p.grad)
+            truth, one = _float32_reference(arch)
+            for n, t in truth.items():
+                cp_e, one_e = rel_err(got["grads32"][n], t), rel_err(one[n], t)
                 assert cp_e <= 2 * one_e + 1e-6, (n, cp_e, one_e)  # 1e-6: float32 rounding (test_gdn)
 
 
