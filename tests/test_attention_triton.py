@@ -343,7 +343,7 @@ def test_image_blocks_with_window_alibi_and_sinks(window):
     heads=st.sampled_from([(1, 1), (2, 1), (4, 2)]),
     blocks=st.sampled_from([(16, 16), (16, 32), (32, 16)]),
 )
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=25, deadline=None)
 def test_random_trees_with_image_blocks(T, rng, p_continue, n_images, length, heads, blocks):
     parent = random_parents(T, rng, p_continue=p_continue)
     starts = [rng.randrange(T) for _ in range(n_images)]
