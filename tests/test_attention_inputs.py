@@ -103,11 +103,9 @@ def test_backend_for_follows_features(monkeypatch):
     model uses, else the first backend of the device's order that does."""
     assert attention.backend_for("cpu", {"window", "sinks"}) == "blocksparse"
     assert attention.backend_for("cpu", {"softcap"}) == "dense"
-    assert attention.backend_for("cpu", {"key_start", "window"}) == "blocksparse"
     monkeypatch.setitem(attention.FEATURES, "blocksparse", attention.FEATURES["dense"])
     assert attention.backend_for("cpu", {"softcap"}) == "blocksparse"  # one place decides
     monkeypatch.setattr(attention, "default_backend", lambda device: "triton")
     assert attention.backend_for("cuda", {"softcap"}) == "flex"
-    assert attention.backend_for("cuda", {"key_start", "window", "sinks"}) == "triton"  # image blocks
     with pytest.raises(ValueError, match="no_such_feature"):
         attention.backend_for("cpu", {"no_such_feature"})

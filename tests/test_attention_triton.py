@@ -237,132 +237,6 @@ def test_alibi_against_dense(parent, heads, window):
         assert err < FP32_ATOL, (name, err)
 
 
-# ------------------------------------------------------------------------------------------------
-# Bidirectional image blocks (key_start): key k is seen by the queries [key_start[k], subtree_end[k]).
-# Float32 inputs against the float64 dense reference, as above (FP32_ATOL): the interpreter runs
-# float64, but the kernels keep LSE and delta in fp32 by design, so float64 gradients would still
-# differ at ~1e-7; a wrong mask entry (a key seen or hidden by mistake) shows at ~1e-1.
-# ------------------------------------------------------------------------------------------------
-
-
-def run_key_start(attn, q, k, v, do, end, key_start, pos=None, **kw) -> list[torch.Tensor]:
-    """Output and (dq, dk, dv) of ``attn`` with ``key_start`` (and ``pos``: path positions), as float64."""
-    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
-    mask = TreeMask(end.to(q.device), position_ids=None if pos is None else pos.to(q.device))
-    o = attn(q, k, v, mask, 0.7, key_start=key_start.to(q.device), **kw)
-    grads = torch.autograd.grad(o, (q, k, v), do.to(o.dtype))
-    return [x.double().cpu() for x in (o, *grads)]
-
-
-def blocks_key_start(subtree_end: torch.Tensor, starts: list[int], length: int) -> torch.Tensor:
-    """``key_start`` with an image block of up to ``length`` tokens at each of ``starts``, each block
-    inside one node (a chain of equal ``subtree_end``) and disjoint from the others (as
-    ``test_attention_image_blocks``)."""
-    T = subtree_end.numel()
-    key_start = torch.arange(T)
-    taken = torch.zeros(T, dtype=torch.bool)
-    for b in sorted(set(starts)):
-        e = b
-        while e < min(T, b + length) and subtree_end[e] == subtree_end[b] and not taken[e]:
-            e += 1
-        key_start[b:e] = b
-        taken[b:e] = True
-    return key_start
-
-
-def check_key_start(parent, key_start, hq=2, hkv=1, d=16, block_m=16, block_n=16, seed=0, **kw):
-    end, pos = tree_from_parents(parent)
-    check_subtree_end(end)
-    inputs = make_inputs(len(parent), hq, hkv, d, torch.float32, seed)
-    ref = run_key_start(dense_attention, *(x.double() for x in inputs), end, key_start, pos, **kw)
-    got = run_key_start(
-        tk.triton_tree_attention, *inputs, end, key_start, pos, block_m=block_m, block_n=block_n, **kw
-    )
-    for name, err in zip(("out", "dq", "dk", "dv"), max_errors(got, ref)):
-        assert err < FP32_ATOL, (name, err)
-
-
-# A prompt 0-9, then two branches under token 9: A = 10-29 (text 10-11, an image 12-21 crossing the
-# 16-token tile boundary, text 22-29) and B = 30-39 (text 30, an image 31-35, text 36-39).
-IMAGE_PARENT = chain(30) + [9] + list(range(30, 39))
-IMAGE_KEY_START = torch.tensor(
-    list(range(12)) + [12] * 10 + list(range(22, 31)) + [31] * 5 + list(range(36, 40))
-)
-
-
-def test_image_block_in_a_branch_hand_written():
-    """Visibility read off the kernel: with q = k = 0 every visible key scores alike, so with
-    v = identity the output row of query q is 1 / n at each of its n visible keys and 0 elsewhere."""
-    end = subtree_end_from_parents(IMAGE_PARENT)
-    assert end.tolist() == [40] * 10 + [30] * 20 + [40] * 10
-    want = dense_tree_mask(end, key_start=IMAGE_KEY_START)
-
-    def row(*spans):
-        return [any(a <= j < b for a, b in spans) for j in range(40)]
-
-    assert want[12].tolist() == row((0, 22))  # the image's first token sees the whole image
-    assert want[16].tolist() == row((0, 22))  # ... in the next query tile too
-    assert want[21].tolist() == row((0, 22))
-    assert want[25].tolist() == row((0, 26))  # text after it: causal
-    assert want[31].tolist() == row((0, 10), (30, 36))  # branch B's image: not branch A's tokens
-    assert want[36].tolist() == row((0, 10), (30, 37))
-    assert want[11].tolist() == row((0, 12))  # the text before an image does not see it
-    T = 40
-    for block_m, block_n in [(16, 16), (16, 32), (32, 16)]:
-        q = torch.zeros(1, T, T, device=DEVICE)
-        v = torch.eye(T, device=DEVICE)[None]
-        o = tk.triton_tree_attention(
-            q, q, v, TreeMask(end.to(DEVICE)), 1.0, key_start=IMAGE_KEY_START.to(DEVICE),
-            block_m=block_m, block_n=block_n,
-        )  # fmt: skip
-        assert torch.equal(o[0].cpu() > 0, want), (block_m, block_n)
-        torch.testing.assert_close(o[0].cpu(), want / want.sum(1, keepdim=True), rtol=1e-6, atol=1e-6)
-
-
-@pytest.mark.parametrize("blocks", [(16, 16), (16, 32), (32, 16)])
-def test_image_block_in_a_branch_against_dense(blocks):
-    check_key_start(IMAGE_PARENT, IMAGE_KEY_START, 4, 2, 16, *blocks)
-
-
-@pytest.mark.parametrize("window", [None, 4])
-def test_image_blocks_with_window_alibi_and_sinks(window):
-    """Gemma 3's sliding layers with image blocks, and the other extras, on the hand-written tree."""
-    hq, T = 2, len(IMAGE_PARENT)
-    g = torch.Generator().manual_seed(3)
-    alibi = torch.randn(hq, T, generator=g).to(DEVICE)
-    sinks = torch.randn(hq, generator=g).to(DEVICE)
-    check_key_start(IMAGE_PARENT, IMAGE_KEY_START, hq, 1, 16, window=window, alibi=alibi, sinks=sinks)
-
-
-@given(
-    T=st.integers(1, 100),
-    rng=st.randoms(use_true_random=False),
-    p_continue=st.sampled_from([0.7, 0.95]),
-    n_images=st.integers(1, 4),
-    length=st.integers(2, 40),
-    heads=st.sampled_from([(1, 1), (2, 1), (4, 2)]),
-    blocks=st.sampled_from([(16, 16), (16, 32), (32, 16)]),
-)
-@settings(max_examples=25, deadline=None)
-def test_random_trees_with_image_blocks(T, rng, p_continue, n_images, length, heads, blocks):
-    parent = random_parents(T, rng, p_continue=p_continue)
-    starts = [rng.randrange(T) for _ in range(n_images)]
-    key_start = blocks_key_start(subtree_end_from_parents(parent), starts, length)
-    check_key_start(parent, key_start, *heads, 16, *blocks, seed=rng.randint(0, 2**16))
-
-
-def test_key_start_bounds_are_cached_on_the_mask():
-    end = subtree_end_from_parents(IMAGE_PARENT).to(DEVICE)
-    mask = TreeMask(end)
-    q, k, v, _ = make_inputs(40, 1, 1, 16, torch.float32)
-    ks = IMAGE_KEY_START.to(DEVICE)
-    tk.triton_tree_attention(q, k, v, mask, 1.0, key_start=ks, block_m=16, block_n=16)
-    assert set(mask.cache) == {("triton_block_bounds", 16), ("triton_key_start", 16, 16)}
-    _, ks_min, ks_max, q_stop = mask.cache["triton_key_start", 16, 16]
-    assert ks_min.tolist() == [0, 12, 31] and ks_max.tolist() == [12, 31, 47]  # 40-47 pad: own index
-    assert q_stop.tolist() == [22, 36, 40]  # query block 0 reaches the image 12-21, block 1 B's image
-
-
 def test_triton_available():
     assert tk.triton_available() == (tk.triton is not None)
 
@@ -377,17 +251,14 @@ cfg = dict(GROUP=2, D=D, BLOCK_M={block_m}, BLOCK_N={block_n}, BLOCK_D=D, PRECIS
 rows = dict(LSE="*fp32", DELTA="*fp32", SEND="*i64", KMIN="*i32", KMAX="*i32", T="i32")
 rows |= dict(POS="*i64", WINDOW="i32")  # the sliding window's positions and width
 rows |= dict(AB="*fp32")  # ALiBi's bias per head and token
-rows |= dict(KS="*i64", KSMIN="*i32", KSMAX="*i32", QSTOP="*i32")  # image blocks' key_start
 sigs = {{
     tk._fwd_kernel: dict(Q=P, K=P, V=P, O=P, qk_scale="fp32"),
     tk._bwd_delta_kernel: dict(O=P, DO=P),
     tk._bwd_dkdv_kernel: dict(Q=P, K=P, V=P, DO=P, DK=P, DV=P, qk_scale="fp32", sm_scale="fp32"),
     tk._bwd_dq_kernel: dict(Q=P, K=P, V=P, DO=P, DQ=P, qk_scale="fp32", sm_scale="fp32"),
 }}
-# plain, image blocks alone (their full-tile path), and sliding window with ALiBi and image blocks
-# (every optional branch compiled once)
-flags = [dict(HAS_WINDOW=f, HAS_ALIBI=f, HAS_KEY_START=f) for f in (False, True)]
-flags.append(dict(HAS_WINDOW=False, HAS_ALIBI=False, HAS_KEY_START=True))
+# plain, and sliding window with ALiBi (every optional branch compiled once)
+flags = [dict(HAS_WINDOW=f, HAS_ALIBI=f) for f in (False, True)]
 for (fn, sig), flag in [(item, f) for item in sigs.items() for f in flags]:
     sig = sig | {{a: t for a, t in rows.items() if a in fn.arg_names}}
     cx = {{a: v for a, v in (cfg | flag).items() if a in fn.arg_names}}

@@ -45,7 +45,7 @@ FEATURES: dict[str, frozenset[str]] = {
     "dense": frozenset({"window", "softcap", "sinks", "alibi", "rel_bias", "key_start"}),
     "blocksparse": frozenset({"window", "sinks", "alibi", "rel_bias", "key_start"}),
     "flex": frozenset({"window", "softcap", "sinks", "alibi", "rel_bias", "key_start"}),
-    "triton": frozenset({"window", "sinks", "alibi", "key_start"}),
+    "triton": frozenset({"window", "sinks", "alibi"}),
     "cp": frozenset(),
     "depth_first": frozenset(),
 }
@@ -127,8 +127,7 @@ def backend_for(device: torch.device | str, features=()) -> str:
     """The backend to run a model that uses ``features`` (names of :data:`FEATURES`) on ``device``:
     :func:`default_backend` when it computes all of them, else the first that does in the device's
     order (CUDA: ``flex``, then ``dense``; elsewhere ``dense``). E.g. Gemma 2's ``softcap`` on CUDA,
-    where the default ``triton`` has none: ``flex``; Gemma 3's image blocks (``key_start``) and
-    sliding windows on CUDA: ``triton``."""
+    where the default ``triton`` has none: ``flex``."""
     name = default_backend(device)
     wanted = frozenset(features)
     order = ("flex", "dense") if torch.device(device).type == "cuda" else ("dense",)

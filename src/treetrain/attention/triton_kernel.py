@@ -10,13 +10,6 @@ so every layer of one forward reuses them). For a query block ``[q0, q1)`` and a
 
 The backward visits, for a key block, only the query rows ``[k0, max(subtree_end[k0:k1]))``; in a
 well-formed DFS layout that whole range is attended by some key of the block, so no tile is skipped.
-
-Bidirectional image blocks (``key_start [T]``, the constexpr ``HAS_KEY_START``; see ``mask.py``): key
-``k`` is seen by ``key_start[k] <= q < subtree_end[k]``, so a query block also walks the keys after it
-whose ``key_start`` reaches back into it (up to a per-query-block key stop), a tile is skipped when
-``min(key_start[k0:k1]) > q1 - 1`` too, fully visible when ``max(key_start[k0:k1]) <= q0`` (in place of
-``k1 - 1 <= q0``), and the backward's key block starts at the query block of ``min(key_start[k0:k1])``.
-Without ``key_start`` the kernels are the causal ones above, unchanged.
 Runs on CUDA, and on CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1``).
 """
 
@@ -50,10 +43,9 @@ def triton_available() -> bool:
 
 
 @_jit
-def _visible(q_idx, k_first, k_end):
-    """Tree mask for broadcastable query indices, the keys' first query (the key index itself, or its
-    ``key_start``) and the keys' ``subtree_end``."""
-    return (k_first <= q_idx) & (q_idx < k_end)
+def _visible(q_idx, k_idx, k_end):
+    """Tree mask for broadcastable query indices, key indices and the keys' ``subtree_end``."""
+    return (k_idx <= q_idx) & (q_idx < k_end)
 
 
 @_jit
@@ -63,43 +55,10 @@ def _near(q_pos, k_pos, WINDOW):
 
 
 @_jit
-def _is_full(q0, k_last, k_min, BLOCK_M: tl.constexpr):
-    """Every query of ``[q0, q0+BLOCK_M)`` sees every key of a key block whose latest first query is
-    ``k_last`` (its last key ``k0 + BLOCK_N - 1``, or ``max(key_start)`` over the block) and whose least
-    ``subtree_end`` is ``k_min``. Never true for tiles that cross ``T`` (``k_min <= T``, and a key block
-    crossing ``T`` has ``k_last >= T``: past every ``q0``; the host pads ``key_start`` so)."""
-    return (k_last <= q0) & (k_min >= q0 + BLOCK_M)
-
-
-@_jit
-def _last_first_query(KSMAX, kb, k0, BLOCK_N: tl.constexpr, HAS_KEY_START: tl.constexpr):
-    """The latest first query over key block ``kb``: ``max(key_start)`` of it, else its last key."""
-    if HAS_KEY_START:
-        k_last = tl.load(KSMAX + kb)
-    else:
-        k_last = k0 + BLOCK_N - 1
-    return k_last
-
-
-@_jit
-def _key_blocks(QSTOP, q0, T, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KEY_START: tl.constexpr):
-    """How many key blocks query block ``[q0, q0+BLOCK_M)`` walks: up to its last query (causal), or
-    up to ``QSTOP[q0 // BLOCK_M]`` (past every key whose ``key_start`` lies in or before the block)."""
-    if HAS_KEY_START:
-        stop = tl.load(QSTOP + q0 // BLOCK_M)
-    else:
-        stop = tl.minimum(q0 + BLOCK_M, T)
-    return tl.cdiv(stop, BLOCK_N)
-
-
-@_jit
-def _visited(KMAX, KSMIN, kb, q0, BLOCK_M: tl.constexpr, HAS_KEY_START: tl.constexpr):
-    """Whether key block ``kb`` may be seen by query block ``[q0, q0+BLOCK_M)``: some key's subtree
-    reaches past ``q0`` (and, with ``key_start``, some key's first query is before ``q0 + BLOCK_M``)."""
-    seen = tl.load(KMAX + kb) > q0
-    if HAS_KEY_START:
-        seen = seen & (tl.load(KSMIN + kb) < q0 + BLOCK_M)
-    return seen
+def _is_full(q0, k0, k_min, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Every query of ``[q0, q0+BLOCK_M)`` sees every key of ``[k0, k0+BLOCK_N)``. Never true for
+    tiles that cross ``T`` (``k_min <= T``, and a key block crossing ``T`` ends past every ``q0``)."""
+    return (k0 + BLOCK_N - 1 <= q0) & (k_min >= q0 + BLOCK_M)
 
 
 @_jit
@@ -120,15 +79,14 @@ def _store_rows(ptr, idx, x, T, D: tl.constexpr, BLOCK_D: tl.constexpr):
 
 @_jit
 def _key_tile(
-    q, K, V, SEND, KS, POS, q_pos, WINDOW, AB, q_ab, offs_m, k0, T, qk_scale,
+    q, K, V, SEND, POS, q_pos, WINDOW, AB, q_ab, offs_m, k0, T, qk_scale,
     D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-    MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_KEY_START: tl.constexpr,
+    MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):  # fmt: skip
     """Keys ``[k0, k0+BLOCK_N)``: ``k, v [BLOCK_N, BLOCK_D]`` and the scores of the query rows ``q``
     against them ``[BLOCK_M, BLOCK_N]`` (log2 units), plus the key's ALiBi bias minus the row's
     (``HAS_ALIBI``; ``AB``: this head's bias ``[T]``, ``q_ab`` the rows' own), -inf where the tree
-    (``MASKED``; ``KS``: ``key_start`` with ``HAS_KEY_START``) or the window hides a key; keys past
-    ``T`` are hidden from all."""
+    (``MASKED``) or the window hides a key; keys past ``T`` are hidden from all."""
     offs_n = k0 + tl.arange(0, BLOCK_N)
     k = _load_rows(K, offs_n, T, D, BLOCK_D)
     v = _load_rows(V, offs_n, T, D, BLOCK_D)
@@ -137,8 +95,7 @@ def _key_tile(
         s += tl.load(AB + offs_n, mask=offs_n < T, other=0.0)[None, :] - q_ab[:, None]
     if MASKED:
         k_end = tl.load(SEND + offs_n, mask=offs_n < T, other=0)
-        k_first = tl.load(KS + offs_n, mask=offs_n < T, other=0) if HAS_KEY_START else offs_n
-        vis = _visible(offs_m[:, None], k_first[None, :], k_end[None, :])
+        vis = _visible(offs_m[:, None], offs_n[None, :], k_end[None, :])
         if HAS_WINDOW:
             k_pos = tl.load(POS + offs_n, mask=offs_n < T, other=0)
             vis = vis & _near(q_pos[:, None], k_pos[None, :], WINDOW)
@@ -148,14 +105,14 @@ def _key_tile(
 
 @_jit
 def _fwd_tile(
-    acc, m_i, l_i, q, K, V, SEND, KS, POS, q_pos, WINDOW, AB, q_ab, offs_m, k0, T, qk_scale,
+    acc, m_i, l_i, q, K, V, SEND, POS, q_pos, WINDOW, AB, q_ab, offs_m, k0, T, qk_scale,
     D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-    MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_KEY_START: tl.constexpr,
+    MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step over keys ``[k0, k0+BLOCK_N)``. acc: [BLOCK_M, BLOCK_D] fp32."""
     _, v, s = _key_tile(
-        q, K, V, SEND, KS, POS, q_pos, WINDOW, AB, q_ab, offs_m, k0, T, qk_scale, D, BLOCK_N, BLOCK_D,
-        PRECISION, MASKED, HAS_WINDOW, HAS_ALIBI, HAS_KEY_START,
+        q, K, V, SEND, POS, q_pos, WINDOW, AB, q_ab, offs_m, k0, T, qk_scale, D, BLOCK_N, BLOCK_D, PRECISION,
+        MASKED, HAS_WINDOW, HAS_ALIBI,
     )  # fmt: skip
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet: avoid nan
@@ -168,16 +125,13 @@ def _fwd_tile(
 
 @_jit
 def _fwd_kernel(
-    Q, K, V, SEND, POS, WINDOW, AB, KMIN, KMAX, KS, KSMIN, KSMAX, QSTOP, O, LSE, T, qk_scale,
+    Q, K, V, SEND, POS, WINDOW, AB, KMIN, KMAX, O, LSE, T, qk_scale,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_KEY_START: tl.constexpr,
 ):  # fmt: skip
     """Grid (cdiv(T, BLOCK_M), Hq). Writes O [Hq, T, D] and LSE [Hq, T] (log2 units, +inf if empty).
     With ``HAS_WINDOW`` every visited tile is masked (the window is checked per pair). With
-    ``HAS_ALIBI`` every score gets ``AB[h, k] - AB[h, q]`` (``AB [Hq, T]``, log2 units). With
-    ``HAS_KEY_START`` (``KS [T]``, per key block ``KSMIN``/``KSMAX``, per query block ``QSTOP``) the
-    walk runs to the block's key stop and skips key blocks whose ``key_start`` all lie past it."""
+    ``HAS_ALIBI`` every score gets ``AB[h, k] - AB[h, q]`` (``AB [Hq, T]``, log2 units)."""
     q0 = tl.program_id(0) * BLOCK_M
     h = tl.program_id(1).to(tl.int64)
     Q += h * T * D
@@ -193,25 +147,23 @@ def _fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for kb in range(0, _key_blocks(QSTOP, q0, T, BLOCK_M, BLOCK_N, HAS_KEY_START)):
-        if _visited(KMAX, KSMIN, kb, q0, BLOCK_M, HAS_KEY_START):
+    for kb in range(0, tl.cdiv(tl.minimum(q0 + BLOCK_M, T), BLOCK_N)):
+        if tl.load(KMAX + kb) > q0:
             k0 = kb * BLOCK_N
             if HAS_WINDOW:
                 acc, m_i, l_i = _fwd_tile(
-                    acc, m_i, l_i, q, K, V, SEND, KS, POS, q_pos, WINDOW, AB, q_ab, offs_m, k0, T, qk_scale,
-                    D, BLOCK_N, BLOCK_D, PRECISION, True, True, HAS_ALIBI, HAS_KEY_START,
+                    acc, m_i, l_i, q, K, V, SEND, POS, q_pos, WINDOW, AB, q_ab, offs_m, k0, T, qk_scale,
+                    D, BLOCK_N, BLOCK_D, PRECISION, True, True, HAS_ALIBI,
                 )  # fmt: skip
-            elif _is_full(
-                q0, _last_first_query(KSMAX, kb, k0, BLOCK_N, HAS_KEY_START), tl.load(KMIN + kb), BLOCK_M
-            ):
+            elif _is_full(q0, k0, tl.load(KMIN + kb), BLOCK_M, BLOCK_N):
                 acc, m_i, l_i = _fwd_tile(
-                    acc, m_i, l_i, q, K, V, SEND, KS, POS, q_pos, WINDOW, AB, q_ab, offs_m, k0, T, qk_scale,
-                    D, BLOCK_N, BLOCK_D, PRECISION, False, False, HAS_ALIBI, False,
+                    acc, m_i, l_i, q, K, V, SEND, POS, q_pos, WINDOW, AB, q_ab, offs_m, k0, T, qk_scale,
+                    D, BLOCK_N, BLOCK_D, PRECISION, False, False, HAS_ALIBI,
                 )  # fmt: skip
             else:
                 acc, m_i, l_i = _fwd_tile(
-                    acc, m_i, l_i, q, K, V, SEND, KS, POS, q_pos, WINDOW, AB, q_ab, offs_m, k0, T, qk_scale,
-                    D, BLOCK_N, BLOCK_D, PRECISION, True, False, HAS_ALIBI, HAS_KEY_START,
+                    acc, m_i, l_i, q, K, V, SEND, POS, q_pos, WINDOW, AB, q_ab, offs_m, k0, T, qk_scale,
+                    D, BLOCK_N, BLOCK_D, PRECISION, True, False, HAS_ALIBI,
                 )  # fmt: skip
 
     nonempty = l_i > 0
@@ -233,12 +185,11 @@ def _bwd_delta_kernel(O, DO, DELTA, T, D: tl.constexpr, BLOCK_M: tl.constexpr, B
 
 @_jit
 def _bwd_dkdv_tile(
-    dk, dv, k, v, k_end, k_pos, POS, WINDOW, AB, k_ab, Q, DO, LSE, DELTA, k_first, q0, T, qk_scale,
+    dk, dv, k, v, k_end, k_pos, POS, WINDOW, AB, k_ab, Q, DO, LSE, DELTA, offs_n, q0, T, qk_scale,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
     MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):  # fmt: skip
-    """Accumulate queries ``[q0, q0+BLOCK_M)`` into dk, dv [BLOCK_N, BLOCK_D] (transposed tiles);
-    ``k_first``: each key's first query (its index, or its ``key_start``)."""
+    """Accumulate queries ``[q0, q0+BLOCK_M)`` into dk, dv [BLOCK_N, BLOCK_D] (transposed tiles)."""
     offs_m = q0 + tl.arange(0, BLOCK_M)
     q = _load_rows(Q, offs_m, T, D, BLOCK_D)
     do = _load_rows(DO, offs_m, T, D, BLOCK_D)
@@ -248,7 +199,7 @@ def _bwd_dkdv_tile(
     if HAS_ALIBI:
         s_t += k_ab[:, None] - tl.load(AB + offs_m, mask=offs_m < T, other=0.0)[None, :]
     if MASKED:
-        vis = _visible(offs_m[None, :], k_first[:, None], k_end[:, None])
+        vis = _visible(offs_m[None, :], offs_n[:, None], k_end[:, None])
         if HAS_WINDOW:
             q_pos = tl.load(POS + offs_m, mask=offs_m < T, other=0)
             vis = vis & _near(q_pos[None, :], k_pos[:, None], WINDOW)
@@ -263,14 +214,12 @@ def _bwd_dkdv_tile(
 
 @_jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, SEND, POS, WINDOW, AB, KMIN, KMAX, KS, KSMIN, KSMAX, DK, DV, T, qk_scale,
-    sm_scale, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q, K, V, DO, LSE, DELTA, SEND, POS, WINDOW, AB, KMIN, KMAX, DK, DV, T, qk_scale, sm_scale,
+    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_KEY_START: tl.constexpr,
 ):  # fmt: skip
     """Grid (cdiv(T, BLOCK_N), Hkv). One program owns a key block of one KV head and sums over the
-    GROUP query heads sharing it, so dk, dv need no atomics. Its query walk starts at the query block
-    of its first key (``HAS_KEY_START``: of ``min(key_start)`` over the block)."""
+    GROUP query heads sharing it, so dk, dv need no atomics."""
     kb = tl.program_id(0)
     h_kv = tl.program_id(1).to(tl.int64)
     k0 = kb * BLOCK_N
@@ -281,13 +230,6 @@ def _bwd_dkdv_kernel(
     k_pos = tl.load(POS + offs_n, mask=offs_n < T, other=0) if HAS_WINDOW else offs_n
     k_min = tl.load(KMIN + kb)
     k_max = tl.load(KMAX + kb)
-    k_last = _last_first_query(KSMAX, kb, k0, BLOCK_N, HAS_KEY_START)
-    if HAS_KEY_START:
-        k_first = tl.load(KS + offs_n, mask=offs_n < T, other=0)
-        q_lo = (tl.load(KSMIN + kb) // BLOCK_M) * BLOCK_M
-    else:
-        k_first = offs_n
-        q_lo = (k0 // BLOCK_M) * BLOCK_M
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -296,20 +238,20 @@ def _bwd_dkdv_kernel(
         Qh, DOh, LSEh, DELTAh = Q + h * T * D, DO + h * T * D, LSE + h * T, DELTA + h * T
         ABh = AB + h * T
         k_ab = tl.load(ABh + offs_n, mask=offs_n < T, other=0.0) if HAS_ALIBI else k_pos
-        for q0 in range(q_lo, k_max, BLOCK_M):
+        for q0 in range((k0 // BLOCK_M) * BLOCK_M, k_max, BLOCK_M):
             if HAS_WINDOW:
                 dk, dv = _bwd_dkdv_tile(
-                    dk, dv, k, v, k_end, k_pos, POS, WINDOW, ABh, k_ab, Qh, DOh, LSEh, DELTAh, k_first, q0, T,
+                    dk, dv, k, v, k_end, k_pos, POS, WINDOW, ABh, k_ab, Qh, DOh, LSEh, DELTAh, offs_n, q0, T,
                     qk_scale, D, BLOCK_M, BLOCK_D, PRECISION, True, True, HAS_ALIBI,
                 )  # fmt: skip
-            elif _is_full(q0, k_last, k_min, BLOCK_M):
+            elif _is_full(q0, k0, k_min, BLOCK_M, BLOCK_N):
                 dk, dv = _bwd_dkdv_tile(
-                    dk, dv, k, v, k_end, k_pos, POS, WINDOW, ABh, k_ab, Qh, DOh, LSEh, DELTAh, k_first, q0, T,
+                    dk, dv, k, v, k_end, k_pos, POS, WINDOW, ABh, k_ab, Qh, DOh, LSEh, DELTAh, offs_n, q0, T,
                     qk_scale, D, BLOCK_M, BLOCK_D, PRECISION, False, False, HAS_ALIBI,
                 )  # fmt: skip
             else:
                 dk, dv = _bwd_dkdv_tile(
-                    dk, dv, k, v, k_end, k_pos, POS, WINDOW, ABh, k_ab, Qh, DOh, LSEh, DELTAh, k_first, q0, T,
+                    dk, dv, k, v, k_end, k_pos, POS, WINDOW, ABh, k_ab, Qh, DOh, LSEh, DELTAh, offs_n, q0, T,
                     qk_scale, D, BLOCK_M, BLOCK_D, PRECISION, True, False, HAS_ALIBI,
                 )  # fmt: skip
     _store_rows(DK + h_kv * T * D, offs_n, dk * sm_scale, T, D, BLOCK_D)
@@ -318,14 +260,14 @@ def _bwd_dkdv_kernel(
 
 @_jit
 def _bwd_dq_tile(
-    dq, q, do, lse, delta, K, V, SEND, KS, POS, q_pos, WINDOW, AB, q_ab, offs_m, k0, T, qk_scale,
+    dq, q, do, lse, delta, K, V, SEND, POS, q_pos, WINDOW, AB, q_ab, offs_m, k0, T, qk_scale,
     D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-    MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_KEY_START: tl.constexpr,
+    MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):  # fmt: skip
     """Accumulate keys ``[k0, k0+BLOCK_N)`` into dq [BLOCK_M, BLOCK_D]."""
     k, v, s = _key_tile(
-        q, K, V, SEND, KS, POS, q_pos, WINDOW, AB, q_ab, offs_m, k0, T, qk_scale, D, BLOCK_N, BLOCK_D,
-        PRECISION, MASKED, HAS_WINDOW, HAS_ALIBI, HAS_KEY_START,
+        q, K, V, SEND, POS, q_pos, WINDOW, AB, q_ab, offs_m, k0, T, qk_scale, D, BLOCK_N, BLOCK_D, PRECISION,
+        MASKED, HAS_WINDOW, HAS_ALIBI,
     )  # fmt: skip
     p = tl.exp2(s - lse[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
@@ -336,10 +278,9 @@ def _bwd_dq_tile(
 
 @_jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, SEND, POS, WINDOW, AB, KMIN, KMAX, KS, KSMIN, KSMAX, QSTOP, DQ, T, qk_scale,
-    sm_scale, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q, K, V, DO, LSE, DELTA, SEND, POS, WINDOW, AB, KMIN, KMAX, DQ, T, qk_scale, sm_scale,
+    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_KEY_START: tl.constexpr,
 ):  # fmt: skip
     """Grid (cdiv(T, BLOCK_M), Hq). Same key-block walk as the forward."""
     q0 = tl.program_id(0) * BLOCK_M
@@ -356,25 +297,23 @@ def _bwd_dq_kernel(
     q_ab = tl.load(AB + offs_m, mask=offs_m < T, other=0.0) if HAS_ALIBI else q_pos
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for kb in range(0, _key_blocks(QSTOP, q0, T, BLOCK_M, BLOCK_N, HAS_KEY_START)):
-        if _visited(KMAX, KSMIN, kb, q0, BLOCK_M, HAS_KEY_START):
+    for kb in range(0, tl.cdiv(tl.minimum(q0 + BLOCK_M, T), BLOCK_N)):
+        if tl.load(KMAX + kb) > q0:
             k0 = kb * BLOCK_N
             if HAS_WINDOW:
                 dq = _bwd_dq_tile(
-                    dq, q, do, lse, delta, K, V, SEND, KS, POS, q_pos, WINDOW, AB, q_ab, offs_m, k0, T,
-                    qk_scale, D, BLOCK_N, BLOCK_D, PRECISION, True, True, HAS_ALIBI, HAS_KEY_START,
+                    dq, q, do, lse, delta, K, V, SEND, POS, q_pos, WINDOW, AB, q_ab, offs_m, k0, T, qk_scale,
+                    D, BLOCK_N, BLOCK_D, PRECISION, True, True, HAS_ALIBI,
                 )  # fmt: skip
-            elif _is_full(
-                q0, _last_first_query(KSMAX, kb, k0, BLOCK_N, HAS_KEY_START), tl.load(KMIN + kb), BLOCK_M
-            ):
+            elif _is_full(q0, k0, tl.load(KMIN + kb), BLOCK_M, BLOCK_N):
                 dq = _bwd_dq_tile(
-                    dq, q, do, lse, delta, K, V, SEND, KS, POS, q_pos, WINDOW, AB, q_ab, offs_m, k0, T,
-                    qk_scale, D, BLOCK_N, BLOCK_D, PRECISION, False, False, HAS_ALIBI, False,
+                    dq, q, do, lse, delta, K, V, SEND, POS, q_pos, WINDOW, AB, q_ab, offs_m, k0, T, qk_scale,
+                    D, BLOCK_N, BLOCK_D, PRECISION, False, False, HAS_ALIBI,
                 )  # fmt: skip
             else:
                 dq = _bwd_dq_tile(
-                    dq, q, do, lse, delta, K, V, SEND, KS, POS, q_pos, WINDOW, AB, q_ab, offs_m, k0, T,
-                    qk_scale, D, BLOCK_N, BLOCK_D, PRECISION, True, False, HAS_ALIBI, HAS_KEY_START,
+                    dq, q, do, lse, delta, K, V, SEND, POS, q_pos, WINDOW, AB, q_ab, offs_m, k0, T, qk_scale,
+                    D, BLOCK_N, BLOCK_D, PRECISION, True, False, HAS_ALIBI,
                 )  # fmt: skip
     _store_rows(DQ + h * T * D, offs_m, dq * sm_scale, T, D, BLOCK_D)
 
@@ -393,33 +332,6 @@ def _block_bounds(mask: TreeMask, block_n: int) -> tuple[torch.Tensor, torch.Ten
         return tuple(x.to(torch.int32) for x in block_bounds(mask.subtree_end, block_n))
 
     return mask.cached(("triton_block_bounds", block_n), build)
-
-
-def _key_start_bounds(
-    mask: TreeMask, key_start: torch.Tensor, block_m: int, block_n: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(key_start, ks_min, ks_max, q_stop)`` for bidirectional image blocks: ``key_start`` as
-    contiguous int64, per key block ``min`` / ``max`` of it (``[cdiv(T, block_n)]`` int32; the keys of
-    a block crossing ``T`` are padded with their own indices, so such a block is never fully visible),
-    and per query block ``[q0, q1)`` the key stop ``max(q1, 1 + max{k : key_start[k] < q1})`` clipped to
-    ``T`` (``[cdiv(T, block_m)]`` int32). O(T), cached on the mask as the other backends cache theirs."""
-
-    def build():
-        T = key_start.numel()
-        ks = key_start.to(torch.int64).contiguous()
-        nb = triton.cdiv(T, block_n)
-        idx = torch.arange(nb * block_n, device=ks.device)
-        padded = torch.cat([ks, idx[T:]]).view(nb, block_n)
-        ks_min, ks_max = padded.min(dim=1).values, padded.max(dim=1).values
-        mb = triton.cdiv(T, block_m)
-        first_block = (ks.clamp(0, T - 1) // block_m).clamp(max=mb - 1)  # first query block seeing k
-        stop = torch.zeros(mb, dtype=torch.int64, device=ks.device)
-        stop = stop.scatter_reduce(0, first_block, idx[:T] + 1, "amax").cummax(0).values
-        causal = ((torch.arange(mb, device=ks.device) + 1) * block_m).clamp(max=T)
-        q_stop = torch.maximum(stop, causal)
-        return ks, ks_min.to(torch.int32), ks_max.to(torch.int32), q_stop.to(torch.int32)
-
-    return mask.cached(("triton_key_start", block_m, block_n), build)
 
 
 # (fp32 inputs, D > 64) -> (BLOCK_M, BLOCK_N, num_warps) on CUDA. Untuned (not benchmarked yet): tiles
@@ -441,19 +353,12 @@ def _config(q: torch.Tensor) -> tuple[int, int, int]:
 
 
 def _launch_args(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    block_m: int,
-    block_n: int,
-    window=None,
-    alibi: bool = False,
-    key_start: bool = False,
+    q: torch.Tensor, k: torch.Tensor, block_m: int, block_n: int, window=None, alibi: bool = False
 ) -> dict:
     D = q.shape[-1]
     return dict(
         HAS_WINDOW=window is not None,
         HAS_ALIBI=alibi,
-        HAS_KEY_START=key_start,
         GROUP=q.shape[0] // k.shape[0],
         D=D,
         BLOCK_M=block_m,
@@ -466,20 +371,7 @@ def _launch_args(
 
 class _TreeAttention(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx,
-        q,
-        k,
-        v,
-        mask: TreeMask,
-        scale: float,
-        block_m: int,
-        block_n: int,
-        window,
-        sinks,
-        alibi,
-        key_start,
-    ):
+    def forward(ctx, q, k, v, mask: TreeMask, scale: float, block_m: int, block_n: int, window, sinks, alibi):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         end = mask.subtree_end.contiguous()
         # ALiBi's bias in the scores' log2 units, fp32 (unread without alibi)
@@ -487,51 +379,26 @@ class _TreeAttention(torch.autograd.Function):
         pos = end if window is None else mask.window_positions(window).contiguous()  # unread if no window
         w = 0 if window is None else int(window)
         k_min, k_max = _block_bounds(mask, block_n)
-        # image blocks: key_start and its block bounds (unread without key_start)
-        ks, ks_min, ks_max, q_stop = (
-            (end, k_min, k_max, k_max)
-            if key_start is None
-            else _key_start_bounds(mask, key_start, block_m, block_n)
-        )
         Hq, T, _ = q.shape
         o = torch.empty_like(q)
         lse = torch.empty(Hq, T, device=q.device, dtype=torch.float32)
-        args = _launch_args(q, k, block_m, block_n, window, alibi is not None, key_start is not None)
+        args = _launch_args(q, k, block_m, block_n, window, alibi is not None)
         grid = (triton.cdiv(T, block_m), Hq)
-        _fwd_kernel[grid](
-            q,
-            k,
-            v,
-            end,
-            pos,
-            w,
-            ab,
-            k_min,
-            k_max,
-            ks,
-            ks_min,
-            ks_max,
-            q_stop,
-            o,
-            lse,
-            T,
-            scale * _LOG2E,
-            **args,
-        )
+        _fwd_kernel[grid](q, k, v, end, pos, w, ab, k_min, k_max, o, lse, T, scale * _LOG2E, **args)
         if sinks is not None:  # rescale by the sink's share; the backward kernels then see the sink's
             _, new_lse = add_sinks(o, lse / _LOG2E, sinks, inplace=True)  # probabilities through o', lse'
             lse = new_lse * _LOG2E
-        ctx.save_for_backward(q, k, v, o, lse, end, pos, ab, k_min, k_max, ks, ks_min, ks_max, q_stop, sinks)
+        ctx.save_for_backward(q, k, v, o, lse, end, pos, ab, k_min, k_max, sinks)
         ctx.scale, ctx.block_m, ctx.block_n, ctx.window = scale, block_m, block_n, window
-        ctx.alibi, ctx.key_start = alibi is not None, key_start is not None
+        ctx.alibi = alibi is not None
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse, end, pos, ab, k_min, k_max, ks, ks_min, ks_max, q_stop, sinks = ctx.saved_tensors
+        q, k, v, o, lse, end, pos, ab, k_min, k_max, sinks = ctx.saved_tensors
         do = do.contiguous()
         (Hq, T, _), Hkv = q.shape, k.shape[0]
-        args = _launch_args(q, k, ctx.block_m, ctx.block_n, ctx.window, ctx.alibi, ctx.key_start)
+        args = _launch_args(q, k, ctx.block_m, ctx.block_n, ctx.window, ctx.alibi)
         w = 0 if ctx.window is None else int(ctx.window)
         qk_scale = ctx.scale * _LOG2E
 
@@ -542,18 +409,16 @@ class _TreeAttention(torch.autograd.Function):
         )
         dk, dv = torch.empty_like(k), torch.empty_like(v)
         _bwd_dkdv_kernel[(triton.cdiv(T, ctx.block_n), Hkv)](
-            q, k, v, do, lse, delta, end, pos, w, ab, k_min, k_max, ks, ks_min, ks_max, dk, dv, T, qk_scale,
-            ctx.scale, **args,
-        )  # fmt: skip
+            q, k, v, do, lse, delta, end, pos, w, ab, k_min, k_max, dk, dv, T, qk_scale, ctx.scale, **args
+        )
         dq = torch.empty_like(q)
         _bwd_dq_kernel[(m_blocks, Hq)](
-            q, k, v, do, lse, delta, end, pos, w, ab, k_min, k_max, ks, ks_min, ks_max, q_stop, dq, T,
-            qk_scale, ctx.scale, **args,
-        )  # fmt: skip
+            q, k, v, do, lse, delta, end, pos, w, ab, k_min, k_max, dq, T, qk_scale, ctx.scale, **args
+        )
         ds = None
         if sinks is not None and ctx.needs_input_grad[8]:
             ds = sink_grad(delta, lse / _LOG2E, sinks)
-        return dq, dk, dv, None, None, None, None, None, ds, None, None
+        return dq, dk, dv, None, None, None, None, None, ds, None
 
 
 def triton_tree_attention(
@@ -569,7 +434,6 @@ def triton_tree_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     alibi: torch.Tensor | None = None,
-    key_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Tree attention through the fused Triton kernels, differentiable in ``q``, ``k``, ``v``.
 
@@ -580,10 +444,7 @@ def triton_tree_attention(
     then masked). ``sinks [Hq]`` or ``[Hq, T]``: sink logits per head (GPT-OSS) or per head and query
     (Inkling2) (:mod:`.sinks`), forward and gradient.
     ``alibi [Hq, T]``: ALiBi's bias at each token's path position (:mod:`.alibi`): one more ``[BLOCK_N]``
-    load per tile. ``key_start [T]``: bidirectional image blocks (Gemma 3/4), key ``k`` seen by the
-    queries ``key_start[k] <= q < subtree_end[k]`` (``mask.py``): a query block also walks the keys of
-    the image blocks reaching back into it (the module docstring). ``softcap`` and Inkling's
-    ``rel_bias`` are not supported (refused by name through
+    load per tile. ``softcap`` and Inkling's ``rel_bias`` are not supported (refused by name through
     ``attention.FEATURES`` before a model calls it).
     """
     if softcap is not None:
@@ -592,11 +453,6 @@ def triton_tree_attention(
             "use attention backend 'flex' (CUDA) or 'dense'"
         )
     check_inputs("triton_tree_attention", q, k, v, mask, sinks, alibi)
-    if key_start is not None and (key_start.shape != mask.subtree_end.shape or key_start.device != q.device):
-        raise ValueError(
-            f"triton_tree_attention: key_start must be [T] = [{q.shape[1]}] on {q.device}, got "
-            f"{tuple(key_start.shape)} on {key_start.device}"
-        )
     if triton is None:
         raise RuntimeError("the triton attention backend needs the triton package")
     default_m, default_n, _ = _config(q)
@@ -604,4 +460,4 @@ def triton_tree_attention(
     for b in (block_m, block_n):
         if b < 16 or b & (b - 1):
             raise ValueError(f"triton_tree_attention: block sizes must be powers of two >= 16, got {b}")
-    return _TreeAttention.apply(q, k, v, mask, scale, block_m, block_n, window, sinks, alibi, key_start)
+    return _TreeAttention.apply(q, k, v, mask, scale, block_m, block_n, window, sinks, alibi)
