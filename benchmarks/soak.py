@@ -6,7 +6,7 @@ RSS flat after warm-up (growth < 5% from ``--warmup`` steps to the end) and end 
 and files as it had at the warm-up step. Checkpoints every ``--checkpoint-every`` steps and the
 prefetch thread are on, as in a real run.
 
-The sample's token ids are renumbered to ``0..n-1`` (``treetrain.bench.command.renumber``: the trees keep
+The sample's token ids are renumbered to ``0..n-1`` (``treetrain.bench.data.renumber``: the trees keep
 their shape) so a tiny random-init Qwen3 with an ``n``-token vocabulary runs on the CPU in reasonable
 time; the LM head of the full Qwen vocabulary would dominate every step.
 
@@ -35,7 +35,7 @@ def write_sample(d: Path) -> int:
     """The bundled sample with renumbered ids as a paths-format JSONL; returns the vocabulary size."""
     import numpy as np
 
-    from treetrain.bench.command import renumber
+    from treetrain.bench.data import renumber
     from treetrain.data import reader as data
 
     trees = [t for t, _ in data.iter_trees(data.sample_path("agent-dialogues"))]

@@ -199,7 +199,7 @@ def _cases(args, vocab: int) -> list[tuple[str, list[TrajectoryTree]]]:
                 [t for t, i in read if kind is None or i.endswith("/" + kind)], args.sample_trees
             )
             label = "bundled sample" if kind is None else f"sample {kind}"
-            cases.append((f"{label} ({len(trees)} trees)", renumber(trees, vocab)))
+            cases.append((f"{label} ({len(trees)} trees)", bench_data.renumber(trees, vocab)))
     return cases
 
 
@@ -209,20 +209,6 @@ def smallest(trees: list[TrajectoryTree], n: int) -> list[TrajectoryTree]:
         return trees
     keep = sorted(sorted(range(len(trees)), key=lambda i: trees[i].num_path_tokens)[:n])
     return [trees[i] for i in keep]
-
-
-def renumber(trees: list[TrajectoryTree], vocab: int) -> list[TrajectoryTree]:
-    """Map the distinct token ids used to ``0..n-1`` (a bijection: the trees keep their shape)."""
-    import numpy as np
-
-    from treetrain.trees.tree import TrajectoryTree
-
-    used = np.unique(np.concatenate([t.tokens for t in trees]))
-    if used.size > vocab:
-        raise ValueError(f"--sample uses {used.size} distinct token ids; use --vocab {used.size} or more")
-    return [
-        TrajectoryTree.from_paths([np.searchsorted(used, p) for p in t.paths()], **t.fields) for t in trees
-    ]
 
 
 def baseline_budgets(trees: list, capacity: int) -> tuple[int, ...]:

@@ -75,7 +75,6 @@ def read_case(args: argparse.Namespace, model_dir: str | None) -> tuple[str, lis
     """``(case name, trees)`` of ``--data``: read with ``model_dir``'s tokenizer (its processor for
     images) and vocabulary check, as ``stats --model`` reads it; without a model, renumbered onto
     ``args.vocab`` (raised to the data's distinct ids when fewer: ``args.vocab`` is updated)."""
-    from treetrain.bench.command import renumber
     from treetrain.bench.stats import _read
     from treetrain.data.chat import load_tokenizer
     from treetrain.train.build import model_tokenizer
@@ -129,3 +128,17 @@ def data_line(path: str, trees: list[TrajectoryTree], cost: CostModel) -> str:
         )
     tower = " (the vision tower's FLOPs counted)" if cost.vision_linear else ""
     return f"{line}; FLOP bound {flop_bound(trees, cost):.2f}x{tower}, as treetrain stats reports it"
+
+
+def renumber(trees: list[TrajectoryTree], vocab: int) -> list[TrajectoryTree]:
+    """Map the distinct token ids used to ``0..n-1`` (a bijection: the trees keep their shape)."""
+    import numpy as np
+
+    from treetrain.trees.tree import TrajectoryTree
+
+    used = np.unique(np.concatenate([t.tokens for t in trees]))
+    if used.size > vocab:
+        raise ValueError(f"--sample uses {used.size} distinct token ids; use --vocab {used.size} or more")
+    return [
+        TrajectoryTree.from_paths([np.searchsorted(used, p) for p in t.paths()], **t.fields) for t in trees
+    ]

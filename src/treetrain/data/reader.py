@@ -232,16 +232,14 @@ class TreeStream(Iterator[tuple[TrajectoryTree, SampleInfo]]):
         self._gen.close()
 
     def raise_errors(self, max_errors: int = 20) -> None:
-        """Raise one :class:`DataError` listing the first ``max_errors`` invalid records (and how
-        many there are), if the pass collected any (``on_error="collect"``). One invalid record is
-        raised as its own error, one line (``file:line: field ...: what is wrong``), no summary."""
+        """Raise one :class:`DataError` listing the first ``max_errors`` invalid records (and how many
+        there are), if the pass collected any (``on_error="collect"``); a lone one: its own error."""
         c = self.counts
         if not c.errors:
             return
         if c.errors == 1 and len(self.errors) == 1:
-            err = self.errors[0]
-            err.errors = [err]
-            raise err
+            self.errors[0].errors = self.errors[:1]
+            raise self.errors[0]
         shown = self.errors[:max_errors]
         more = f"\n  ... and {c.errors - len(shown)} more" if c.errors > len(shown) else ""
         listing = "\n  ".join(map(str, shown))
