@@ -58,28 +58,16 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.set_defaults(allow_invalid_tool_arguments=False)
 
 
-def check_path(path: str) -> None:
-    """A ``ValueError`` naming ``--data`` when ``path`` is no data file (as ``stats`` checks it)."""
-    from treetrain.data.sources import is_table_source
-
-    if Path(path).is_dir() and not is_table_source(path):
-        raise ValueError(
-            f"--data {path}: is a directory, not a data file (nor a datasets.save_to_disk directory); "
-            "pass a JSONL file of trees or a Parquet/Arrow file"
-        )
-    if not Path(path).exists():
-        raise ValueError(f"--data {path}: no such data file; pass a JSONL (or Parquet/Arrow/datasets) file")
-
-
 def read_case(args: argparse.Namespace, model_dir: str | None) -> tuple[str, list[TrajectoryTree]]:
     """``(case name, trees)`` of ``--data``: read with ``model_dir``'s tokenizer (its processor for
     images) and vocabulary check, as ``stats --model`` reads it; without a model, renumbered onto
     ``args.vocab`` (raised to the data's distinct ids when fewer: ``args.vocab`` is updated)."""
     from treetrain.bench.stats import _read
     from treetrain.data.chat import load_tokenizer
+    from treetrain.data.sources import check_data_path
     from treetrain.train.build import model_tokenizer
 
-    check_path(args.data)
+    check_data_path(args.data)
     name = model_dir or args.tokenizer
     tokenizer = model_tokenizer(model_dir, args.tokenizer)
     tokenizer = load_tokenizer(tokenizer) if tokenizer is not None else None

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from treetrain.data.grouping import GROUP_ROWS_HELP, GROUPINGS
-from treetrain.data.sources import is_table_source
+from treetrain.data.sources import check_data_path
 from treetrain.train.flags import INVALID_TOOL_ARGUMENTS_HELP
 
 if TYPE_CHECKING:
@@ -217,14 +217,7 @@ def main(args: argparse.Namespace) -> int:
         from treetrain.train.batches import default_sample
 
         path = str(default_sample(args.model))
-    if Path(path).is_dir() and not is_table_source(path):
-        raise ValueError(
-            f"--data {path}: is a directory, not a data file (nor a datasets.save_to_disk directory); "
-            "pass a JSONL file of trees or a Parquet/Arrow file"
-        )
-    if not Path(path).exists():
-        what = "a JSONL (or Parquet/Arrow/datasets) file of trees"
-        raise ValueError(f"--data {path}: no such data file; pass {what}, or omit it for the sample")
+    check_data_path(path, "a JSONL (or Parquet/Arrow/datasets) file of trees, or omit it for the sample")
     name = args.model  # as given: a model known by name is shown by its name
     if args.model is not None:  # a name of a known pretrained model: its cached directory, as train
         from treetrain.models.pretrained import resolve_model

@@ -44,6 +44,18 @@ def is_table_source(path: str | os.PathLike) -> bool:
     return p.suffix.lower() in TABLE_SUFFIXES
 
 
+def check_data_path(path: str, fix: str = "a JSONL (or Parquet/Arrow/datasets) file") -> None:
+    """A ``ValueError`` naming ``--data`` when ``path`` is a plain directory or does not exist;
+    ``fix``: what to pass instead."""
+    if Path(path).is_dir() and not is_table_source(path):
+        raise ValueError(
+            f"--data {path}: is a directory, not a data file (nor a datasets.save_to_disk directory); "
+            "pass a JSONL file of trees or a Parquet/Arrow file"
+        )
+    if not Path(path).exists():
+        raise ValueError(f"--data {path}: no such data file; pass {fix}")
+
+
 def parse_columns(value: str | Mapping[str, str] | None) -> dict[str, str]:
     """``"paths=ids,loss_masks=mask"`` (or a mapping) -> ``{"paths": "ids", "loss_masks": "mask"}``."""
     if value is None:
