@@ -15,6 +15,7 @@ with open("pyproject.toml", "rb") as f:
     docs = tomllib.load(f)["project"]["optional-dependencies"]["docs"]
 open(sys.argv[1], "w").write("\n".join(docs) + "\n")
 PY
-python -m pip install -q -r "$reqs"
+. .ci/install.sh
+ci_install -r "$reqs"
 # NO_MKDOCS_2_WARNING: silences Material's banner about MkDocs 2.0 (a notice, not a build warning)
 NO_MKDOCS_2_WARNING=1 python -m mkdocs build --strict --site-dir "${DOCS_SITE_DIR:-site}"

@@ -7,8 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv-verl
 . .venv-verl/bin/activate
-python -m pip install -q --upgrade pip
+. .ci/install.sh
 python -m pip install -q torch==2.13.0
-python -m pip install -q -e ".[verl]"
-python -m pip install -q "pytest>=8" "pytest-xdist>=3.5" "hypothesis>=6.100"
+ci_install -e ".[verl]" "pytest>=8" "pytest-xdist>=3.5" "hypothesis>=6.100"
 touch .venv-verl/.installed

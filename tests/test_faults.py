@@ -25,6 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 STEPS = 10
 # one intra-op thread in every run, so that runs in different processes compute bit-identical steps
 THREADS_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+# one xdist worker for the module: its fixtures (a reference run) are made once
+pytestmark = pytest.mark.xdist_group("faults")
 
 
 def write_trees(path: Path, n: int = 30, seed: int = 0) -> Path:
