@@ -210,6 +210,8 @@ def time_vs_trl(trainer, rows, keep: int, tree_step, repeats: int) -> dict:
             loss = steps[m]()
             dt = time.perf_counter() - t0
             times[m].append(dt) if r else losses.setdefault(m, loss)
+            line = f"  vs TRL: {m} step {r + 1} of {repeats + 1} ({'timed' if r else 'warm-up'}): {dt:.1f} s"
+            print(line, file=sys.stderr, flush=True)
     trainer.model.zero_grad(set_to_none=True)
     load = monitor.stop() if repeats else None
     stats = {m: noise.summary(v) for m, v in times.items()}
@@ -324,6 +326,7 @@ def main(argv=None) -> int:
         f"GUI agent, {a.turns} turns x {a.samples} samples",
         model, None, [tree], capacity, a.repeats, a.backend, cost, rate, False,
         baseline_capacities=budgets, baseline_capacity=bench.ONE_PATH,
+        progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True),
     )  # fmt: skip
     micro = bench.prepare("tree", [tree], capacity)
     with tempfile.TemporaryDirectory() as workdir:

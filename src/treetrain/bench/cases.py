@@ -242,6 +242,9 @@ class Result:
     baseline_capacity: int = 0
 
 
+_MODE_NAMES = {"sequence": "baseline"}
+
+
 def _timed(fn, device) -> tuple[float, float]:
     _sync(device)
     t0 = time.perf_counter()
@@ -299,6 +302,7 @@ def run_case(
     factory=None,
     baseline_capacities: tuple[int, ...] = (),
     baseline_capacity: int | None = None,
+    progress=None,
 ) -> Result:
     """One case: both modes (and a plain HF step on one-path cases) timed ``repeats`` times each,
     interleaved, after an untimed warm-up round; the load while they ran and the verdict on them.
@@ -306,7 +310,8 @@ def run_case(
     ``baseline_capacities``: other micro-batch budgets for the baseline alone (``ONE_PATH``: one
     path per forward), searched before the timed rounds (:func:`fastest_capacity`); the fastest is
     the baseline; ``baseline_capacity``: the baseline's budget, fixed, instead of ``capacity`` (no search
-    without ``baseline_capacities``)."""
+    without ``baseline_capacities``). ``progress``: called with a line after each step (long CPU runs:
+    a step of the GUI-agent preset takes minutes), e.g. ``"baseline step 2 of 3 (timed): 368.6 s"``."""
     device = model.get_input_embeddings().weight.device
     capacity = case_capacity(trees, capacity)
     vocab = model.get_output_embeddings().weight.shape[0]
@@ -315,7 +320,9 @@ def run_case(
     modes = ["sequence", "tree"] + (["hf"] if plain else [])
     base_cap = capacity if baseline_capacity is None else baseline_capacity
     if baseline_capacities:
-        base_cap = fastest_capacity(model, trees, (capacity, *baseline_capacities), backend, device)
+        base_cap = fastest_capacity(
+            model, trees, (capacity, *baseline_capacities), backend, device, progress=progress
+        )
     budget = {"sequence": base_cap, "tree": capacity}
     micro = {m: prepare(m, trees, budget[m]) if m != "hf" else [] for m in modes}
     times: dict[str, list[float]] = {m: [] for m in modes}
@@ -329,6 +336,9 @@ def run_case(
         for mode in modes if r % 2 == 0 else modes[::-1]:  # interleaved: slow phases hit both modes
             model.zero_grad(set_to_none=True)
             dt, loss = _timed(lambda m=mode: train_step(m, model, trees, micro[m], backend), device)
+            if progress is not None:
+                what = "warm-up" if r == 0 else "timed"
+                progress(f"{_MODE_NAMES.get(mode, mode)} step {r + 1} of {repeats + 1} ({what}): {dt:.1f} s")
             if r > 0:
                 times[mode].append(dt)
             else:
@@ -385,7 +395,9 @@ def run_case(
     )
 
 
-def fastest_capacity(model, trees, capacities: tuple[int, ...], backend, device, rounds: int = 2) -> int:
+def fastest_capacity(
+    model, trees, capacities: tuple[int, ...], backend, device, rounds: int = 2, progress=None
+) -> int:
     """The baseline's fastest micro-batch budget among ``capacities``: each timed ``rounds`` times
     after a warm-up step, interleaved, the best of each compared. Per-step loops on CPU (xLSTM, RWKV,
     KDA's torch scans) pay per step a cost that depends on how many paths a micro-batch stacks, and a
@@ -411,6 +423,10 @@ def fastest_capacity(model, trees, capacities: tuple[int, ...], backend, device,
             dt, _ = _timed(lambda c=c: train_step("sequence", model, trees, micro[c], backend), device)
             if r > 0:
                 best[c] = min(best[c], dt)
+            if progress is not None:
+                budget = "one path per forward" if c == ONE_PATH else f"budget {c:,}"
+                what = "warm-up" if r == 0 else "timed"
+                progress(f"baseline search, {budget}: step {r + 1} of {rounds + 1} ({what}): {dt:.1f} s")
     model.zero_grad(set_to_none=True)
     return min(caps, key=best.__getitem__)
 
