@@ -46,14 +46,20 @@ def one_thread():
 # modules whose tests start process groups (torchrun, mp.spawn, gloo): under xdist they all run on
 # one worker, one at a time, so two multi-rank jobs never share the 2 cores (a rank starved that way
 # timed out of gloo: "terminate called without an active exception", once per few CI runs).
-# test_faults.py's runs are single processes: not here (this serial group is CI's longest pole)
-_PROCESS_MODULES = ("distributed", "parallel_cp", "integrations_wrapped", "integrations_verl")
+# Only those: this serial group is CI's longest pole (test_faults.py's and test_parallel_cp_recurrent.py's
+# runs are single processes)
+_PROCESS_MODULES = {
+    f"test_{m}"
+    for m in ("distributed", "faults_distributed", "train_distributed", "train_objectives_distributed",
+              "parallel_cp", "parallel_cp_train", "integrations_wrapped", "integrations_verl",
+              "integrations_verl_host", "integrations_verl_vlm")
+}  # fmt: skip
 
 
 @pytest.hookimpl(trylast=True)  # after xdist's own hook (see below)
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if any(k in item.module.__name__ for k in _PROCESS_MODULES):
+        if item.module.__name__.rpartition(".")[2] in _PROCESS_MODULES:
             item.add_marker(pytest.mark.xdist_group("processes"))
     if getattr(config.option, "loadgroup", False):  # an xdist worker under --dist loadgroup
         _group_suffix(items)
