@@ -6,12 +6,12 @@ patching (1280 wide, MLP 3420, 14-pixel patches, 2 x 2 merge, windowed and full-
 with ``--vision-layers`` layers (Qwen2.5-VL has 32; a 2-core CPU step allows 1, full attention), and a
 text model of ``--hidden`` x ``--layers`` (512 x 2; Qwen2.5-VL-3B's is 2048 x 36: reduced to fit the
 CPU, the tower's FLOPs dominate either way) with Qwen's 151,936-token vocabulary. An episode of
-``--turns`` turns (6; 8 takes ~51 minutes with the TRL comparison): a task prompt, then per turn a tool
-result carrying a screenshot of about a thousand vision tokens (``--grid``: 62 x 64 patches = 992
-tokens after the merge) and the assistant's action; per-turn training samples with ``--samples``
-actions sampled at each turn, so path (k, j) holds screenshots 1..k+1 and action j of turn k. The
-per-path baseline runs every path alone, its screenshots encoded once per path; the tree encodes each
-screenshot once.
+``--turns`` turns (6, over an hour on the quiet CPU; 8: ``--estimate`` says 92 minutes): a task prompt,
+then per turn a tool result carrying a screenshot of about a thousand vision tokens (``--grid``:
+62 x 64 patches = 992 tokens after the merge) and the assistant's action; per-turn training samples
+with ``--samples`` actions sampled at each turn, so path (k, j) holds screenshots 1..k+1 and action j
+of turn k. The per-path baseline runs every path alone, its screenshots encoded once per path; the tree
+encodes each screenshot once.
 
 Both modes run one SFT training step through the library (:func:`treetrain.bench.cases.run_case`:
 warm-up, interleaved repeats, best/median/spread, the machine's load and the noise verdict, the
@@ -32,7 +32,7 @@ Usage::
 
     python benchmarks/gui_agent.py --estimate          # the run's FLOPs and time on a quiet 2-core CPU
     python benchmarks/gui_agent.py --quick             # seconds: checks the code, no figure
-    python benchmarks/gui_agent.py --write             # the recorded run (~30 min on the quiet CPU)
+    python benchmarks/gui_agent.py --write             # the recorded run (over an hour on the quiet CPU)
 """
 
 from __future__ import annotations
@@ -68,7 +68,10 @@ from treetrain.trees.tree import TrajectoryTree  # noqa: E402
 IMAGE, VISION_START, VISION_END = 151655, 151652, 151653  # Qwen2.5-VL's token ids
 QUICK = dict(vision_layers=1, vision_width=64, hidden=64, layers=1, vocab=2048, grid=(8, 8), turns=3,
              samples=2, text=8, repeats=1)  # fmt: skip
-QUIET_RATE = 155e9  # FLOP/s of a training step on the quiet 2-core EPYC (treetrain bench --estimate)
+# FLOP/s of this preset's steps on the quiet 2-core EPYC (2026-11-28, glibc-cached, 6 turns): a baseline step
+# (one path per forward) 368.6 s of 32.93 TFLOP, a tree step 74.7 s of 4.94 TFLOP, the search's packed
+# budgets 682-720 s a step. (treetrain bench's 155 GFLOP/s, used before, made a 2-hour run read 62 min.)
+RATES = {"baseline": 89e9, "tree": 66e9, "packed": 47e9}
 
 
 def gui_model(a, dtype=torch.float32):
@@ -243,7 +246,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--grid", type=int, nargs=2, default=(62, 64), help="patches per screenshot (h w)")
-    p.add_argument("--turns", type=int, default=6, help="turns of the episode (6: a ~30-minute CPU run)")
+    p.add_argument("--turns", type=int, default=6, help="turns of the episode (6: over an hour)")
     p.add_argument("--samples", type=int, default=2, help="actions sampled per turn")
     p.add_argument("--text", type=int, default=32, help="tokens of an action (a turn's text: half)")
     p.add_argument("--repeats", type=int, default=2)
@@ -282,6 +285,17 @@ def run_flops(repeats: int, budgets: int, base: float, tree: float, trl: float) 
     return (repeats + 2.4 + 3 * budgets) * base + (2 * repeats + 3.4) * tree + (repeats + 1) * trl
 
 
+def run_seconds(repeats: int, budgets: int, base: float, tree: float, trl: float) -> float:
+    """:func:`run_flops`'s steps at this preset's measured rates (``RATES``): the search's budgets other
+    than one path per forward pack several paths a forward and run at the packed rate."""
+    steps = run_flops(repeats, 0, 1.0, 0.0, 0.0), run_flops(repeats, 0, 0.0, 1.0, 0.0)
+    seconds = steps[0] * base / RATES["baseline"] + steps[1] * tree / RATES["tree"]
+    seconds += (repeats + 1) * trl / RATES["baseline"]
+    if budgets:
+        seconds += 3 * base / RATES["baseline"] + 3 * (budgets - 1) * base / RATES["packed"]
+    return seconds
+
+
 def trl_line(v: dict, bound: float) -> str:
     """The vs-TRL table's row: times, speedup, bound, efficiency, spreads, the loss difference."""
     speed = v["trl_s"] / v["tree_s"]
@@ -317,7 +331,8 @@ def main(argv=None) -> int:
     budgets = baseline_budgets(tree, capacity) if a.search else ()
     if a.estimate:
         flops = run_flops(a.repeats, len(budgets), base_f, tree_f, trl_f)
-        print(estimate_line("gui_agent.py", argv, flops / QUIET_RATE, QUIET_RATE))
+        seconds = run_seconds(a.repeats, len(budgets), base_f, tree_f, trl_f)
+        print(estimate_line("gui_agent.py", argv, seconds, flops / seconds))
         return 0
     use_allocator(a)
     before = machine_before()
