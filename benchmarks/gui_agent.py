@@ -213,8 +213,7 @@ def time_vs_trl(trainer, rows, keep: int, tree_step, repeats: int) -> dict:
             loss = steps[m]()
             dt = time.perf_counter() - t0
             times[m].append(dt) if r else losses.setdefault(m, loss)
-            line = f"  vs TRL: {m} step {r + 1} of {repeats + 1} ({'timed' if r else 'warm-up'}): {dt:.1f} s"
-            print(line, file=sys.stderr, flush=True)
+            print(f"  vs TRL: {bench.step_line(m, r, repeats, dt)}", file=sys.stderr, flush=True)
     trainer.model.zero_grad(set_to_none=True)
     load = monitor.stop() if repeats else None
     stats = {m: noise.summary(v) for m, v in times.items()}

@@ -242,7 +242,10 @@ class Result:
     baseline_capacity: int = 0
 
 
-_MODE_NAMES = {"sequence": "baseline"}
+def step_line(label: str, r: int, rounds: int, seconds: float) -> str:
+    """A progress line of round ``r`` (0: the warm-up) of ``rounds`` timed ones, e.g.
+    ``step_line("tree", 1, 2, 74.7)`` is ``"tree step 2 of 3 (timed): 74.7 s"``."""
+    return f"{label} step {r + 1} of {rounds + 1} ({'timed' if r else 'warm-up'}): {seconds:.1f} s"
 
 
 def _timed(fn, device) -> tuple[float, float]:
@@ -337,8 +340,7 @@ def run_case(
             model.zero_grad(set_to_none=True)
             dt, loss = _timed(lambda m=mode: train_step(m, model, trees, micro[m], backend), device)
             if progress is not None:
-                what = "warm-up" if r == 0 else "timed"
-                progress(f"{_MODE_NAMES.get(mode, mode)} step {r + 1} of {repeats + 1} ({what}): {dt:.1f} s")
+                progress(step_line("baseline" if mode == "sequence" else mode, r, repeats, dt))
             if r > 0:
                 times[mode].append(dt)
             else:
@@ -425,8 +427,7 @@ def fastest_capacity(
                 best[c] = min(best[c], dt)
             if progress is not None:
                 budget = "one path per forward" if c == ONE_PATH else f"budget {c:,}"
-                what = "warm-up" if r == 0 else "timed"
-                progress(f"baseline search, {budget}: step {r + 1} of {rounds + 1} ({what}): {dt:.1f} s")
+                progress(step_line(f"baseline search, {budget},", r, rounds, dt))
     model.zero_grad(set_to_none=True)
     return min(caps, key=best.__getitem__)
 
