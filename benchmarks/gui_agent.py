@@ -305,6 +305,16 @@ def trl_line(v: dict, bound: float) -> str:
     )
 
 
+def record(a, text: str, data: dict) -> None:
+    """Print the result; with ``--write`` (over)write it under benchmarks/results/ (+ .json)."""
+    print("\n" + text, flush=True)
+    if a.write:
+        path = result_path("gui_agent")
+        path.write_text(text)
+        path.with_suffix(".json").write_text(json.dumps(data, indent=1))
+        print(f"wrote {path} (+ .json)", flush=True)
+
+
 def main(argv=None) -> int:
     import tempfile
 
@@ -342,21 +352,10 @@ def main(argv=None) -> int:
         baseline_capacities=budgets, baseline_capacity=bench.ONE_PATH,
         progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True),
     )  # fmt: skip
-    micro = bench.prepare("tree", [tree], capacity)
-    with tempfile.TemporaryDirectory() as workdir:
-        trainer = trl_trainer(model, workdir)
-        tree_step = lambda: bench.train_step("tree", model, [tree], micro, a.backend)  # noqa: E731
-        vs = time_vs_trl(trainer, trl_rows(a), a.text, tree_step, a.repeats)
-    bound_trl = trl_f / tree_f
-    trl_untrusted = noise.verdict(vs["stats"], vs["load"], bound_trl, vs["trl_s"] / vs["tree_s"] / bound_trl)
     head = table_head(
         ["case", "paths", "images baseline / tree", "vision share of the baseline's FLOPs", "speedup",
          "FLOP bound", "efficiency", "baseline s (budget)", "tree s", "spread b / t", "live peak MiB b / t",
          "max log-prob diff"]
-    )  # fmt: skip
-    trl_head = table_head(
-        ["TRL s", "tree s", "speedup vs TRL", "FLOP bound vs TRL", "efficiency", "spread TRL / tree",
-         "loss diff (TRL - tree)"]
     )  # fmt: skip
     text = (
         "# GUI agent: screenshots in a tree\n\n"
@@ -370,7 +369,23 @@ def main(argv=None) -> int:
         "\n\n## Tree vs the per-path baseline (treetrain.bench.cases.run_case)\n\n"
         + head
         + case_line(r, work, cost)
-        + "\n\n## Tree vs TRL's GRPOTrainer, its best configuration\n\n"
+    )
+    # written at once: TRL's part takes another ~20 steps' time, and a run stopped in it keeps this part
+    record(a, text + "\n\n## Tree vs TRL's GRPOTrainer\n\nNot measured: the run stopped before it.\n\n"
+           + noise_section(before, [(r.name, r.untrusted)]), asdict(r))  # fmt: skip
+    micro = bench.prepare("tree", [tree], capacity)
+    with tempfile.TemporaryDirectory() as workdir:
+        trainer = trl_trainer(model, workdir)
+        tree_step = lambda: bench.train_step("tree", model, [tree], micro, a.backend)  # noqa: E731
+        vs = time_vs_trl(trainer, trl_rows(a), a.text, tree_step, a.repeats)
+    bound_trl = trl_f / tree_f
+    trl_untrusted = noise.verdict(vs["stats"], vs["load"], bound_trl, vs["trl_s"] / vs["tree_s"] / bound_trl)
+    trl_head = table_head(
+        ["TRL s", "tree s", "speedup vs TRL", "FLOP bound vs TRL", "efficiency", "spread TRL / tree",
+         "loss diff (TRL - tree)"]
+    )  # fmt: skip
+    text += (
+        "\n\n## Tree vs TRL's GRPOTrainer, its best configuration\n\n"
         "TRL's own scoring (`GRPOTrainer._get_per_token_logps_and_entropies`), one path per forward (no "
         "padding), its fused chunked head on the action's tokens only (compact, as TRL runs it on CUDA), "
         "gradient checkpointing off, no entropies; each screenshot encoded once per path that holds it. "
@@ -382,14 +397,9 @@ def main(argv=None) -> int:
         + "\n\n"
         + noise_section(before, [(r.name, r.untrusted), ("vs TRL", trl_untrusted)])
     )
-    print("\n" + text)
-    if a.write:
-        path = result_path("gui_agent")
-        path.write_text(text)
-        trl = {"trl_s": vs["trl_s"], "tree_s": vs["tree_s"], "bound": bound_trl, "loss_diff": vs["loss_diff"],
-               "stats": vs["stats"], "untrusted": trl_untrusted}  # fmt: skip
-        path.with_suffix(".json").write_text(json.dumps({**asdict(r), "vs_trl": trl}, indent=1))
-        print(f"wrote {path} (+ .json)")
+    trl = {"trl_s": vs["trl_s"], "tree_s": vs["tree_s"], "bound": bound_trl, "loss_diff": vs["loss_diff"],
+           "stats": vs["stats"], "untrusted": trl_untrusted}  # fmt: skip
+    record(a, text, {**asdict(r), "vs_trl": trl})
     return 0
 
 
