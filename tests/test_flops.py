@@ -207,6 +207,44 @@ def test_cost_model_reads_the_vision_tower():
     text = dict(hidden_size=8, num_hidden_layers=1, vocab_size=10, num_attention_heads=2)
     vision = SimpleNamespace(hidden_size=32, depth=2, intermediate_size=64, hidden_act="silu", patch_size=14)
     c = CostModel.from_config(SimpleNamespace(**text, text_config=None, vision_config=vision))
-    assert c.vision_linear == 2 * 2 * (4 * 32 * 32 + 3 * 32 * 64)
+    assert c.vision_linear == 2 * 2 * (4 * 32 * 32 + 3 * 32 * 64) + 2 * 3 * 14 * 14 * 32  # + patch embedding
     assert (c.vision_pair, c.vision_patch) == (4 * 32 * 2, 14)
     assert CostModel.from_config(SimpleNamespace(**text)).vision_linear == 0.0
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_vision_cost_is_what_the_tower_computes(family):
+    """``vision_linear`` per patch and ``vision_pair`` per (patch, patch) pair of an image equal the
+    matmul and attention FLOPs torch's FlopCounterMode counts in a tiny tower's forward: patch
+    embedding, every layer (full attention), the mergers (Qwen3-VL's deepstack ones too); two images of
+    different sizes."""
+    import transformers
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from treetrain.trees.flops import CostModel
+
+    vision = dict(
+        depth=2, hidden_size=32, num_heads=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2
+    )
+    vision |= {
+        "qwen2_vl": dict(embed_dim=32, hidden_size=24, mlp_ratio=2),  # MLP 64, not gated
+        "qwen2_5_vl": dict(
+            intermediate_size=48, out_hidden_size=24, window_size=56, fullatt_block_indexes=[0, 1]
+        ),
+        "qwen3_vl": dict(intermediate_size=48, out_hidden_size=24, deepstack_visual_indexes=[0],
+                         num_position_embeddings=16),
+    }[family]  # fmt: skip
+    text = dict(hidden_size=24, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                intermediate_size=32, vocab_size=64)  # fmt: skip
+    cls = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL"}[family]
+    cfg = getattr(transformers, f"{cls}Config")(text_config=text, vision_config=vision)
+    cfg._attn_implementation = "eager"  # attention as matmuls, which the counter counts (not CPU SDPA)
+    tower = getattr(transformers, f"{cls}Model")(cfg).visual.eval()
+    grids = torch.tensor([[1, 4, 6], [1, 2, 2]])  # two images: 24 and 4 patches
+    patches = [int(g.prod()) for g in grids]
+    pixels = torch.randn(sum(patches), 3 * 2 * 14 * 14)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        tower(pixels, grid_thw=grids)
+    cost = CostModel.from_config(cfg)
+    expected = sum(patches) * cost.vision_linear + sum(n * n for n in patches) * cost.vision_pair
+    assert counter.get_total_flops() == expected

@@ -12,12 +12,13 @@ Three kinds of work, counted for each mode from what it actually runs (:class:`W
   (``loss_masks``; all targets when a tree has none): the tree each distinct (context, target)
   once, the baseline once per path through it;
 - ``vision_tokens`` and ``vision_pairs``: a vision-language model's tower runs every patch of an
-  image (``CostModel.vision_linear`` each, the tower's layers and merger) and attends each patch to
+  image (``CostModel.vision_linear`` each: its patch embedding, layers and merger) and attends each patch to
   every patch of its image (``vision_pair`` each): the tree once per distinct image of each part it
   runs, the baseline once per image of every path (:func:`image_patches`).
 
 Training = forward + backward = 3 x forward (model FLOPs: the head's recomputation in backward,
-the elementwise work outside the recurrences and the padding of a padded scan are not counted).
+the elementwise work outside the recurrences and the padding of a padded scan are not counted; a
+vision tower's patch embedding, whose pixels need no gradient, is counted at 3 x too: 2 x is what runs).
 Example, paths ``[A B C]``, ``[A B D]``, every target trained::
 
     tree      tokens 4 (A B C D)   pairs 1+2+3+3 = 9    targets 3 (B, C, D)
@@ -103,11 +104,15 @@ class CostModel:
 
 
 def _vision_costs(v) -> dict:
-    """A vision tower's forward FLOPs per patch (attention projections and MLP of every layer) and per
-    (patch, patch) pair, and its patch size; ``{}`` without a tower.
+    """A vision tower's forward FLOPs per patch (its patch embedding, the attention projections and MLP
+    of every layer, and Qwen-VL's patch mergers) and per (patch, patch) pair, and its patch size; ``{}``
+    without a tower.
 
-    Example: Qwen2.5-VL's (width 1280, 32 layers, MLP 3420 gated): per patch ``2 * 32 * (4 * 1280^2 +
-    3 * 1280 * 3420) = 1.26e9``, per pair ``4 * 1280 * 32 = 163840``."""
+    Example: Qwen2.5-VL's (width 1280, 32 layers, MLP 3420 gated, 3 x 2 x 14 x 14 pixels a patch, a
+    2 x 2 merger 5120 -> 5120 -> 2048): per patch ``2 * 32 * (4 * 1280^2 + 3 * 1280 * 3420) = 1.26e9``
+    in the layers, ``2 * 1176 * 1280 = 3.0e6`` in the embedding and ``2 * (5120^2 + 5120 * 2048) / 4 =
+    1.8e7`` in the merger; per pair ``4 * 1280 * 32 = 163840``. (The layers dominate at full depth;
+    the merger is 36% of a one-layer tower's per-patch work.)"""
     if v is None:
         return {}
 
@@ -120,7 +125,14 @@ def _vision_costs(v) -> dict:
     gated = 3 if "silu" in str(getattr(v, "hidden_act", "")) else 2
     patch = getattr(v, "patch_size", 14)
     patch = patch[0] if isinstance(patch, (list, tuple)) else patch
-    per_patch = 2 * layers * (4 * width * width + gated * width * inter)
+    pixels = get("in_channels", "num_channels", "in_chans", default=3) * get("temporal_patch_size", default=1)
+    per_patch = 2 * layers * (4 * width * width + gated * width * inter) + 2 * pixels * patch * patch * width
+    merge = get("spatial_merge_size")
+    out = get("out_hidden_size") or (get("hidden_size") if hasattr(v, "embed_dim") else None)
+    if merge and out:  # Qwen-VL's mergers: merge x merge patches -> one token (Qwen3-VL: deepstack too)
+        hidden = width * merge * merge
+        mergers = 1 + len(getattr(v, "deepstack_visual_indexes", None) or ())
+        per_patch += mergers * 2 * (hidden * hidden + hidden * out) // (merge * merge)
     return {
         "vision_linear": float(per_patch),
         "vision_pair": float(4 * width * layers),
