@@ -1,7 +1,8 @@
 """What a new user meets on the command line (issue 23), each through the real ``treetrain`` command
 in a subprocess: a quick ``--help``, clear one-line errors, a quiet run, reward metrics, and
-extending a finished run. (A listing of invalid records that a test has already met through a
-subprocess is checked again in-process, ``cli`` below: the same argv, stderr and status.)"""
+extending a finished run. (A check a test has already made through a subprocess is repeated
+in-process, ``cli`` below, for its variants: other values, other vocabularies, another listing of
+invalid records; the same argv, stderr and status, without ~4 s of imports each.)"""
 
 from __future__ import annotations
 
@@ -89,22 +90,22 @@ def _one_line_error(proc: subprocess.CompletedProcess, command: str) -> str:
     return lines[0]
 
 
-def test_option_errors_name_the_option_and_every_choice(tmp_path):
+def test_option_errors_name_the_option_and_every_choice(tmp_path, capsys):
     line = _one_line_error(treetrain("train", "--objective", "foo", "--output", str(tmp_path)), "train")
     assert "--objective" in line and "'foo'" in line
     for name in ("sft", "reinforce", "grpo", "ppo", "gspo", "dpo", "reward", "ppo_critic"):
         assert f" {name}," in line or f" {name};" in line
-    for value in ("-1e-3", "-2"):  # read as a value, then refused as one
-        line = _one_line_error(treetrain("train", "--lr", value, "--output", str(tmp_path)), "train")
+    for value in ("-1e-3", "-2"):  # read as a value, then refused as one (in-process: ~4 s a process)
+        line = _one_line_error(cli(capsys, "train", "--lr", value, "--output", str(tmp_path)), "train")
         assert line.endswith(f"--lr: must be a positive number, got {float(value)}"), line
     line = _one_line_error(treetrain("train", "--lrr", "1e-4"), "train")  # argparse's own errors too
     assert line.endswith(
         "unrecognized arguments: --lrr 1e-4; did you mean --lr? (see treetrain train --help)"
     )
-    line = _one_line_error(treetrain("stats", "--capacity", "many"), "stats")
+    line = _one_line_error(cli(capsys, "stats", "--capacity", "many"), "stats")
     assert "argument --capacity: invalid int value: 'many'" in line
-    assert "paths | messages | tree | preference" in treetrain("train", "--help").stdout
-    assert "paths | messages | tree | preference" in treetrain("stats", "--help").stdout
+    assert "paths | messages | tree | preference" in cli(capsys, "train", "--help").stdout
+    assert "paths | messages | tree | preference" in cli(capsys, "stats", "--help").stdout
 
 
 def test_a_directory_as_data(tmp_path):
@@ -138,20 +139,21 @@ def _listing_error(proc: subprocess.CompletedProcess, command: str) -> str:
     return proc.stderr
 
 
-def test_stats_rejects_token_ids_that_train_rejects(tmp_path):
+def test_stats_rejects_token_ids_that_train_rejects(tmp_path, capsys):
     oov = tmp_path / "oov.jsonl"
     oov.write_text('{"paths": [[1, 2, 151936], [1, 2, 4]]}\n')  # 151936: one past Qwen3's vocabulary
     message = f'{oov}:1: field "paths"[0][2]: token id 151936 is outside the vocabulary (vocab_size=151936)'
     assert message in _one_line_error(treetrain("stats", "--data", str(oov)), "stats")  # one record: one line
     proc = treetrain("train", "--data", str(oov), "--output", str(tmp_path / "o"), "--no-progress")
     assert proc.returncode == 2 and message in proc.stderr  # train lists every invalid record
-    assert treetrain("stats", "--data", str(oov), "--vocab-size", "151937").returncode == 0
-    err = _one_line_error(treetrain("stats", "--data", str(oov), "--vocab-size", "100"), "stats")
+    # the same check under other vocabularies: in-process (one process each was ~5 s of imports)
+    assert cli(capsys, "stats", "--data", str(oov), "--vocab-size", "151937").returncode == 0
+    err = _one_line_error(cli(capsys, "stats", "--data", str(oov), "--vocab-size", "100"), "stats")
     assert "token id 151936 is outside the vocabulary (vocab_size=100)" in err and "--vocab-size 100" in err
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text('{"model_type": "qwen3", "vocab_size": 1000}')  # defaults otherwise
-    err = _one_line_error(treetrain("stats", "--data", str(oov), "--model", str(model)), "stats")
+    err = _one_line_error(cli(capsys, "stats", "--data", str(oov), "--model", str(model)), "stats")
     assert "(vocab_size=1000)" in err and f"--model {model}'s" in err
 
 
