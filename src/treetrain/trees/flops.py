@@ -112,7 +112,7 @@ def _vision_costs(v) -> dict:
     2 x 2 merger 5120 -> 5120 -> 2048): per patch ``2 * 32 * (4 * 1280^2 + 3 * 1280 * 3420) = 1.26e9``
     in the layers, ``2 * 1176 * 1280 = 3.0e6`` in the embedding and ``2 * (5120^2 + 5120 * 2048) / 4 =
     1.8e7`` in the merger; per pair ``4 * 1280 * 32 = 163840``. (The layers dominate at full depth;
-    the merger is 36% of a one-layer tower's per-patch work.)"""
+    in benchmarks/gui_agent.py's one-layer tower, merging to 512, the merger is a quarter of the work.)"""
     if v is None:
         return {}
 
