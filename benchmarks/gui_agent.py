@@ -13,26 +13,31 @@ with ``--samples`` actions sampled at each turn, so path (k, j) holds screenshot
 of turn k. The per-path baseline runs every path alone, its screenshots encoded once per path; the tree
 encodes each screenshot once.
 
-Both modes run one SFT training step through the library (:func:`treetrain.bench.cases.run_case`:
-warm-up, interleaved repeats, best/median/spread, the machine's load and the noise verdict, the
-log-prob difference between modes, live peak memory). The baseline runs one path per forward (as TRL
-does; ``--search``: the fastest of that, the tree's budget and the longest path's, 3 baseline steps
-each, doubling the run). The FLOP bound counts the vision tower
-(:func:`treetrain.trees.flops.image_patches`; every patch through every tower layer, each image's
-patch pairs at full attention: an upper count for the windowed layers, the same in both modes).
+Every mode runs one SFT training step (forward and backward) through the library: the tree's one
+forward, the baseline's micro-batches (one path per forward, as TRL runs it; ``--search``: the
+fastest of that, the tree's budget and the longest path's, 3 baseline steps each, run first) and TRL's
+per-path scoring (below). The machine's speed drifts (the same tree step took 50 s and 97 s within an
+hour on the 2-core VM), so the steps are not timed whole: the baseline's and TRL's steps are cut into
+chunks of about one tree step's FLOPs, each chunk run between two tree steps and measured in them
+(:mod:`treetrain.bench.paired`); the speedup is the sum over chunks, its spread over ``--repeats``
+rounds the noise left, the raw step times kept beside it. Also recorded: the machine's load, the
+log-prob difference between the modes, each mode's live peak (tensors alive at once in one step).
+The FLOP bound counts the vision tower (:func:`treetrain.trees.flops.image_patches`; every patch
+through every tower layer, each image's patch pairs at full attention: an upper count for the
+windowed layers, the same in both modes).
 
 TRL (``benchmarks/trl_grpo.py``'s comparison, on images): ``trl.GRPOTrainer``'s own scoring,
 ``_get_per_token_logps_and_entropies``, on its fastest settings for this batch: one path per forward
 (a row alone: no padding), the path's screenshots' pixels and grids, its fused chunked head on the
 action's tokens only (compact, as on CUDA: ``trl_compact_head``), gradient checkpointing off (on by
-default in ``GRPOConfig``), no entropies; the same token-mean loss, backward, timed interleaved with
-the tree's step. Its bound counts the baseline's work plus its head's recomputation in backward.
+default in ``GRPOConfig``), no entropies; the same token-mean loss, backward. Its bound counts the
+baseline's work plus its head's recomputation in backward.
 
 Usage::
 
     python benchmarks/gui_agent.py --estimate          # the run's FLOPs and time on a quiet 2-core CPU
     python benchmarks/gui_agent.py --quick             # seconds: checks the code, no figure
-    python benchmarks/gui_agent.py --write             # the recorded run (over an hour on the quiet CPU)
+    python benchmarks/gui_agent.py --write             # the recorded run (about an hour on the quiet CPU)
 """
 
 from __future__ import annotations
@@ -41,8 +46,6 @@ import argparse
 import dataclasses
 import json
 import sys
-import time
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -61,17 +64,20 @@ from benchmarks.common import (  # noqa: E402
     use_allocator,
 )
 from treetrain.bench import cases as bench  # noqa: E402
+from treetrain.bench import noise, paired  # noqa: E402
 from treetrain.trees.flops import CostModel, Work, baseline_work, tree_work  # noqa: E402
 from treetrain.trees.images import ImageInput  # noqa: E402
+from treetrain.trees.packing import pack  # noqa: E402
 from treetrain.trees.tree import TrajectoryTree  # noqa: E402
 
 IMAGE, VISION_START, VISION_END = 151655, 151652, 151653  # Qwen2.5-VL's token ids
 QUICK = dict(vision_layers=1, vision_width=64, hidden=64, layers=1, vocab=2048, grid=(8, 8), turns=3,
              samples=2, text=8, repeats=1)  # fmt: skip
-# FLOP/s of this preset's steps on the quiet 2-core EPYC (2026-11-28, glibc-cached, 6 turns): a baseline step
-# (one path per forward) 368.6 s of 32.93 TFLOP, a tree step 74.7 s of 4.94 TFLOP, the search's packed
-# budgets 682-720 s a step. (treetrain bench's 155 GFLOP/s, used before, made a 2-hour run read 62 min.)
-RATES = {"baseline": 89e9, "tree": 66e9, "packed": 47e9}
+# FLOP/s of this preset's steps on the 2-core Intel Xeon VM (2026-11-28, tcmalloc, 6 turns, the tower's patch
+# embedding and merger counted): a baseline step (one path per forward) 465.6 s of 41.65 TFLOP, a tree step
+# 50.3 s of 6.18 TFLOP; the search's packed budgets ~59 GFLOP/s (the EPYC's 682-720 s a step). The VM's
+# speed drifted up to 1.8x slower within that session: a run may take that much longer.
+RATES = {"baseline": 89e9, "tree": 123e9, "packed": 59e9}
 
 
 def gui_model(a, dtype=torch.float32):
@@ -165,17 +171,18 @@ def trl_rows(a, dtype=torch.float32) -> list[dict]:
     ]
 
 
-def trl_step(trainer, rows: list[dict], keep: int) -> float:
-    """One training step of TRL's scoring: ``GRPOTrainer._get_per_token_logps_and_entropies`` per path
-    (its fused chunked head on the ``keep`` action positions, compact as on CUDA:
+def trl_step(trainer, rows: list[dict], keep: int, targets: int | None = None) -> float:
+    """TRL's scoring of ``rows``: ``GRPOTrainer._get_per_token_logps_and_entropies`` per path (its
+    fused chunked head on the ``keep`` action positions, compact as on CUDA:
     :func:`benchmarks.trl_grpo.trl_compact_head`; no entropies, as the tree's SFT step computes none),
-    the token-mean log-prob loss, backward; returns the loss."""
+    the token-mean log-prob loss over ``targets`` (default: ``rows``' own), backward; returns the loss
+    (``rows`` a chunk of the step's: its part of the step's loss)."""
     from trl import GRPOTrainer
 
     from benchmarks.trl_grpo import trl_compact_head
 
     model, total = trainer.model, 0.0
-    targets = keep * len(rows)
+    targets = targets or keep * len(rows)
     with trl_compact_head(True):
         for r in rows:
             row = {k: v for k, v in r.items() if k not in ("input_ids", "attention_mask")}
@@ -195,46 +202,57 @@ def trl_work(work: dict) -> Work:
     return dataclasses.replace(work["baseline"], recomputed=work["baseline"].targets)
 
 
-def time_vs_trl(trainer, rows, keep: int, tree_step, repeats: int) -> dict:
-    """TRL's step and the tree's, interleaved (order alternating) after a warm-up round: each mode's
-    best, median and spread, and the load while they ran."""
-    from treetrain.bench import noise
+# ---- timing: the per-path steps in chunks between tree steps (treetrain.bench.paired) --------------
 
-    steps = {"trl": lambda: trl_step(trainer, rows, keep), "tree": tree_step}
-    times: dict[str, list[float]] = {m: [] for m in steps}
-    losses: dict[str, float] = {}
-    monitor = noise.Monitor()
-    for r in range(repeats + 1):
-        if r == 1:
-            monitor.start()
-        for m in list(steps) if r % 2 == 0 else list(steps)[::-1]:
-            trainer.model.zero_grad(set_to_none=True)
-            t0 = time.perf_counter()
-            loss = steps[m]()
-            dt = time.perf_counter() - t0
-            times[m].append(dt) if r else losses.setdefault(m, loss)
-            print(f"  vs TRL: {bench.step_line(m, r, repeats, dt)}", file=sys.stderr, flush=True)
-    trainer.model.zero_grad(set_to_none=True)
-    load = monitor.stop() if repeats else None
-    stats = {m: noise.summary(v) for m, v in times.items()}
+
+def chunked_steps(a, model, tree, base_units: list, trainer, cost: CostModel, backend) -> dict:
+    """``{"baseline": [...], "trl": [...]}``: each mode's step as chunks of about one tree step's FLOPs
+    (:func:`treetrain.bench.paired.chunks`; consecutive micro-batches, TRL's rows in path order), each
+    a callable returning its part of the step's loss."""
+    target = tree_work([tree], 14).flops(cost)
+    micro = [pack(u) for u in base_units]
+    base_cut = paired.chunks([baseline_work(u, 14).flops(cost) for u in base_units], target)
+    rows = trl_rows(a)
+    one = lambda p, im, m: TrajectoryTree.from_paths([p], images=[im], loss_masks=[m])  # noqa: E731
+    row_work = [trl_work({"baseline": baseline_work([one(*path)], 14)}) for path in zip(*episode_paths(a))]
+    trl_cut = paired.chunks([w.flops(cost) for w in row_work], target)
+    step = lambda c: bench.train_step("sequence", model, [tree], [micro[i] for i in c], backend)  # noqa: E731
+    base = [lambda c=c: step(c) for c in base_cut]
+    trl = [lambda c=c: trl_step(trainer, [rows[i] for i in c], a.text, a.text * len(rows)) for c in trl_cut]
+    return {"baseline": base, "trl": trl}
+
+
+def mode_summary(b: paired.Bracketed, mode: str, bound: float) -> dict:
+    """One mode against the tree: the bracketed speedup (median of rounds, spread), efficiency against
+    ``bound``, the raw step times and their spreads, the drift within a bracket (median, worst), the
+    verdict (:func:`treetrain.bench.paired.verdict`)."""
+    speed = noise.summary(b.speedups(mode))
+    raw, tree = noise.summary(b.raw(mode)), noise.summary(b.tree_steps())
     return {
-        "trl_s": min(times["trl"]), "tree_s": min(times["tree"]), "stats": stats, "load": load,
-        "loss_diff": abs(losses["trl"] - losses["tree"]),
+        "speedup": speed["median"], "speedup_spread": speed["spread"], "rounds": speed["n"],
+        "speedups": b.speedups(mode), "bound": bound, "efficiency": speed["median"] / bound,
+        "step_s": raw["median"], "step_spread": raw["spread"], "tree_s": tree["median"],
+        "tree_spread": tree["spread"], "raw_speedup": raw["median"] / tree["median"],
+        "bracket_drift": b.bracket_drift(), "loss_diff": abs(b.losses[mode] - b.losses["tree"]),
+        "untrusted": paired.verdict(b, mode, bound),
     }  # fmt: skip
 
 
-def case_line(r, work: dict, cost: CostModel) -> str:
-    vision = CostModel(0.0, 0.0, vision_linear=cost.vision_linear, vision_pair=cost.vision_pair)
-    share = work["baseline"].flops(vision) / work["baseline"].flops(cost)
-    budget = "one path" if r.baseline_capacity == bench.ONE_PATH else f"{r.baseline_capacity:,} tokens"
+def mode_line(name: str, s: dict) -> str:
+    """A table row of :func:`mode_summary`."""
     return (
-        f"| {r.name} | {r.paths} | {work['baseline'].images} / {work['tree'].images} | {share:.0%} "
-        f"| {r.speedup:.2f}x | {r.flop_bound:.2f}x | **{r.efficiency:.2f}** | {r.baseline_s:.1f} ({budget}) "
-        f"| {r.tree_s:.1f} "
-        f"| {r.baseline_spread:.0%} / {r.tree_spread:.0%} "
-        f"| {r.baseline_live_mb:,.0f} / {r.tree_live_mb:,.0f} "
-        f"| {r.max_logprob_diff:.1e} |"
+        f"| {name} | {s['speedup']:.2f}x | {s['bound']:.2f}x | **{s['efficiency']:.2f}** "
+        f"| {s['speedup_spread']:.1%} over {s['rounds']} | {s['step_s']:.1f} / {s['tree_s']:.1f} "
+        f"| {s['raw_speedup']:.2f}x | {s['step_spread']:.0%} / {s['tree_spread']:.0%} "
+        f"| {s['bracket_drift'][0]:.0%} / {s['bracket_drift'][1]:.0%} | {s['loss_diff']:.1e} |"
     )
+
+
+MODE_HEAD = [
+    "vs", "speedup (bracketed)", "FLOP bound", "efficiency", "speedup spread over rounds",
+    "step s / tree step s (raw medians)", "raw speedup", "raw spread step / tree",
+    "tree steps around a chunk differ (median / worst)", "loss diff",
+]  # fmt: skip
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -277,32 +295,33 @@ def baseline_budgets(tree: TrajectoryTree, capacity: int) -> tuple[int, ...]:
     return tuple(cuts.values())
 
 
-def run_flops(repeats: int, budgets: int, base: float, tree: float, trl: float) -> float:
-    """FLOPs of the whole run: per mode of ``run_case`` a warm-up, ``repeats`` timed steps, the live-peak
-    step and the no-grad log-prob check (~0.4 step); the baseline's search, 3 steps per budget
-    (``budgets``: 0 without ``--search``); then TRL's and the tree's warm-up and ``repeats`` steps."""
-    return (repeats + 2.4 + 3 * budgets) * base + (2 * repeats + 3.4) * tree + (repeats + 1) * trl
+def run_steps(repeats: int, chunks: int) -> dict[str, float]:
+    """Steps of each mode the run takes: the no-grad log-prob check (~0.4 of a baseline and a tree
+    step); the warm-up (a tree step, a chunk of the others); per timed round the baseline's and TRL's
+    steps and ``chunks + 1`` tree steps; the live peaks (a baseline and a tree step). (``--search``
+    adds 3 baseline steps per budget.)"""
+    return {
+        "baseline": 0.4 + 1 / chunks + repeats + 1,
+        "tree": 0.4 + 1 + repeats * (chunks + 1) + 1,
+        "trl": 1 / chunks + repeats,
+    }
 
 
-def run_seconds(repeats: int, budgets: int, base: float, tree: float, trl: float) -> float:
-    """:func:`run_flops`'s steps at this preset's measured rates (``RATES``): the search's budgets other
-    than one path per forward pack several paths a forward and run at the packed rate."""
-    steps = run_flops(repeats, 0, 1.0, 0.0, 0.0), run_flops(repeats, 0, 0.0, 1.0, 0.0)
-    seconds = steps[0] * base / RATES["baseline"] + steps[1] * tree / RATES["tree"]
-    seconds += (repeats + 1) * trl / RATES["baseline"]
+def run_flops(repeats: int, budgets: int, base: float, tree: float, trl: float, chunks: int) -> float:
+    """FLOPs of the whole run (:func:`run_steps`; ``budgets``: the search's, 0 without ``--search``)."""
+    n = run_steps(repeats, chunks)
+    return (n["baseline"] + 3 * budgets) * base + n["tree"] * tree + n["trl"] * trl
+
+
+def run_seconds(repeats: int, budgets: int, base: float, tree: float, trl: float, chunks: int) -> float:
+    """:func:`run_flops`'s steps at this preset's measured rates (``RATES``; TRL's at the baseline's):
+    the search's budgets other than one path per forward pack several paths a forward and run at the
+    packed rate."""
+    n = run_steps(repeats, chunks)
+    seconds = (n["baseline"] * base + n["trl"] * trl) / RATES["baseline"] + n["tree"] * tree / RATES["tree"]
     if budgets:
         seconds += 3 * base / RATES["baseline"] + 3 * (budgets - 1) * base / RATES["packed"]
     return seconds
-
-
-def trl_line(v: dict, bound: float) -> str:
-    """The vs-TRL table's row: times, speedup, bound, efficiency, spreads, the loss difference."""
-    speed = v["trl_s"] / v["tree_s"]
-    spread = f"{v['stats']['trl']['spread']:.0%} / {v['stats']['tree']['spread']:.0%}"
-    return (
-        f"| {v['trl_s']:.1f} | {v['tree_s']:.1f} | {speed:.2f}x | {bound:.2f}x | **{speed / bound:.2f}** "
-        f"| {spread} | {v['loss_diff']:.1e} |"
-    )
 
 
 def record(a, text: str, data: dict) -> None:
@@ -315,12 +334,25 @@ def record(a, text: str, data: dict) -> None:
         print(f"wrote {path} (+ .json)", flush=True)
 
 
+def describe(a, model, rate: float) -> str:
+    """The result file's head: provenance and the preset."""
+    return (
+        "# GUI agent: screenshots in a tree\n\n"
+        + provenance(__file__, a.argv, "cpu")
+        + f"\n\nModel: Qwen2.5-VL-shaped, vision tower {a.vision_width} wide x {a.vision_layers} layers "
+        f"(Qwen2.5-VL: 32; what a 2-core CPU step allows), 14-pixel patches, 2x2 merge; text {a.hidden} x "
+        f"{a.layers} layers (Qwen2.5-VL-3B: 2048 x 36; reduced to fit the CPU), vocab "
+        f"{model.config.get_text_config().vocab_size:,}; screenshots of "
+        f"{a.grid[0]}x{a.grid[1]} patches ({a.grid[0] * a.grid[1] // 4} tokens); {a.turns} turns x "
+        f"{a.samples} samples; {a.repeats} timed round(s); float32; matmul rate {rate / 1e9:.0f} GFLOP/s."
+    )
+
+
 def main(argv=None) -> int:
     import tempfile
 
-    from treetrain.bench import noise
-
     a = parse_args(argv)
+    a.argv = argv
     model = gui_model(a)
     cost = CostModel.from_config(model.config)
     tree = episode(a)
@@ -329,78 +361,95 @@ def main(argv=None) -> int:
     vocab = model.config.get_text_config().vocab_size
     base_f, tree_f, _ = bench.case_flops([tree], capacity, cost, vocab)
     trl_f = trl_work(work).flops(cost)
+    vision = CostModel(0.0, 0.0, vision_linear=cost.vision_linear, vision_pair=cost.vision_pair)
+    share = work["baseline"].flops(vision) / work["baseline"].flops(cost)
+    n_chunks = len(paired.chunks([baseline_work([t], 14).flops(cost) for t in _paths(tree)], tree_f))
     print(
         f"episode: {tree.num_paths} paths, "
         f"{tree.num_path_tokens:,} baseline / {tree.num_tokens:,} tree tokens, "
         f"images {work['baseline'].images} / {work['tree'].images}; step {base_f / 1e12:.2f} / "
         f"{tree_f / 1e12:.2f} TFLOP (TRL {trl_f / 1e12:.2f}); FLOP bound {base_f / tree_f:.2f}x "
-        f"(vs TRL {trl_f / tree_f:.2f}x)",
+        f"(vs TRL {trl_f / tree_f:.2f}x); vision tower {share:.0%} of the baseline's FLOPs; "
+        f"the per-path steps in {n_chunks} chunks",
         flush=True,
     )
     budgets = baseline_budgets(tree, capacity) if a.search else ()
     if a.estimate:
-        flops = run_flops(a.repeats, len(budgets), base_f, tree_f, trl_f)
-        seconds = run_seconds(a.repeats, len(budgets), base_f, tree_f, trl_f)
+        flops = run_flops(a.repeats, len(budgets), base_f, tree_f, trl_f, n_chunks)
+        seconds = run_seconds(a.repeats, len(budgets), base_f, tree_f, trl_f, n_chunks)
         print(estimate_line("gui_agent.py", argv, seconds, flops / seconds))
         return 0
     use_allocator(a)
     before = machine_before()
+    say = lambda line: print(f"  {line}", file=sys.stderr, flush=True)  # noqa: E731
     rate = bench.matmul_rate(torch.float32, torch.device("cpu"), 2048)
-    r = bench.run_case(
-        f"GUI agent, {a.turns} turns x {a.samples} samples",
-        model, None, [tree], capacity, a.repeats, a.backend, cost, rate, False,
-        baseline_capacities=budgets, baseline_capacity=bench.ONE_PATH,
-        progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True),
-    )  # fmt: skip
-    head = table_head(
-        ["case", "paths", "images baseline / tree", "vision share of the baseline's FLOPs", "speedup",
-         "FLOP bound", "efficiency", "baseline s (budget)", "tree s", "spread b / t", "live peak MiB b / t",
-         "max log-prob diff"]
-    )  # fmt: skip
-    text = (
-        "# GUI agent: screenshots in a tree\n\n"
-        + provenance(__file__, argv, "cpu")
-        + f"\n\nModel: Qwen2.5-VL-shaped, vision tower {a.vision_width} wide x {a.vision_layers} layers "
-        f"(Qwen2.5-VL: 32; what a 2-core CPU step allows), 14-pixel patches, 2x2 merge; text {a.hidden} x "
-        f"{a.layers} layers (Qwen2.5-VL-3B: 2048 x 36; reduced to fit the CPU), vocab "
-        f"{model.config.get_text_config().vocab_size:,}; screenshots of "
-        f"{a.grid[0]}x{a.grid[1]} patches ({a.grid[0] * a.grid[1] // 4} tokens); {a.turns} turns x "
-        f"{a.samples} samples; {a.repeats} timed repeats; float32; matmul rate {rate / 1e9:.0f} GFLOP/s."
-        "\n\n## Tree vs the per-path baseline (treetrain.bench.cases.run_case)\n\n"
-        + head
-        + case_line(r, work, cost)
-    )
-    # written at once: TRL's part takes another ~20 steps' time, and a run stopped in it keeps this part
-    record(a, text + "\n\n## Tree vs TRL's GRPOTrainer\n\nNot measured: the run stopped before it.\n\n"
-           + noise_section(before, [(r.name, r.untrusted)]), asdict(r))  # fmt: skip
-    micro = bench.prepare("tree", [tree], capacity)
-    with tempfile.TemporaryDirectory() as workdir:
-        trainer = trl_trainer(model, workdir)
-        tree_step = lambda: bench.train_step("tree", model, [tree], micro, a.backend)  # noqa: E731
-        vs = time_vs_trl(trainer, trl_rows(a), a.text, tree_step, a.repeats)
-    bound_trl = trl_f / tree_f
-    trl_untrusted = noise.verdict(vs["stats"], vs["load"], bound_trl, vs["trl_s"] / vs["tree_s"] / bound_trl)
-    trl_head = table_head(
-        ["TRL s", "tree s", "speedup vs TRL", "FLOP bound vs TRL", "efficiency", "spread TRL / tree",
-         "loss diff (TRL - tree)"]
-    )  # fmt: skip
-    text += (
-        "\n\n## Tree vs TRL's GRPOTrainer, its best configuration\n\n"
-        "TRL's own scoring (`GRPOTrainer._get_per_token_logps_and_entropies`), one path per forward (no "
+    base_cap = bench.ONE_PATH
+    if budgets:
+        base_cap = bench.fastest_capacity(
+            model, [tree], budgets, a.backend, torch.device("cpu"), progress=say
+        )
+    units = bench.micro_units("sequence", [tree], base_cap)
+    logprob_diff = bench.max_logprob_diff(model, [tree], capacity, a.backend)
+    tree_micro = bench.prepare("tree", [tree], capacity)
+    budget = "one path per forward" if base_cap == bench.ONE_PATH else f"{base_cap:,} tokens a forward"
+    head = describe(a, model, rate) + (
+        f"\n\nEpisode: {tree.num_paths} paths, {work['baseline'].images} / {work['tree'].images} screenshots "
+        f"encoded (baseline / tree); the vision tower is {share:.0%} of the baseline's FLOPs. Baseline: "
+        f"{budget}{' (searched)' if budgets else ''}. Max |log-prob| difference tree - baseline: "
+        f"{logprob_diff:.1e}.\n\n## Timing\n\n"
+        "The per-path steps (the baseline's, TRL's) are cut into chunks of about one tree step's FLOPs; each "
+        "chunk runs between two tree steps and is measured in them (`treetrain.bench.paired`): a drift of "
+        "the machine's speed slower than a bracket cancels. Speedup: a step in tree steps, the median "
+        "of the rounds. Judged: its spread over rounds, and how much the two tree steps around a chunk "
+        "differ (a drift as fast as a bracket, which the brackets do not cancel). The raw medians (whole "
+        "steps in seconds, and their ratio) show the drift the brackets cancel.\n\n"
+        "TRL: its own scoring (`GRPOTrainer._get_per_token_logps_and_entropies`), one path per forward (no "
         "padding), its fused chunked head on the action's tokens only (compact, as TRL runs it on CUDA), "
         "gradient checkpointing off, no entropies; each screenshot encoded once per path that holds it. "
-        "The same token-mean loss over the actions, backward; timed interleaved with the tree's step "
-        "(warm-up round first). The bound counts TRL's work as the baseline's plus its head's "
-        "recomputation in backward.\n\n"
-        + trl_head
-        + trl_line(vs, bound_trl)
-        + "\n\n"
-        + noise_section(before, [(r.name, r.untrusted), ("vs TRL", trl_untrusted)])
+        "Its bound counts its work as the baseline's plus its head's recomputation in backward.\n\n"
+        + table_head(MODE_HEAD)
     )
-    trl = {"trl_s": vs["trl_s"], "tree_s": vs["tree_s"], "bound": bound_trl, "loss_diff": vs["loss_diff"],
-           "stats": vs["stats"], "untrusted": trl_untrusted}  # fmt: skip
-    record(a, text, {**asdict(r), "vs_trl": trl})
+    bounds = {"baseline": base_f / tree_f, "trl": trl_f / tree_f}
+    names = {"baseline": f"baseline ({budget})", "trl": "TRL GRPOTrainer, best configuration"}
+
+    def write(b: paired.Bracketed, peaks: dict | None = None) -> None:
+        rows = {m: mode_summary(b, m, bounds[m]) for m in bounds}
+        text = head + "\n".join(mode_line(names[m], s) for m, s in rows.items())
+        if peaks is None:
+            text += "\n\nLive peaks: not measured (the run stopped before them, or is still running)."
+        else:
+            text += (
+                f"\n\nLive peak (tensors alive at once in one step): baseline {peaks['sequence']:,.0f} MiB, "
+                f"tree {peaks['tree']:,.0f} MiB."
+            )
+        bracket = "\n".join(
+            f"- round {r + 1}: tree steps {', '.join(f'{t:.1f}' for t in tree)} s; "
+            + "; ".join(f"{m} chunks {', '.join(f'{t:.1f}' for t in b.times[m][r])} s" for m in bounds)
+            for r, tree in enumerate(b.tree)
+        )
+        text += "\n\n### Every step (s)\n\n" + bracket + "\n\n"
+        text += noise_section(before, [(names[m], s["untrusted"]) for m, s in rows.items()])
+        flops = {"baseline": base_f, "tree": tree_f, "trl": trl_f}
+        data = {"modes": rows, "tree": b.tree, "times": b.times, "losses": b.losses, "peaks": peaks,
+                "logprob_diff": logprob_diff, "flops": flops, "vision_share": share,
+                "baseline_capacity": base_cap, "matmul_gflops": rate / 1e9}  # fmt: skip
+        record(a, text, data)
+
+    with tempfile.TemporaryDirectory() as workdir:
+        trainer = trl_trainer(model, workdir)
+        steps = chunked_steps(a, model, tree, units, trainer, cost, a.backend)
+        tree_step = lambda: bench.train_step("tree", model, [tree], tree_micro, a.backend)  # noqa: E731
+        reset = lambda: model.zero_grad(set_to_none=True)  # noqa: E731
+        b = paired.time_bracketed(tree_step, steps, a.repeats, reset, say, on_round=write)
+    micro = {"sequence": [pack(u) for u in units], "tree": tree_micro}
+    peaks = {m: bench.live_peak_mb(m, model, [tree], micro[m], a.backend) for m in micro}
+    write(b, peaks)
     return 0
+
+
+def _paths(tree: TrajectoryTree) -> list[TrajectoryTree]:
+    """Each path of ``tree`` alone (its images and loss mask kept), in order."""
+    return [u[0] for u in bench.micro_units("sequence", [tree], bench.ONE_PATH)]
 
 
 if __name__ == "__main__":

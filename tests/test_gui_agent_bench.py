@@ -38,13 +38,38 @@ def test_bounds_and_run_flops():
     trl = gui_agent.trl_work(work)
     assert trl.recomputed == trl.targets == work["baseline"].targets == a.text * tree.num_paths
     assert (trl.tokens, trl.images) == (work["baseline"].tokens, work["baseline"].images)
-    assert gui_agent.run_flops(2, 0, 10.0, 1.0, 11.0) == pytest.approx(4.4 * 10 + 7.4 + 3 * 11)
+    # log-prob check 0.4 + warm-up chunk 1/7 + 2 rounds + live peak; tree: 0.4 + warm-up + 2 x 8 + live peak
+    assert gui_agent.run_steps(2, 7) == pytest.approx(
+        {"baseline": 3.4 + 1 / 7, "tree": 18.4, "trl": 2 + 1 / 7}
+    )
+    assert gui_agent.run_flops(2, 1, 10.0, 1.0, 11.0, 7) == pytest.approx(
+        (6.4 + 1 / 7) * 10 + 18.4 + (2 + 1 / 7) * 11
+    )
     budgets = gui_agent.baseline_budgets(tree, tree.num_tokens)
     assert budgets[0] == tree.num_tokens and len(set(budgets)) == len(budgets) <= 3
+
+
+def test_chunks_make_up_the_whole_step(tmp_path):
+    """The baseline's and TRL's chunks: every micro-batch / row once, in order, and their losses sum to
+    the whole step's (the tree's loss)."""
+    a = gui_agent.parse_args(["--quick"])
+    model, tree = gui_agent.gui_model(a), gui_agent.episode(a)
+    trainer = gui_agent.trl_trainer(model, str(tmp_path))
+    units = bench.micro_units("sequence", [tree], bench.ONE_PATH)
+    assert len(units) == tree.num_paths and all(len(u) == 1 for u in units)
+    steps = gui_agent.chunked_steps(
+        a, model, tree, units, trainer, gui_agent.CostModel.from_config(model.config), None
+    )
+    assert 1 < len(steps["baseline"]) < tree.num_paths and 1 < len(steps["trl"]) < tree.num_paths
+    whole = bench.train_step("tree", model, [tree], bench.prepare("tree", [tree], tree.num_tokens), None)
+    for mode in ("baseline", "trl"):
+        assert sum(chunk() for chunk in steps[mode]) == pytest.approx(whole, rel=1e-5), mode
 
 
 def test_quick_runs(capsys):
     torch.manual_seed(0)
     assert gui_agent.main(["--quick", "--allocator", "system"]) == 0
     out = capsys.readouterr().out
-    assert "## Tree vs TRL's GRPOTrainer, its best configuration" in out and "(one path)" in out
+    assert "| baseline (one path per forward) |" in out and "| TRL GRPOTrainer, best configuration |" in out
+    assert "Live peak (tensors alive at once in one step): baseline" in out
+    assert "- round 1: tree steps" in out

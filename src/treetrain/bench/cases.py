@@ -60,11 +60,17 @@ ONE_PATH = -1  # a baseline budget for ``prepare`` / ``run_case``: every path it
 def prepare(mode: str, trees: list[TrajectoryTree], capacity: int) -> list:
     """The packed micro-batches ``mode`` runs (built before timing, as a data loader would);
     ``capacity=ONE_PATH`` (baseline only): one path per micro-batch, whatever their lengths."""
+    return [pack(mb) for mb in micro_units(mode, trees, capacity)]
+
+
+def micro_units(mode: str, trees: list[TrajectoryTree], capacity: int) -> list[list[TrajectoryTree]]:
+    """The trees (parts, or single paths for ``sequence``) each of :func:`prepare`'s micro-batches
+    packs, in order: what prices a micro-batch (``baseline_work(units[i])``)."""
     if capacity == ONE_PATH:
         assert mode == "sequence", mode
         longest = max(int(t.path_lengths.max()) for t in trees)
-        return [pack([path]) for mb in _objective().microbatches(trees, mode, longest) for path in mb]
-    return [pack(mb) for mb in _objective().microbatches(trees, mode, capacity)]
+        return [[path] for mb in _objective().microbatches(trees, mode, longest) for path in mb]
+    return _objective().microbatches(trees, mode, capacity)
 
 
 def train_step(mode: str, model, trees, micro, backend: str | None) -> float:

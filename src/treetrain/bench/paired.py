@@ -1,0 +1,167 @@
+"""Timing a slow per-path step against the tree's fast one on a machine whose speed drifts.
+
+On a shared VM the rate drifts: the GUI-agent preset's tree step took 50 s and 97 s within one
+hour. Timed whole, a 10-minute baseline step and a 1-minute tree step see different machines,
+and their ratio is the drift's as much as the code's. Here the baseline's step is cut into
+chunks of about one tree step's work (:func:`chunks`), and each chunk runs between two tree steps
+(:func:`time_bracketed`)::
+
+    tree, chunk 1 of every mode, tree, chunk 2 of every mode, tree, ..., tree
+
+A chunk is measured in the tree steps around it, ``t_chunk / mean(t_tree before, t_tree after)``,
+and a mode's speedup is the sum of its chunks' (:func:`bracketed_speedups`): a drift slower than a
+bracket (a few minutes) cancels; the spread of that speedup over rounds says how much did not.
+The raw step times (a mode's chunks summed, the tree's median) are kept beside it.
+
+Example: tree steps of 10, 10 and 20 s (the machine slowed to half speed) around chunks of 30 and
+60 s: the speedup is ``30 / 10 + 60 / 15 = 7.0``, the raw one ``90 / 13.3 = 6.75``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from treetrain.bench import noise
+
+__all__ = ["Bracketed", "bracketed_speedups", "chunks", "time_bracketed", "verdict"]
+
+
+def chunks(work: list[float], target: float) -> list[list[int]]:
+    """Consecutive units cut into chunks of about ``target`` work each: a chunk is closed before the
+    unit that would take it further past ``target`` than it stands short of it.
+
+    Example: ``chunks([1, 1, 3, 2, 2], 3.0)`` is ``[[0, 1], [2], [3], [4]]`` (``[0, 1, 2]`` would be
+    5, 2 past 3; ``[3, 4]`` would be 4, 1 past, while ``[3]`` is 1 short: a tie closes)."""
+    if target <= 0:
+        raise ValueError(f"chunks: target work {target} must be positive")
+    out: list[list[int]] = []
+    current, total = [], 0.0
+    for i, w in enumerate(work):
+        if current and total + w - target >= target - total:
+            out.append(current)
+            current, total = [], 0.0
+        current.append(i)
+        total += w
+    if current:
+        out.append(current)
+    return out
+
+
+@dataclass
+class Bracketed:
+    """What :func:`time_bracketed` measured. ``tree[r]``: round ``r``'s tree steps (s), one more than
+    its most chunks; ``times[mode][r]``: its chunks' seconds in round ``r``; ``losses[mode]``: the
+    loss of one whole step (its chunks' losses summed, first timed round; ``"tree"``: a tree step's);
+    ``load``: the machine's load over the timed rounds."""
+
+    tree: list[list[float]] = field(default_factory=list)
+    times: dict[str, list[list[float]]] = field(default_factory=dict)
+    losses: dict[str, float] = field(default_factory=dict)
+    load: noise.Load | None = None
+
+    def speedups(self, mode: str) -> list[float]:
+        """Per round: ``mode``'s step in tree steps (:func:`bracketed_speedups`)."""
+        return [bracketed_speedups(t, c) for t, c in zip(self.tree, self.times[mode])]
+
+    def raw(self, mode: str) -> list[float]:
+        """Per round: ``mode``'s whole step (its chunks summed), in seconds."""
+        return [sum(c) for c in self.times[mode]]
+
+    def tree_steps(self) -> list[float]:
+        """Per round: the median tree step, in seconds."""
+        return [statistics.median(t) for t in self.tree]
+
+    def bracket_drift(self) -> tuple[float, float]:
+        """``(median, worst)`` over brackets of ``|t_after / t_before - 1|``, the two tree steps around
+        a chunk: how much the machine's speed changed within a bracket (and the tree step's own noise).
+        Example: tree steps ``[[10, 10, 20]]`` give ``(0.5, 1.0)``."""
+        jumps = [abs(t[i + 1] / t[i] - 1) for t in self.tree for i in range(len(t) - 1)]
+        return statistics.median(jumps), max(jumps)
+
+
+def bracketed_speedups(tree: list[float], chunk_s: list[float]) -> float:
+    """Chunk ``i`` in units of the tree steps ``i`` and ``i + 1`` around it, summed over chunks.
+
+    Example: ``bracketed_speedups([10, 10, 20], [30, 60])`` is ``30 / 10 + 60 / 15 = 7.0``."""
+    assert len(tree) > len(chunk_s), (len(tree), len(chunk_s))
+    return sum(t / ((tree[i] + tree[i + 1]) / 2) for i, t in enumerate(chunk_s))
+
+
+def verdict(b: Bracketed, mode: str, bound: float | None = None) -> list[str]:
+    """Why ``mode``'s bracketed speedup is not to be trusted (empty: no reason found): its spread over
+    rounds (:func:`treetrain.bench.noise.verdict`, with the load and the FLOP bound), and a typical
+    bracket whose tree steps differ by more than :data:`treetrain.bench.noise.MAX_SPREAD`."""
+    speed = noise.summary(b.speedups(mode))
+    efficiency = None if bound is None else speed["median"] / bound
+    reasons = noise.verdict({f"{mode} bracketed speedup": speed}, b.load, bound, efficiency)
+    typical, _ = b.bracket_drift()
+    if typical > noise.MAX_SPREAD:
+        reasons.append(
+            f"the tree steps around a chunk differ by {typical:.0%} in the median bracket "
+            f"(> {noise.MAX_SPREAD:.0%}): the machine's speed changed as fast as a bracket, which the "
+            "brackets do not cancel"
+        )
+    return reasons
+
+
+def time_bracketed(
+    tree_step: Callable[[], float],
+    modes: dict[str, list[Callable[[], float]]],
+    rounds: int,
+    reset: Callable[[], None] = lambda: None,
+    progress: Callable[[str], None] | None = None,
+    on_round: Callable[[Bracketed], None] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> Bracketed:
+    """``rounds`` timed rounds of ``tree, chunk 1 of each mode, tree, chunk 2 ..., tree`` after an
+    untimed warm-up (a tree step and each mode's first chunk). ``modes``: each mode's step as chunks
+    (callables returning their part of the step's loss); the modes' order alternates between rounds.
+    ``reset()`` runs before each round (e.g. ``model.zero_grad``: within a round gradients
+    accumulate, as over a step's micro-batches); ``on_round(result so far)`` after each timed round
+    (a long run records as it goes); ``progress(line)`` after each step; ``clock``: the timer."""
+    if rounds < 1:
+        raise ValueError(f"time_bracketed: rounds={rounds}, needs at least 1 timed round")
+    out = Bracketed(times={m: [] for m in modes})
+    say = progress or (lambda line: None)
+
+    def timed(fn: Callable[[], float]) -> tuple[float, float]:
+        t0 = clock()
+        loss = fn()
+        return clock() - t0, loss
+
+    reset()
+    dt, _ = timed(tree_step)
+    say(f"warm-up: tree step {dt:.1f} s")
+    for m, parts in modes.items():
+        dt, _ = timed(parts[0])
+        say(f"warm-up: {m} chunk 1 of {len(parts)}: {dt:.1f} s")
+    monitor = noise.Monitor().start()
+    n = max(len(parts) for parts in modes.values())
+    for r in range(1, rounds + 1):
+        reset()
+        order = list(modes) if r % 2 else list(modes)[::-1]
+        tree: list[float] = []
+        times: dict[str, list[float]] = {m: [] for m in modes}
+        losses = dict.fromkeys(modes, 0.0)
+        for i in range(n + 1):
+            dt, loss = timed(tree_step)
+            tree.append(dt)
+            out.losses.setdefault("tree", loss)
+            say(f"round {r} of {rounds}: tree step {i + 1} of {n + 1}: {dt:.1f} s")
+            for m in order if i < n else ():
+                if i < len(modes[m]):
+                    dt, loss = timed(modes[m][i])
+                    times[m].append(dt)
+                    losses[m] += loss
+                    say(f"round {r} of {rounds}: {m} chunk {i + 1} of {len(modes[m])}: {dt:.1f} s")
+        out.tree.append(tree)
+        for m in modes:
+            out.times[m].append(times[m])
+            out.losses.setdefault(m, losses[m])
+        out.load = monitor.stop()
+        if on_round is not None:
+            on_round(out)
+    return out

@@ -1,0 +1,143 @@
+"""Bracketed timing (``treetrain.bench.paired``): chunks of about one tree step's work, each measured in
+the tree steps around it, so a machine whose speed drifts during a long baseline step still gives the
+speedup its work ratio says. The machine here is simulated: a clock that each step advances by its
+work times the machine's slowness at that moment."""
+
+from __future__ import annotations
+
+import pytest
+
+from treetrain.bench import paired
+
+
+def test_chunks_hand_written():
+    assert paired.chunks([1, 1, 3, 2, 2], 3.0) == [[0, 1], [2], [3], [4]]
+    assert paired.chunks([5], 1.0) == [[0]]  # a unit above the target is a chunk of its own
+    assert paired.chunks([1, 1, 1, 1], 10.0) == [[0, 1, 2, 3]]
+    assert paired.chunks([], 1.0) == []
+    # every unit once, in order
+    cut = paired.chunks([0.3, 2.0, 0.7, 0.7, 0.1, 1.5, 0.9], 1.0)
+    assert [i for c in cut for i in c] == list(range(7))
+    with pytest.raises(ValueError, match="target work 0"):
+        paired.chunks([1.0], 0.0)
+
+
+def test_bracketed_speedups_hand_written():
+    assert paired.bracketed_speedups([10, 10, 20], [30, 60]) == pytest.approx(7.0)
+    assert paired.bracketed_speedups([2, 2], [6]) == pytest.approx(3.0)
+
+
+class DriftingMachine:
+    """A fake ``time.perf_counter`` on a machine that alternates between full speed and ``slow`` times
+    slower every ``phase`` seconds (0: never slows): a step of work ``w`` takes ``w`` seconds of full
+    speed, integrated across the phases it spans (the 2-core VM's tree step took 50 s and 97 s within
+    one hour)."""
+
+    def __init__(self, phase: float = 0.0, slow: float = 1.8):
+        self.now, self.phase, self.slow = 0.0, phase, slow
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def _slowness(self) -> float:
+        return self.slow if self.phase and int(self.now // self.phase) % 2 else 1.0
+
+    def step(self, work: float, loss: float = 0.0):
+        def run() -> float:
+            left = work
+            while left > 1e-12:
+                end = (int(self.now // self.phase) + 1) * self.phase if self.phase else float("inf")
+                dt = min(left * self._slowness(), end - self.now)
+                left -= dt / self._slowness()
+                self.now += dt
+            return loss
+
+        return run
+
+
+PATHS = [
+    0.17,
+    0.17,
+    0.33,
+    0.33,
+    0.5,
+    0.5,
+    0.67,
+    0.67,
+    0.83,
+    0.83,
+    1.0,
+    0.7,
+]  # the GUI preset's, in tree steps
+
+
+def bracketed_run(machine: DriftingMachine, rounds: int = 3, **kw) -> tuple[paired.Bracketed, list]:
+    """The GUI preset's shape: a tree step of work 1; a baseline of 12 paths (6.7 tree steps in all)
+    in 8 chunks; a second mode of 2 chunks, 1.5 tree steps each."""
+    cut = paired.chunks(PATHS, 1.0)
+    modes = {
+        "baseline": [machine.step(sum(PATHS[i] for i in c), loss=0.5) for c in cut],
+        "other": [machine.step(1.5, loss=1.0), machine.step(1.5, loss=1.0)],
+    }
+    return paired.time_bracketed(
+        machine.step(1.0, loss=1.0), modes, rounds, clock=machine.perf_counter, **kw
+    ), cut
+
+
+def test_a_steady_machine_gives_the_work_ratio():
+    machine = DriftingMachine()
+    resets, lines = [], []
+    b, cut = bracketed_run(machine, 2, reset=lambda: resets.append(1), progress=lines.append)
+    assert cut == [[0, 1, 2, 3], [4, 5], [6], [7], [8], [9], [10], [11]]
+    assert len(resets) == 3 and len(b.tree) == 2 and all(len(t) == 9 for t in b.tree)
+    assert [len(t) for t in b.times["baseline"]] == [8, 8] and [len(t) for t in b.times["other"]] == [2, 2]
+    assert b.losses == {"tree": 1.0, "baseline": pytest.approx(4.0), "other": 2.0}
+    assert lines[0] == "warm-up: tree step 1.0 s" and "round 2 of 2: tree step 9 of 9" in lines[-1]
+    assert b.speedups("baseline") == pytest.approx([6.7, 6.7]) and b.raw("baseline") == pytest.approx(
+        [6.7] * 2
+    )
+    assert b.speedups("other") == pytest.approx([3.0, 3.0]) and b.tree_steps() == pytest.approx([1.0, 1.0])
+    assert b.bracket_drift() == pytest.approx((0.0, 0.0))
+    assert paired.verdict(b, "baseline", bound=6.7) == []
+
+
+@pytest.mark.parametrize("phase", [13.0, 20.0, 31.0, 47.0])
+def test_slow_phases_longer_than_a_bracket_cancel(phase):
+    """The machine 1.8x slower every other ``phase`` tree steps' time (a bracket is about 3.5): the raw
+    ratio (a whole step / the median tree step) is off by over 10% in some round (up to 32%), the
+    bracketed one by under 5% in every round (at most 4.3%: a bracket that straddles a change of
+    speed is measured in the mean of a fast and a slow tree step), and the verdict trusts it."""
+    machine = DriftingMachine(phase=phase)
+    b, _ = bracketed_run(machine)
+    assert max(abs(s / 6.7 - 1) for s in b.speedups("baseline")) < 0.05
+    raw = [s / t / 6.7 - 1 for s, t in zip(b.raw("baseline"), b.tree_steps())]
+    assert max(abs(r) for r in raw) > 0.10
+    typical, worst = b.bracket_drift()
+    assert typical == pytest.approx(0.0) and worst > 0.5  # a few brackets straddle a change of speed
+    assert paired.verdict(b, "baseline", bound=6.7) == []
+
+
+@pytest.mark.parametrize("phase", [2.0, 5.0, 8.0])
+def test_phases_as_short_as_a_bracket_are_distrusted(phase):
+    """Speed changing every few tree steps' time: the brackets cannot cancel it (errors up to 19%),
+    and the verdict says so."""
+    machine = DriftingMachine(phase=phase)
+    b, _ = bracketed_run(machine)
+    assert b.bracket_drift()[0] > 0.10
+    reasons = paired.verdict(b, "baseline", bound=6.7)
+    assert any("the tree steps around a chunk differ by" in r for r in reasons), reasons
+
+
+def test_rounds_are_checked_and_reported_as_they_finish():
+    machine = DriftingMachine(0.0)
+    with pytest.raises(ValueError, match="at least 1 timed round"):
+        paired.time_bracketed(
+            machine.step(1.0), {"baseline": [machine.step(1.0)]}, 0, clock=machine.perf_counter
+        )
+    seen = []
+    record = lambda so_far: seen.append(len(so_far.tree))  # noqa: E731
+    b = paired.time_bracketed(
+        machine.step(1.0), {"baseline": [machine.step(2.0)]}, 3, on_round=record, clock=machine.perf_counter
+    )
+    assert seen == [1, 2, 3] and b.speedups("baseline") == pytest.approx([2.0] * 3)
+    assert b.load is not None and b.load.wall_s >= 0
