@@ -230,7 +230,8 @@ def mode_summary(b: paired.Bracketed, mode: str, bound: float) -> dict:
     raw, tree = noise.summary(b.raw(mode)), noise.summary(b.tree_steps())
     return {
         "speedup": speed["median"], "speedup_spread": speed["spread"], "rounds": speed["n"],
-        "speedups": b.speedups(mode), "bound": bound, "efficiency": speed["median"] / bound,
+        "speedups": b.speedups(mode), "chunk_medians": b.chunk_medians(mode), "bound": bound,
+        "efficiency": speed["median"] / bound,
         "step_s": raw["median"], "step_spread": raw["spread"], "tree_s": tree["median"],
         "tree_spread": tree["spread"], "raw_speedup": raw["median"] / tree["median"],
         "bracket_drift": b.bracket_drift(), "loss_diff": abs(b.losses[mode] - b.losses["tree"]),
@@ -242,7 +243,8 @@ def mode_line(name: str, s: dict) -> str:
     """A table row of :func:`mode_summary`."""
     return (
         f"| {name} | {s['speedup']:.2f}x | {s['bound']:.2f}x | **{s['efficiency']:.2f}** "
-        f"| {s['speedup_spread']:.1%} over {s['rounds']} | {s['step_s']:.1f} / {s['tree_s']:.1f} "
+        f"| {s['speedup_spread']:.1%} over {s['rounds']} | {s['chunk_medians']:.2f}x "
+        f"({s['chunk_medians'] / s['bound']:.2f}) | {s['step_s']:.1f} / {s['tree_s']:.1f} "
         f"| {s['raw_speedup']:.2f}x | {s['step_spread']:.0%} / {s['tree_spread']:.0%} "
         f"| {s['bracket_drift'][0]:.0%} / {s['bracket_drift'][1]:.0%} | {s['loss_diff']:.1e} |"
     )
@@ -250,6 +252,7 @@ def mode_line(name: str, s: dict) -> str:
 
 MODE_HEAD = [
     "vs", "speedup (bracketed)", "FLOP bound", "efficiency", "speedup spread over rounds",
+    "chunk medians (efficiency)",
     "step s / tree step s (raw medians)", "raw speedup", "raw spread step / tree",
     "tree steps around a chunk differ (median / worst)", "loss diff",
 ]  # fmt: skip
@@ -400,7 +403,8 @@ def main(argv=None) -> int:
         "The per-path steps (the baseline's, TRL's) are cut into chunks of about one tree step's FLOPs; each "
         "chunk runs between two tree steps and is measured in them (`treetrain.bench.paired`): a drift of "
         "the machine's speed slower than a bracket cancels. Speedup: a step in tree steps, the median "
-        "of the rounds. Judged: its spread over rounds, and how much the two tree steps around a chunk "
+        "of the rounds; beside it each chunk's median over rounds, summed (a stall in one chunk moves it "
+        "less). Judged: the spread over rounds, and how much the two tree steps around a chunk "
         "differ (a drift as fast as a bracket, which the brackets do not cancel). The raw medians (whole "
         "steps in seconds, and their ratio) show the drift the brackets cancel.\n\n"
         "TRL: its own scoring (`GRPOTrainer._get_per_token_logps_and_entropies`), one path per forward (no "

@@ -141,3 +141,11 @@ def test_rounds_are_checked_and_reported_as_they_finish():
     )
     assert seen == [1, 2, 3] and b.speedups("baseline") == pytest.approx([2.0] * 3)
     assert b.load is not None and b.load.wall_s >= 0
+
+
+def test_chunk_medians_resist_a_stall():
+    """A stall in one chunk of one round moves that round's sum, not the per-chunk medians."""
+    b = paired.Bracketed(tree=[[1.0, 1.0, 1.0]] * 3, times={"m": [[1.0, 2.0], [1.0, 1.0], [3.0, 1.0]]})
+    assert b.speedups("m") == [3.0, 2.0, 4.0] and b.chunk_medians("m") == 2.0
+    b = paired.Bracketed(tree=[[10.0, 10.0, 20.0]], times={"m": [[30.0, 60.0]]})
+    assert b.chunk_medians("m") == pytest.approx(7.0) == b.speedups("m")[0]  # one round: the sum
