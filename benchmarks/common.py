@@ -145,14 +145,17 @@ def result_path(name: str, device: str = "cpu") -> Path:
     return RESULTS / f"{name}_{device}-{os.cpu_count()}core-{slug}_{date}.md"
 
 
-def estimate_line(script: str, argv, seconds: float, rate: float) -> str:
-    """The line ``--estimate`` prints: the command, its estimated wall time and the rate it assumes."""
+def estimate_line(
+    script: str, argv, seconds: float, rate: float, machine: str = "the quiet 2-core EPYC"
+) -> str:
+    """The line ``--estimate`` prints: the command, its estimated wall time and the rate it assumes
+    (measured on ``machine``)."""
     import sys
 
     args = " ".join(a for a in (argv if argv is not None else sys.argv[1:]) if a != "--estimate")
     return (
         f"estimate: `python benchmarks/{script} {args}`: about {seconds / 60:.0f} min ({seconds:,.0f} s) at "
-        f"{rate / 1e9:.0f} GFLOP/s (the quiet 2-core EPYC's rate on such steps; FLOPs only: fixed costs, "
+        f"{rate / 1e9:.0f} GFLOP/s ({machine}'s rate on such steps; FLOPs only: fixed costs, "
         "model building and elementwise work come on top)"
     )
 

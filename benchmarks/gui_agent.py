@@ -6,12 +6,12 @@ patching (1280 wide, MLP 3420, 14-pixel patches, 2 x 2 merge, windowed and full-
 with ``--vision-layers`` layers (Qwen2.5-VL has 32; a 2-core CPU step allows 1, full attention), and a
 text model of ``--hidden`` x ``--layers`` (512 x 2; Qwen2.5-VL-3B's is 2048 x 36: reduced to fit the
 CPU, the tower's FLOPs dominate either way) with Qwen's 151,936-token vocabulary. An episode of
-``--turns`` turns (6, over an hour on the quiet CPU; 8: ``--estimate`` says 92 minutes): a task prompt,
-then per turn a tool result carrying a screenshot of about a thousand vision tokens (``--grid``:
-62 x 64 patches = 992 tokens after the merge) and the assistant's action; per-turn training samples
-with ``--samples`` actions sampled at each turn, so path (k, j) holds screenshots 1..k+1 and action j
-of turn k. The per-path baseline runs every path alone, its screenshots encoded once per path; the tree
-encodes each screenshot once.
+``--turns`` turns (6: 69 min with ``--repeats 3`` on the 2-core Xeon VM; 8: ``--estimate`` says
+101 min): a task prompt, then per turn a tool result carrying a screenshot of about a thousand
+vision tokens (``--grid``: 62 x 64 patches = 992 tokens after the merge) and the assistant's action;
+per-turn training samples with ``--samples`` actions sampled at each turn, so path (k, j) holds
+screenshots 1..k+1 and action j of turn k. The per-path baseline runs every path alone, its
+screenshots encoded once per path; the tree encodes each screenshot once.
 
 Every mode runs one SFT training step (forward and backward) through the library: the tree's one
 forward, the baseline's micro-batches (one path per forward, as TRL runs it; ``--search``: the
@@ -380,7 +380,7 @@ def main(argv=None) -> int:
     if a.estimate:
         flops = run_flops(a.repeats, len(budgets), base_f, tree_f, trl_f, n_chunks)
         seconds = run_seconds(a.repeats, len(budgets), base_f, tree_f, trl_f, n_chunks)
-        print(estimate_line("gui_agent.py", argv, seconds, flops / seconds))
+        print(estimate_line("gui_agent.py", argv, seconds, flops / seconds, "the 2-core Xeon VM"))
         return 0
     use_allocator(a)
     before = machine_before()
