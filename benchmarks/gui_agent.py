@@ -226,11 +226,11 @@ def mode_summary(b: paired.Bracketed, mode: str, bound: float) -> dict:
     """One mode against the tree: the bracketed speedup (median of rounds, spread), efficiency against
     ``bound``, the raw step times and their spreads, the drift within a bracket (median, worst), the
     verdict (:func:`treetrain.bench.paired.verdict`)."""
-    speed = noise.summary(b.speedups(mode))
-    raw, tree = noise.summary(b.raw(mode)), noise.summary(b.tree_steps())
+    rounds = b.speedups(mode)
+    speed, raw, tree = noise.summary(rounds), noise.summary(b.raw(mode)), noise.summary(b.tree_steps())
     return {
         "speedup": speed["median"], "speedup_spread": speed["spread"], "rounds": speed["n"],
-        "speedups": b.speedups(mode), "chunk_medians": b.chunk_medians(mode), "bound": bound,
+        "speedups": rounds, "chunk_medians": b.chunk_medians(mode), "bound": bound,
         "efficiency": speed["median"] / bound,
         "step_s": raw["median"], "step_spread": raw["spread"], "tree_s": tree["median"],
         "tree_spread": tree["spread"], "raw_speedup": raw["median"] / tree["median"],

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from treetrain.bench import noise
 
-__all__ = ["Bracketed", "bracketed_speedups", "chunks", "time_bracketed", "verdict"]
+__all__ = ["Bracketed", "bracket_ratios", "bracketed_speedups", "chunks", "time_bracketed", "verdict"]
 
 
 def chunks(work: list[float], target: float) -> list[list[int]]:
@@ -62,19 +62,20 @@ class Bracketed:
     losses: dict[str, float] = field(default_factory=dict)
     load: noise.Load | None = None
 
+    def ratios(self, mode: str) -> list[list[float]]:
+        """Per round, per chunk: ``mode``'s chunk in tree steps (:func:`bracket_ratios`)."""
+        return [bracket_ratios(t, c) for t, c in zip(self.tree, self.times[mode])]
+
     def speedups(self, mode: str) -> list[float]:
         """Per round: ``mode``'s step in tree steps (:func:`bracketed_speedups`)."""
-        return [bracketed_speedups(t, c) for t, c in zip(self.tree, self.times[mode])]
+        return [sum(r) for r in self.ratios(mode)]
 
     def chunk_medians(self, mode: str) -> float:
         """``mode``'s step in tree steps, each chunk's bracketed ratio the median over rounds, summed:
         a stall that slows one chunk in one round (the VM's steps of equal work took 39 s and 83 s) moves
         it less than it moves that round's sum. Example: ratios ``[[1, 2], [1, 1], [3, 1]]`` (3 rounds,
         2 chunks) give ``1 + 1 = 2``; the rounds' sums are 3, 2 and 4."""
-        ratios = [
-            [t / ((tree[i] + tree[i + 1]) / 2) for i, t in enumerate(c)]
-            for tree, c in zip(self.tree, self.times[mode])
-        ]
+        ratios = self.ratios(mode)
         return sum(statistics.median(r[i] for r in ratios) for i in range(len(ratios[0])))
 
     def raw(self, mode: str) -> list[float]:
@@ -93,12 +94,19 @@ class Bracketed:
         return statistics.median(jumps), max(jumps)
 
 
+def bracket_ratios(tree: list[float], chunk_s: list[float]) -> list[float]:
+    """Chunk ``i`` in units of the mean of tree steps ``i`` and ``i + 1`` around it.
+
+    Example: ``bracket_ratios([10, 10, 20], [30, 60])`` is ``[30 / 10, 60 / 15] = [3.0, 4.0]``."""
+    assert len(tree) > len(chunk_s), (len(tree), len(chunk_s))
+    return [t / ((tree[i] + tree[i + 1]) / 2) for i, t in enumerate(chunk_s)]
+
+
 def bracketed_speedups(tree: list[float], chunk_s: list[float]) -> float:
-    """Chunk ``i`` in units of the tree steps ``i`` and ``i + 1`` around it, summed over chunks.
+    """:func:`bracket_ratios` summed over chunks: a step in tree steps.
 
     Example: ``bracketed_speedups([10, 10, 20], [30, 60])`` is ``30 / 10 + 60 / 15 = 7.0``."""
-    assert len(tree) > len(chunk_s), (len(tree), len(chunk_s))
-    return sum(t / ((tree[i] + tree[i + 1]) / 2) for i, t in enumerate(chunk_s))
+    return sum(bracket_ratios(tree, chunk_s))
 
 
 def verdict(b: Bracketed, mode: str, bound: float | None = None) -> list[str]:
