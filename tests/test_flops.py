@@ -212,20 +212,21 @@ def test_cost_model_reads_the_vision_tower():
     assert CostModel.from_config(SimpleNamespace(**text)).vision_linear == 0.0
 
 
+KNOBS = {  # the patching options away from Qwen-VL's defaults (3 channels, 2 frames, 2 x 2 merge)
+    "defaults": dict(spatial_merge_size=2, temporal_patch_size=2),
+    "1 frame, 4 channels, no merge": dict(spatial_merge_size=1, temporal_patch_size=1, in_channels=4),
+}
+
+
+@pytest.mark.parametrize("knobs", list(KNOBS))
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
-def test_vision_cost_is_what_the_tower_computes(family):
+def test_vision_cost_is_what_the_tower_computes(family, knobs):
     """``vision_linear`` per patch and ``vision_pair`` per (patch, patch) pair of an image equal the
     matmul and attention FLOPs torch's FlopCounterMode counts in a tiny tower's forward: patch
     embedding, every layer (full attention), the mergers (Qwen3-VL's deepstack ones too); two images of
-    different sizes."""
-    import transformers
-    from torch.utils.flop_counter import FlopCounterMode
+    different sizes; the patching's defaults and options away from them."""
 
-    from treetrain.trees.flops import CostModel
-
-    vision = dict(
-        depth=2, hidden_size=32, num_heads=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2
-    )
+    vision = dict(depth=2, hidden_size=32, num_heads=2, patch_size=14) | KNOBS[knobs]
     vision |= {
         "qwen2_vl": dict(embed_dim=32, hidden_size=24, mlp_ratio=2),  # MLP 64, not gated
         "qwen2_5_vl": dict(
@@ -237,14 +238,48 @@ def test_vision_cost_is_what_the_tower_computes(family):
     text = dict(hidden_size=24, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                 intermediate_size=32, vocab_size=64)  # fmt: skip
     cls = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL"}[family]
+    counted, expected = _tower_flops(cls, text, vision)
+    assert counted == expected
+
+
+def _tower_flops(cls: str, text: dict, vision: dict) -> tuple[int, float]:
+    """(FLOPs torch's FlopCounterMode counts in the tower's forward over two images of 24 and 4
+    patches, what ``CostModel`` prices for them)."""
+    import transformers
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from treetrain.trees.flops import CostModel
+
     cfg = getattr(transformers, f"{cls}Config")(text_config=text, vision_config=vision)
     cfg._attn_implementation = "eager"  # attention as matmuls, which the counter counts (not CPU SDPA)
     tower = getattr(transformers, f"{cls}Model")(cfg).visual.eval()
     grids = torch.tensor([[1, 4, 6], [1, 2, 2]])  # two images: 24 and 4 patches
     patches = [int(g.prod()) for g in grids]
-    pixels = torch.randn(sum(patches), 3 * 2 * 14 * 14)
+    v = cfg.vision_config
+    pixels = torch.randn(sum(patches), v.in_channels * v.temporal_patch_size * 14 * 14)
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         tower(pixels, grid_thw=grids)
     cost = CostModel.from_config(cfg)
-    expected = sum(patches) * cost.vision_linear + sum(n * n for n in patches) * cost.vision_pair
-    assert counter.get_total_flops() == expected
+    return counter.get_total_flops(), sum(patches) * cost.vision_linear + sum(
+        n * n for n in patches
+    ) * cost.vision_pair
+
+
+def test_windowed_vision_layers_are_priced_at_full_attention():
+    """Qwen2.5-VL's windowed layers (here layer 0 of 2, windows of 2 x 2 merged tokens) attend fewer
+    pairs than the price, which counts every layer at full attention: an upper count, the same in
+    both modes. The linear work is exact, so the gap is only the pairs the windows skip."""
+    text = dict(hidden_size=24, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                intermediate_size=32, vocab_size=64)  # fmt: skip
+    vision = dict(depth=2, hidden_size=32, num_heads=2, patch_size=14, spatial_merge_size=2,
+                  temporal_patch_size=2, intermediate_size=48, out_hidden_size=24)  # fmt: skip
+    full, priced_full = _tower_flops(
+        "Qwen2_5_VL", text, vision | dict(window_size=56, fullatt_block_indexes=[0, 1])
+    )
+    windowed, priced = _tower_flops(
+        "Qwen2_5_VL", text, vision | dict(window_size=56, fullatt_block_indexes=[1])
+    )
+    assert priced == priced_full == full  # the price ignores windows; with none it is exact
+    assert windowed < full  # the windows skip pairs
+    pair = 4 * 32  # one layer's attention FLOPs per (patch, patch) pair
+    assert (full - windowed) % pair == 0 and 0 < (full - windowed) // pair < 24 * 24 + 4 * 4
