@@ -19,8 +19,9 @@ fastest of that, the tree's budget and the longest path's, 3 baseline steps each
 per-path scoring (below). The machine's speed drifts (the same tree step took 50 s and 97 s within an
 hour on the 2-core VM), so the steps are not timed whole: the baseline's and TRL's steps are cut into
 chunks of about one tree step's FLOPs, each chunk run between two tree steps and measured in them
-(:mod:`treetrain.bench.paired`); the speedup is the sum over chunks, its spread over ``--repeats``
-rounds the noise left, the raw step times kept beside it. Also recorded: the machine's load, the
+(:mod:`treetrain.bench.paired`); the speedup is each chunk's median over ``--repeats`` rounds, summed
+(a stall of one step moves it little), judged by its bootstrap interval over the rounds; the rounds'
+own sums and the raw step times are kept beside it. Also recorded: the machine's load, the
 log-prob difference between the modes, each mode's live peak (tensors alive at once in one step).
 The FLOP bound counts the vision tower (:func:`treetrain.trees.flops.image_patches`; every patch
 through every tower layer, each image's patch pairs at full attention: an upper count for the
@@ -37,7 +38,8 @@ Usage::
 
     python benchmarks/gui_agent.py --estimate          # the run's FLOPs and time on a quiet 2-core CPU
     python benchmarks/gui_agent.py --quick             # seconds: checks the code, no figure
-    python benchmarks/gui_agent.py --write             # the recorded run (about an hour on the quiet CPU)
+    python benchmarks/gui_agent.py --write             # the recorded run (3 rounds: about 70 min on the CPU)
+    python benchmarks/gui_agent.py --rejudge benchmarks/results/gui_agent_....json  # judge it again
 """
 
 from __future__ import annotations
@@ -53,18 +55,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks import gui_record  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     add_allocator_flag,
     estimate_line,
     machine_before,
-    noise_section,
     provenance,
     result_path,
-    table_head,
     use_allocator,
 )
 from treetrain.bench import cases as bench  # noqa: E402
-from treetrain.bench import noise, paired  # noqa: E402
+from treetrain.bench import paired  # noqa: E402
 from treetrain.trees.flops import CostModel, Work, baseline_work, tree_work  # noqa: E402
 from treetrain.trees.images import ImageInput  # noqa: E402
 from treetrain.trees.packing import pack  # noqa: E402
@@ -222,42 +223,6 @@ def chunked_steps(a, model, tree, base_units: list, trainer, cost: CostModel, ba
     return {"baseline": base, "trl": trl}
 
 
-def mode_summary(b: paired.Bracketed, mode: str, bound: float) -> dict:
-    """One mode against the tree: the bracketed speedup (median of rounds, spread), efficiency against
-    ``bound``, the raw step times and their spreads, the drift within a bracket (median, worst), the
-    verdict (:func:`treetrain.bench.paired.verdict`)."""
-    rounds = b.speedups(mode)
-    speed, raw, tree = noise.summary(rounds), noise.summary(b.raw(mode)), noise.summary(b.tree_steps())
-    return {
-        "speedup": speed["median"], "speedup_spread": speed["spread"], "rounds": speed["n"],
-        "speedups": rounds, "chunk_medians": b.chunk_medians(mode), "bound": bound,
-        "efficiency": speed["median"] / bound,
-        "step_s": raw["median"], "step_spread": raw["spread"], "tree_s": tree["median"],
-        "tree_spread": tree["spread"], "raw_speedup": raw["median"] / tree["median"],
-        "bracket_drift": b.bracket_drift(), "loss_diff": abs(b.losses[mode] - b.losses["tree"]),
-        "untrusted": paired.verdict(b, mode, bound),
-    }  # fmt: skip
-
-
-def mode_line(name: str, s: dict) -> str:
-    """A table row of :func:`mode_summary`."""
-    return (
-        f"| {name} | {s['speedup']:.2f}x | {s['bound']:.2f}x | **{s['efficiency']:.2f}** "
-        f"| {s['speedup_spread']:.1%} over {s['rounds']} | {s['chunk_medians']:.2f}x "
-        f"({s['chunk_medians'] / s['bound']:.2f}) | {s['step_s']:.1f} / {s['tree_s']:.1f} "
-        f"| {s['raw_speedup']:.2f}x | {s['step_spread']:.0%} / {s['tree_spread']:.0%} "
-        f"| {s['bracket_drift'][0]:.0%} / {s['bracket_drift'][1]:.0%} | {s['loss_diff']:.1e} |"
-    )
-
-
-MODE_HEAD = [
-    "vs", "speedup (bracketed)", "FLOP bound", "efficiency", "speedup spread over rounds",
-    "chunk medians (efficiency)",
-    "step s / tree step s (raw medians)", "raw speedup", "raw spread step / tree",
-    "tree steps around a chunk differ (median / worst)", "loss diff",
-]  # fmt: skip
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
     p.add_argument("--vision-layers", type=int, default=1)
@@ -269,7 +234,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--turns", type=int, default=6, help="turns of the episode (6: over an hour)")
     p.add_argument("--samples", type=int, default=2, help="actions sampled per turn")
     p.add_argument("--text", type=int, default=32, help="tokens of an action (a turn's text: half)")
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=paired.MIN_ROUNDS, help="timed rounds (3 or more)")
     p.add_argument(
         "--search",
         action="store_true",
@@ -280,6 +245,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="a tiny run that checks the code")
     p.add_argument("--estimate", action="store_true")
     p.add_argument("--write", action="store_true", help="record under benchmarks/results/")
+    p.add_argument(
+        "--rejudge",
+        type=Path,
+        metavar="RESULT_JSON",
+        help="judge a recorded run again from its .json (rewrites it and its .md; no timing)",
+    )
     add_allocator_flag(p)
     a = p.parse_args(argv)
     if a.quick:
@@ -356,6 +327,9 @@ def main(argv=None) -> int:
 
     a = parse_args(argv)
     a.argv = argv
+    if a.rejudge is not None:
+        print(gui_record.rejudge(a.rejudge), flush=True)
+        return 0
     model = gui_model(a)
     cost = CostModel.from_config(model.config)
     tree = episode(a)
@@ -395,49 +369,21 @@ def main(argv=None) -> int:
     logprob_diff = bench.max_logprob_diff(model, [tree], capacity, a.backend)
     tree_micro = bench.prepare("tree", [tree], capacity)
     budget = "one path per forward" if base_cap == bench.ONE_PATH else f"{base_cap:,} tokens a forward"
-    head = describe(a, model, rate) + (
+    preamble = describe(a, model, rate) + (
         f"\n\nEpisode: {tree.num_paths} paths, {work['baseline'].images} / {work['tree'].images} screenshots "
         f"encoded (baseline / tree); the vision tower is {share:.0%} of the baseline's FLOPs. Baseline: "
         f"{budget}{' (searched)' if budgets else ''}. Max |log-prob| difference tree - baseline: "
-        f"{logprob_diff:.1e}.\n\n## Timing\n\n"
-        "The per-path steps (the baseline's, TRL's) are cut into chunks of about one tree step's FLOPs; each "
-        "chunk runs between two tree steps and is measured in them (`treetrain.bench.paired`): a drift of "
-        "the machine's speed slower than a bracket cancels. Speedup: a step in tree steps, the median "
-        "of the rounds; beside it each chunk's median over rounds, summed (a stall in one chunk moves it "
-        "less). Judged: the spread over rounds, and how much the two tree steps around a chunk "
-        "differ (a drift as fast as a bracket, which the brackets do not cancel). The raw medians (whole "
-        "steps in seconds, and their ratio) show the drift the brackets cancel.\n\n"
-        "TRL: its own scoring (`GRPOTrainer._get_per_token_logps_and_entropies`), one path per forward (no "
-        "padding), its fused chunked head on the action's tokens only (compact, as TRL runs it on CUDA), "
-        "gradient checkpointing off, no entropies; each screenshot encoded once per path that holds it. "
-        "Its bound counts its work as the baseline's plus its head's recomputation in backward.\n\n"
-        + table_head(MODE_HEAD)
+        f"{logprob_diff:.1e}."
     )
-    bounds = {"baseline": base_f / tree_f, "trl": trl_f / tree_f}
     names = {"baseline": f"baseline ({budget})", "trl": "TRL GRPOTrainer, best configuration"}
 
     def write(b: paired.Bracketed, peaks: dict | None = None) -> None:
-        rows = {m: mode_summary(b, m, bounds[m]) for m in bounds}
-        text = head + "\n".join(mode_line(names[m], s) for m, s in rows.items())
-        if peaks is None:
-            text += "\n\nLive peaks: not measured (the run stopped before them, or is still running)."
-        else:
-            text += (
-                f"\n\nLive peak (tensors alive at once in one step): baseline {peaks['sequence']:,.0f} MiB, "
-                f"tree {peaks['tree']:,.0f} MiB."
-            )
-        bracket = "\n".join(
-            f"- round {r + 1}: tree steps {', '.join(f'{t:.1f}' for t in tree)} s; "
-            + "; ".join(f"{m} chunks {', '.join(f'{t:.1f}' for t in b.times[m][r])} s" for m in bounds)
-            for r, tree in enumerate(b.tree)
-        )
-        text += "\n\n### Every step (s)\n\n" + bracket + "\n\n"
-        text += noise_section(before, [(names[m], s["untrusted"]) for m, s in rows.items()])
-        flops = {"baseline": base_f, "tree": tree_f, "trl": trl_f}
-        data = {"modes": rows, "tree": b.tree, "times": b.times, "losses": b.losses, "peaks": peaks,
-                "logprob_diff": logprob_diff, "flops": flops, "vision_share": share,
+        data = {"preamble": preamble, "names": names, "before": {k: before[k] for k in ("line", "busy")},
+                "tree": b.tree, "times": b.times, "losses": b.losses, "load": gui_record.load_dict(b),
+                "peaks": peaks, "logprob_diff": logprob_diff,
+                "flops": {"baseline": base_f, "tree": tree_f, "trl": trl_f}, "vision_share": share,
                 "baseline_capacity": base_cap, "matmul_gflops": rate / 1e9}  # fmt: skip
-        record(a, text, data)
+        record(a, gui_record.render(data), data)
 
     with tempfile.TemporaryDirectory() as workdir:
         trainer = trl_trainer(model, workdir)

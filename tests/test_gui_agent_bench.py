@@ -73,3 +73,38 @@ def test_quick_runs(capsys):
     assert "| baseline (one path per forward) |" in out and "| TRL GRPOTrainer, best configuration |" in out
     assert "Live peak (tensors alive at once in one step): baseline" in out
     assert "- round 1: tree steps" in out
+
+
+def test_rejudge_renders_the_record_from_its_json_alone(tmp_path):
+    """A run's .json holds what its record says: ``--rejudge`` rewrites the .md and the rows from it (here
+    3 rounds of a steady machine, TRL's chunks a stall in round 2: the rounds spread, the chunk medians
+    and the verdict do not); a record without its preamble is refused by name."""
+    from benchmarks import gui_record
+
+    tree = [[10.0, 10.0, 10.0]] * 3
+    data = {
+        "preamble": "# GUI agent: screenshots in a tree\n\nprovenance line",
+        "names": {"baseline": "baseline (one path per forward)", "trl": "TRL"},
+        "before": {"line": "load average 0.1", "busy": []},
+        "tree": tree,
+        "times": {"baseline": [[30.0, 40.0]] * 3, "trl": [[30.0, 40.0], [60.0, 40.0], [30.0, 40.0]]},
+        "losses": {"tree": 1.0, "baseline": 1.0, "trl": 1.0 + 2e-4},
+        "load": {"cores": 2, "wall_s": 600.0, "loadavg": 1.0, "others_cores": 0.0, "steal": 0.01},
+        "peaks": {"sequence": 10.0, "tree": 8.0},
+        "flops": {"baseline": 7e12, "tree": 1e12, "trl": 7e12},
+    }
+    path = tmp_path / "gui_agent_x.json"
+    path.write_text(gui_agent.json.dumps(data))
+    assert gui_agent.main(["--rejudge", str(path)]) == 0
+    text = path.with_suffix(".md").read_text()
+    assert text.startswith("# GUI agent: screenshots in a tree\n\nprovenance line\n\n## Timing")
+    assert "| baseline (one path per forward) | 7.00x | 7.00x-7.00x | 7.00x | **1.00** (1.00-1.00) " in text
+    assert "| TRL | 7.00x | 7.00x-10.00x | 7.00x | **1.00** (1.00-1.43) | 7.00, 10.00, 7.00 (43%) " in text
+    assert "**NOT TRUSTWORTHY: 1 of 2 rows**" in text and "- TRL: trl: the speedup's 90% interval" in text
+    rows = gui_agent.json.loads(path.read_text())["modes"]
+    assert rows["baseline"]["untrusted"] == [] and rows["trl"]["speedups"] == [7.0, 10.0, 7.0]
+    assert "Load while timed: " in text and "Live peak (tensors alive at once in one step): baseline 10" in text
+    del data["preamble"]
+    path.write_text(gui_agent.json.dumps(data))
+    with pytest.raises(ValueError, match="gui_agent_x.json: no preamble"):
+        gui_record.rejudge(path)

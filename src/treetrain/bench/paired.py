@@ -24,9 +24,21 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from treetrain.bench import noise
 
-__all__ = ["Bracketed", "bracket_ratios", "bracketed_speedups", "chunks", "time_bracketed", "verdict"]
+MIN_ROUNDS = 3  # a chunk's median over fewer rounds is a mean (2) or one value (1): a stall moves it
+
+__all__ = [
+    "MIN_ROUNDS",
+    "Bracketed",
+    "bracket_ratios",
+    "bracketed_speedups",
+    "chunks",
+    "time_bracketed",
+    "verdict",
+]
 
 
 def chunks(work: list[float], target: float) -> list[list[int]]:
@@ -78,6 +90,25 @@ class Bracketed:
         ratios = self.ratios(mode)
         return sum(statistics.median(r[i] for r in ratios) for i in range(len(ratios[0])))
 
+    def interval(
+        self, mode: str, level: float = 0.9, draws: int = 4000, seed: int = 0
+    ) -> tuple[float, float]:
+        """A ``level`` bootstrap interval of :meth:`chunk_medians`: whole rounds drawn with replacement
+        (a round's chunks stay together, so whatever a round shares stays in), the estimate recomputed
+        per draw, the central ``level`` of the draws. It says how far the figure would move on another
+        run of as many rounds; the rounds' own spread says how noisy one round is, which with stalls is
+        more than the median of several rounds. ``seed``: the same record gives the same interval.
+
+        Example: ratios ``[[1, 2], [1, 1], [3, 1]]`` (estimate 2) give ``(2.0, 4.0)``: a draw with the
+        third round twice or more (chunk 1's median 3, chunk 2's 1) makes it 4, with the first twice
+        or more 3 (chunk 2's median 2); 7 / 27 of the draws each."""
+        ratios = np.asarray(self.ratios(mode))  # [rounds, chunks]
+        n = len(ratios)
+        picks = np.random.default_rng(seed).integers(0, n, size=(draws, n))  # [draws, rounds]
+        est = np.sort(np.median(ratios[picks], axis=1).sum(axis=1))  # [draws]
+        tail = (1 - level) / 2
+        return float(est[int(tail * (draws - 1))]), float(est[int(round((1 - tail) * (draws - 1)))])
+
     def raw(self, mode: str) -> list[float]:
         """Per round: ``mode``'s whole step (its chunks summed), in seconds."""
         return [sum(c) for c in self.times[mode]]
@@ -110,12 +141,30 @@ def bracketed_speedups(tree: list[float], chunk_s: list[float]) -> float:
 
 
 def verdict(b: Bracketed, mode: str, bound: float | None = None) -> list[str]:
-    """Why ``mode``'s bracketed speedup is not to be trusted (empty: no reason found): its spread over
-    rounds (:func:`treetrain.bench.noise.verdict`, with the load and the FLOP bound), and a typical
-    bracket whose tree steps differ by more than :data:`treetrain.bench.noise.MAX_SPREAD`."""
-    speed = noise.summary(b.speedups(mode))
-    efficiency = None if bound is None else speed["median"] / bound
-    reasons = noise.verdict({f"{mode} bracketed speedup": speed}, b.load, bound, efficiency)
+    """Why ``mode``'s speedup (:meth:`Bracketed.chunk_medians`) is not to be trusted (empty: no reason
+    found): fewer than :data:`MIN_ROUNDS` rounds; its :meth:`Bracketed.interval` wider than
+    :data:`treetrain.bench.noise.MAX_SPREAD` of it; the machine busy (:func:`treetrain.bench.noise.busy`);
+    above :data:`treetrain.bench.noise.MAX_EFFICIENCY` of ``bound``; or a typical bracket whose tree
+    steps differ by more than ``MAX_SPREAD`` (a drift as fast as a bracket, which none cancels).
+
+    The rounds' own spread is not a reason: a stall that slows one chunk of one round (the 2-core VM's
+    equal chunks took 39, 50 and 83 s) widens it without moving the chunks' medians, and the interval
+    is what says how far the figure itself is from another run's."""
+    rounds = len(b.tree)
+    if rounds < MIN_ROUNDS:
+        return [
+            f"{mode}: {rounds} timed round(s), a chunk's median needs {MIN_ROUNDS} "
+            f"(use --repeats {MIN_ROUNDS} or more)"
+        ]
+    speed = b.chunk_medians(mode)
+    lo, hi = b.interval(mode)
+    reasons = []
+    if (hi - lo) / speed > noise.MAX_SPREAD:
+        reasons.append(
+            f"{mode}: the speedup's 90% interval {lo:.2f}x-{hi:.2f}x is {(hi - lo) / speed:.0%} of it "
+            f"(> {noise.MAX_SPREAD:.0%}) over {rounds} rounds: more rounds, or a quieter machine"
+        )
+    reasons += noise.verdict({}, b.load, bound, None if bound is None else speed / bound)
     typical, _ = b.bracket_drift()
     if typical > noise.MAX_SPREAD:
         reasons.append(
