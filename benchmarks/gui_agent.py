@@ -246,6 +246,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--estimate", action="store_true")
     p.add_argument("--write", action="store_true", help="record under benchmarks/results/")
     p.add_argument(
+        "--peaks-into",
+        type=Path,
+        metavar="RESULT_JSON",
+        help="measure only the live peaks (tensor bytes, not timing) of a recorded run's preset and "
+        "baseline budget, add them to its .json and render its .md again (run with the same preset flags)",
+    )
+    p.add_argument(
         "--rejudge",
         type=Path,
         metavar="RESULT_JSON",
@@ -333,6 +340,10 @@ def main(argv=None) -> int:
     model = gui_model(a)
     cost = CostModel.from_config(model.config)
     tree = episode(a)
+    if a.peaks_into is not None:
+        use_allocator(a)
+        print(peaks_into(a, model, tree, a.peaks_into), flush=True)
+        return 0
     capacity = tree.num_tokens
     work = {"baseline": baseline_work([tree], 14), "tree": tree_work([tree], 14)}
     vocab = model.config.get_text_config().vocab_size
@@ -391,10 +402,32 @@ def main(argv=None) -> int:
         tree_step = lambda: bench.train_step("tree", model, [tree], tree_micro, a.backend)  # noqa: E731
         reset = lambda: model.zero_grad(set_to_none=True)  # noqa: E731
         b = paired.time_bracketed(tree_step, steps, a.repeats, reset, say, on_round=write)
-    micro = {"sequence": [pack(u) for u in units], "tree": tree_micro}
-    peaks = {m: bench.live_peak_mb(m, model, [tree], micro[m], a.backend) for m in micro}
-    write(b, peaks)
+    write(b, live_peaks(model, tree, units, tree_micro, a.backend))
     return 0
+
+
+def live_peaks(model, tree: TrajectoryTree, units: list, tree_micro: list, backend) -> dict[str, float]:
+    """MiB of tensors alive at once in one baseline step (``units``' micro-batches) and one tree step."""
+    micro = {"sequence": [pack(u) for u in units], "tree": tree_micro}
+    return {m: bench.live_peak_mb(m, model, [tree], micro[m], backend) for m in micro}
+
+
+def peaks_into(a, model, tree: TrajectoryTree, path: Path) -> str:
+    """Measure the live peaks of the run recorded in ``path`` (its baseline budget; the preset from ``a``,
+    which must match the record's) and render its record again with them (:func:`gui_record.rejudge`)."""
+    data = json.loads(path.read_text())
+    cost, vocab = CostModel.from_config(model.config), model.config.get_text_config().vocab_size
+    base_f = bench.case_flops([tree], tree.num_tokens, cost, vocab)[0]
+    if abs(base_f / data["flops"]["baseline"] - 1) > 1e-9:
+        raise ValueError(
+            f"{path}: recorded for another preset (its baseline step is {data['flops']['baseline']:.4g} "
+            f"FLOPs, these flags' {base_f:.4g}): pass the flags it was run with"
+        )
+    units = bench.micro_units("sequence", [tree], data["baseline_capacity"])
+    tree_micro = bench.prepare("tree", [tree], tree.num_tokens)
+    data["peaks"] = live_peaks(model, tree, units, tree_micro, a.backend)
+    path.write_text(json.dumps(data, indent=1))
+    return gui_record.rejudge(path)
 
 
 def _paths(tree: TrajectoryTree) -> list[TrajectoryTree]:

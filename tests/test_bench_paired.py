@@ -5,7 +5,6 @@ work times the machine's slowness at that moment."""
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import pytest
@@ -83,15 +82,8 @@ def bracketed_run(machine: DriftingMachine, rounds: int = 3, **kw) -> tuple[pair
         "other": [machine.step(1.5, loss=1.0), machine.step(1.5, loss=1.0)],
     }
     return paired.time_bracketed(
-        machine.step(1.0, loss=1.0), modes, rounds, clock=machine.perf_counter, **kw
+        machine.step(1.0, loss=1.0), modes, rounds, clock=machine.perf_counter, monitor=None, **kw
     ), cut
-
-
-def simulated(b: paired.Bracketed) -> paired.Bracketed:
-    """``b`` without the real machine's load: the simulated run takes microseconds of wall time, over
-    which the load ``time_bracketed`` measures is whatever else the machine ran (e.g. another test
-    worker), so only the simulated times are judged."""
-    return dataclasses.replace(b, load=None)
 
 
 def test_a_steady_machine_gives_the_work_ratio():
@@ -108,10 +100,11 @@ def test_a_steady_machine_gives_the_work_ratio():
     )
     assert b.speedups("other") == pytest.approx([3.0, 3.0]) and b.tree_steps() == pytest.approx([1.0, 1.0])
     assert b.bracket_drift() == pytest.approx((0.0, 0.0))
-    assert paired.verdict(simulated(b), "baseline", bound=6.7)[0].startswith("baseline: 2 timed round(s)")
+    assert b.load is None  # monitor=None: a simulated clock's run has no real time to measure
+    assert paired.verdict(b, "baseline", bound=6.7)[0].startswith("baseline: 2 timed round(s)")
     b, _ = bracketed_run(DriftingMachine(), 3)
     assert b.interval("baseline") == pytest.approx((6.7, 6.7))
-    assert paired.verdict(simulated(b), "baseline", bound=6.7) == []
+    assert paired.verdict(b, "baseline", bound=6.7) == []
 
 
 @pytest.mark.parametrize("phase", [13.0, 20.0, 31.0, 47.0])
@@ -127,7 +120,7 @@ def test_slow_phases_longer_than_a_bracket_cancel(phase):
     assert max(abs(r) for r in raw) > 0.10
     typical, worst = b.bracket_drift()
     assert typical == pytest.approx(0.0) and worst > 0.5  # a few brackets straddle a change of speed
-    assert paired.verdict(simulated(b), "baseline", bound=6.7) == []
+    assert paired.verdict(b, "baseline", bound=6.7) == []
 
 
 @pytest.mark.parametrize("phase", [2.0, 5.0, 8.0])
@@ -137,7 +130,7 @@ def test_phases_as_short_as_a_bracket_are_distrusted(phase):
     machine = DriftingMachine(phase=phase)
     b, _ = bracketed_run(machine)
     assert b.bracket_drift()[0] > 0.10
-    reasons = paired.verdict(simulated(b), "baseline", bound=6.7)
+    reasons = paired.verdict(b, "baseline", bound=6.7)
     assert any("the tree steps around a chunk differ by" in r for r in reasons), reasons
 
 
@@ -207,7 +200,7 @@ def test_stalls_widen_the_rounds_not_the_chunk_medians():
         errors.append(abs(b.chunk_medians("baseline") / 6.7 - 1))
         lo, hi = b.interval("baseline")
         covered += lo <= 6.7 <= hi
-        if paired.verdict(simulated(b), "baseline", bound=6.7) == []:
+        if paired.verdict(b, "baseline", bound=6.7) == []:
             trusted.append(errors[-1])
     assert spread == 36 and max(errors) < 0.05
     assert covered == 35 and len(trusted) == 33
@@ -215,7 +208,7 @@ def test_stalls_widen_the_rounds_not_the_chunk_medians():
 
 def test_too_few_rounds_are_not_judged():
     b, _ = bracketed_run(DriftingMachine(), rounds=2)
-    assert paired.verdict(simulated(b), "baseline", bound=6.7) == [
+    assert paired.verdict(b, "baseline", bound=6.7) == [
         "baseline: 2 timed round(s), a chunk's median needs 3 (use --repeats 3 or more)"
     ]
 

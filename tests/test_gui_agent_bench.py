@@ -103,8 +103,34 @@ def test_rejudge_renders_the_record_from_its_json_alone(tmp_path):
     assert "**NOT TRUSTWORTHY: 1 of 2 rows**" in text and "- TRL: trl: the speedup's 90% interval" in text
     rows = gui_agent.json.loads(path.read_text())["modes"]
     assert rows["baseline"]["untrusted"] == [] and rows["trl"]["speedups"] == [7.0, 10.0, 7.0]
-    assert "Load while timed: " in text and "Live peak (tensors alive at once in one step): baseline 10" in text
+    assert "Load while timed: " in text and "in one step): baseline 10 MiB, tree 8 MiB." in text
     del data["preamble"]
     path.write_text(gui_agent.json.dumps(data))
     with pytest.raises(ValueError, match="gui_agent_x.json: no preamble"):
         gui_record.rejudge(path)
+
+
+def test_peaks_into_a_record(tmp_path):
+    """``--peaks-into``: the live peaks of a recorded run's preset, measured alone and added to its record;
+    a record of another preset is refused (its baseline FLOPs differ)."""
+    a = gui_agent.parse_args(["--quick"])
+    model, tree = gui_agent.gui_model(a), gui_agent.episode(a)
+    cost = gui_agent.CostModel.from_config(model.config)
+    vocab = model.config.get_text_config().vocab_size
+    base_f, tree_f, _ = bench.case_flops([tree], tree.num_tokens, cost, vocab)
+    data = {
+        "preamble": "# GUI agent", "names": {"baseline": "baseline"},
+        "before": {"line": "idle", "busy": []}, "tree": [[1.0, 1.0]] * 3,
+        "times": {"baseline": [[5.0]] * 3}, "losses": {"tree": 1.0, "baseline": 1.0},
+        "flops": {"baseline": base_f, "tree": tree_f}, "baseline_capacity": bench.ONE_PATH, "peaks": None,
+    }  # fmt: skip
+    path = tmp_path / "gui_agent_x.json"
+    path.write_text(gui_agent.json.dumps(data))
+    assert gui_agent.main(["--quick", "--allocator", "system", "--peaks-into", str(path)]) == 0
+    peaks = gui_agent.json.loads(path.read_text())["peaks"]
+    assert set(peaks) == {"sequence", "tree"} and all(v > 0 for v in peaks.values())
+    assert f"baseline {peaks['sequence']:,.0f} MiB" in path.with_suffix(".md").read_text()
+    data["flops"]["baseline"] *= 2
+    path.write_text(gui_agent.json.dumps(data))
+    with pytest.raises(ValueError, match="recorded for another preset"):
+        gui_agent.main(["--quick", "--allocator", "system", "--peaks-into", str(path)])

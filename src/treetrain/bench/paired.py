@@ -183,13 +183,16 @@ def time_bracketed(
     progress: Callable[[str], None] | None = None,
     on_round: Callable[[Bracketed], None] | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    monitor: Callable[[], noise.Monitor] | None = noise.Monitor,
 ) -> Bracketed:
     """``rounds`` timed rounds of ``tree, chunk 1 of each mode, tree, chunk 2 ..., tree`` after an
     untimed warm-up (a tree step and each mode's first chunk). ``modes``: each mode's step as chunks
     (callables returning their part of the step's loss); the modes' order alternates between rounds.
     ``reset()`` runs before each round (e.g. ``model.zero_grad``: within a round gradients
     accumulate, as over a step's micro-batches); ``on_round(result so far)`` after each timed round
-    (a long run records as it goes); ``progress(line)`` after each step; ``clock``: the timer."""
+    (a long run records as it goes); ``progress(line)`` after each step; ``clock``: the timer;
+    ``monitor``: measures the machine's load over the timed rounds (None: not measured, e.g. for a
+    simulated ``clock``, whose rounds take no real time to measure a load over)."""
     if rounds < 1:
         raise ValueError(f"time_bracketed: rounds={rounds}, needs at least 1 timed round")
     out = Bracketed(times={m: [] for m in modes})
@@ -206,7 +209,7 @@ def time_bracketed(
     for m, parts in modes.items():
         dt, _ = timed(parts[0])
         say(f"warm-up: {m} chunk 1 of {len(parts)}: {dt:.1f} s")
-    monitor = noise.Monitor().start()
+    watch = monitor().start() if monitor is not None else None
     n = max(len(parts) for parts in modes.values())
     for r in range(1, rounds + 1):
         reset()
@@ -229,7 +232,7 @@ def time_bracketed(
         for m in modes:
             out.times[m].append(times[m])
             out.losses.setdefault(m, losses[m])
-        out.load = monitor.stop()
+        out.load = watch.stop() if watch is not None else None
         if on_round is not None:
             on_round(out)
     return out
