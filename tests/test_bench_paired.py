@@ -163,8 +163,12 @@ def test_interval_hand_written():
     b = paired.Bracketed(tree=[[1.0, 1.0, 1.0]] * 3, times={"m": [[1.0, 2.0], [1.0, 1.0], [3.0, 1.0]]})
     assert b.interval("m") == (2.0, 4.0) and b.interval("m", level=0.4) == (2.0, 3.0)
     assert b.interval("m", seed=1) == b.interval("m", seed=1)
+    lo, hi = b.interval("m", draws=101)  # fewer draws: still values the estimator takes
+    assert {lo, hi} <= {2.0, 3.0, 4.0} and lo <= 2.0 <= hi
     steady = paired.Bracketed(tree=[[1.0, 1.0, 1.0]] * 3, times={"m": [[3.0, 4.0]] * 3})
     assert steady.interval("m") == (7.0, 7.0) and paired.verdict(steady, "m", bound=7.0) == []
+    assert paired.verdict(steady, "m", bound=6.0)[0].startswith("ABOVE THE BOUND: efficiency 1.17")
+    assert paired.verdict(steady, "m") == []  # no bound: no efficiency to judge
 
 
 class StallingMachine(DriftingMachine):
