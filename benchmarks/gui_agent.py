@@ -6,7 +6,7 @@ patching (1280 wide, MLP 3420, 14-pixel patches, 2 x 2 merge, windowed and full-
 with ``--vision-layers`` layers (Qwen2.5-VL has 32; a 2-core CPU step allows 1, full attention), and a
 text model of ``--hidden`` x ``--layers`` (512 x 2; Qwen2.5-VL-3B's is 2048 x 36: reduced to fit the
 CPU, the tower's FLOPs dominate either way) with Qwen's 151,936-token vocabulary. An episode of
-``--turns`` turns (6: 69 min with ``--repeats 3`` on the 2-core Xeon VM; 8: ``--estimate`` says
+``--turns`` turns (6: 69 min with ``--repeats 3``, 135 with 5, on the 2-core Xeon VM; 8: ``--estimate`` says
 101 min): a task prompt, then per turn a tool result carrying a screenshot of about a thousand
 vision tokens (``--grid``: 62 x 64 patches = 992 tokens after the merge) and the assistant's action;
 per-turn training samples with ``--samples`` actions sampled at each turn, so path (k, j) holds

@@ -79,8 +79,8 @@ def mode_line(name: str, s: dict) -> str:
 def render(data: dict) -> str:
     """The record's markdown from a run's data: ``preamble`` (provenance, preset, episode), ``names`` and
     ``flops`` of the modes, the timings (:func:`bracketed`), ``peaks`` (None: not measured), ``before``
-    (the machine's load before the run); fills ``data["modes"]`` with each mode's
-    :func:`mode_summary`."""
+    (the machine's load before the run), ``reading`` (optional: a hand-written reading, kept last);
+    fills ``data["modes"]`` with each mode's :func:`mode_summary`."""
     b = bracketed(data)
     flops, names = data["flops"], data["names"]
     rows = {m: mode_summary(b, m, flops[m] / flops["tree"]) for m in names}
@@ -105,7 +105,8 @@ def render(data: dict) -> str:
         text += "Load while timed: not recorded by this run.\n\n"
     else:
         text += f"Load while timed: {noise.describe(b.load)}.\n\n"
-    return text + noise_section(data["before"], [(names[m], s["untrusted"]) for m, s in rows.items()])
+    text += noise_section(data["before"], [(names[m], s["untrusted"]) for m, s in rows.items()])
+    return text + (f"\n{data['reading']}" if data.get("reading") else "")
 
 
 def load_dict(b: paired.Bracketed) -> dict | None:

@@ -104,6 +104,9 @@ def test_rejudge_renders_the_record_from_its_json_alone(tmp_path):
     rows = gui_agent.json.loads(path.read_text())["modes"]
     assert rows["baseline"]["untrusted"] == [] and rows["trl"]["speedups"] == [7.0, 10.0, 7.0]
     assert "Load while timed: " in text and "in one step): baseline 10 MiB, tree 8 MiB." in text
+    data["reading"] = "## Reading (by hand)\n\nThe stall was mine."
+    path.write_text(gui_agent.json.dumps(data))
+    assert gui_record.rejudge(path).endswith("\n## Reading (by hand)\n\nThe stall was mine.")
     del data["preamble"]
     path.write_text(gui_agent.json.dumps(data))
     with pytest.raises(ValueError, match="gui_agent_x.json: no preamble"):
