@@ -87,8 +87,7 @@ class Bracketed:
         a stall that slows one chunk in one round (the VM's steps of equal work took 39 s and 83 s) moves
         it less than it moves that round's sum. Example: ratios ``[[1, 2], [1, 1], [3, 1]]`` (3 rounds,
         2 chunks) give ``1 + 1 = 2``; the rounds' sums are 3, 2 and 4."""
-        ratios = self.ratios(mode)
-        return sum(statistics.median(r[i] for r in ratios) for i in range(len(ratios[0])))
+        return float(np.median(np.asarray(self.ratios(mode)), axis=0).sum())  # [rounds, chunks] -> sum
 
     def interval(
         self, mode: str, level: float = 0.9, draws: int = 4000, seed: int = 0
