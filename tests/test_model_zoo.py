@@ -180,9 +180,46 @@ def test_exact_architecture(model_type):
         assert tree.__dict__.get("_treetrain_rotary"), f"{model_type}: no length-dependent rotary patched"
     g_tree, g_ref = grads(tree), grads(ref)
     assert grad_err(g_tree, g_ref) < GRAD_TOL
+    silent = _silent_parameters(ref)
+    assert not {n for n in silent if not _no_gradient_reason(model_type, n)}, silent
     if model_type == "gpt_oss":  # the sinks train (they got no gradient before)
         sinks = [n for n in g_ref if n.endswith("sinks")]
         assert sinks and all(g_ref[n].abs().max() > 1e-3 for n in sinks)
+
+
+# parameters HF itself gives no gradient (or one that is 0 up to rounding), by name (a suffix, or a
+# piece of the name), each with why; any other parameter with no gradient fails test_exact_architecture:
+# a zoo config under which a trained branch never acts (a zero init, a router with one expert left)
+NO_GRADIENT = {
+    "expert_bias": "aux-loss-free balancing (AFMoE): a bias that only picks the top-k experts",
+    "e_score_correction_bias": "aux-loss-free balancing (ERNIE 4.5 MoE, Laguna): only picks experts",
+    ".indexer.": "sparse attention's indexer (DSA, MiniMax-M3): HF runs it without gradient (a selection)",
+    "z_L_init": "HRM's frozen low-cycle initial state (requires_grad False in HF)",
+    "k_proj.bias": "a key bias adds q.b to all of a query's scores, which softmax cancels: its true "
+    "gradient is 0, HF's is rounding (BioGPT)",
+    "Wk.bias": "as k_proj.bias (CTRL)",
+}
+# types whose HF code drops a trained parameter from the forward the zoo runs
+NO_GRADIENT_BY_TYPE = {
+    "bloom": ("dense.bias", "pretraining_tp > 1 with slow_but_exact adds the attention output's "
+              "partial products without the dense bias (HF's BloomAttention)"),
+}  # fmt: skip
+
+
+def _silent_parameters(model) -> list[str]:
+    """Parameters whose gradient is None or at most 1e-9 of the model's largest gradient entry."""
+    scale = max(p.grad.abs().max().item() for p in model.parameters() if p.grad is not None)
+    return [
+        n for n, p in model.named_parameters() if p.grad is None or p.grad.abs().max().item() <= 1e-9 * scale
+    ]
+
+
+def _no_gradient_reason(model_type: str, name: str) -> str | None:
+    """Why ``name`` legitimately gets no gradient in ``model_type`` (None: it should get one)."""
+    own = NO_GRADIENT_BY_TYPE.get(model_type)
+    if own is not None and own[0] in name:
+        return own[1]
+    return next((why for key, why in NO_GRADIENT.items() if key in name), None)
 
 
 class FooMamba2Mixer(nn.Module):

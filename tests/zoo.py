@@ -195,6 +195,9 @@ PER_TYPE = {
         enable_moe_block=True,
         top_k_experts=2,
     ),
+    # PhiMoE's sparsemixer keeps the experts scoring within 2 * router_jitter_noise (relative) of the
+    # best; at its default 0.01 one expert is left, its softmax weight exactly 1: a router without gradient
+    "phimoe": dict(router_jitter_noise=0.5),
     # DSA with a layer that reuses the previous layer's key selection
     "glm_moe_dsa": dict(indexer_types=["full", "shared"]),
     "hy_v4": dict(indexer_types=["full", "shared"]),
@@ -227,6 +230,9 @@ PER_TYPE = {
         num_expert_group=2,
         kda_lower_bound=-3.0,
         short_conv_kernel_size=3,
+        # transformers 5.25: SwiGLU clips per layer (0: none), binding ones on the MoE layer
+        expert_swiglu_limit_list=[0, 1.0],
+        share_expert_swiglu_limit_list=[0, 1.0],
         linear_head_dim=8,
         linear_num_heads=4,
         linear_conv_kernel_dim=3,
@@ -428,7 +434,13 @@ AWAY = dict(
 
 # per-layer lists a config derives from its layer count when not given (MoE layer kinds from
 # first_k_dense_replace, heads per layer, indexer kinds)
-PER_LAYER = ("mlp_layer_types", "num_attention_heads_per_layer", "indexer_types")
+PER_LAYER = (
+    "mlp_layer_types",
+    "num_attention_heads_per_layer",
+    "indexer_types",
+    "expert_swiglu_limit_list",
+    "share_expert_swiglu_limit_list",
+)
 
 
 def causal_lm_types() -> dict[str, str]:
@@ -453,8 +465,13 @@ def _global(cfg, name: str) -> bool:
     return True
 
 
-def zoo_config(model_type: str):
-    """The tiny config of ``model_type`` (may raise: not every type builds from its defaults)."""
+def zoo_config(model_type: str, revert: str | None = None):
+    """The tiny config of ``model_type`` (may raise: not every type builds from its defaults).
+
+    ``revert``: one option the zoo sets (a key of :func:`zoo_options`, or ``"rope"`` for the
+    length-dependent rotary table) put back to the type's default, all else as the zoo has it: the
+    config of an ablation that shows whether the option acts.
+    """
     cfg = CONFIG_MAPPING[model_type]()
     amap = getattr(cfg, "attribute_map", {})
     prop = lambda k: isinstance(getattr(type(cfg), amap.get(k, k), None), property)  # noqa: E731
@@ -466,6 +483,10 @@ def zoo_config(model_type: str):
     over.update(PER_TYPE.get(model_type, {}))
     # a heterogeneous config's per-layer overrides are the default's layers': PER_TYPE sets its own
     base = {k: v for k, v in cfg.to_dict().items() if not prop(k) and k != "per_layer_config"}
+    if revert is not None and revert != "rope":
+        assert revert in over, (model_type, revert)
+        default = None if revert in PER_LAYER else base.get(revert, getattr(cfg, revert, None))
+        over[revert] = copy.deepcopy(default)  # a per-layer list: derived again for the small depth
     layer_types = getattr(cfg, "layer_types", None)
     if layer_types and settable("layer_types") and "layer_types" not in over:
         kinds = list(dict.fromkeys(layer_types + _derived_layer_types(type(cfg), base, over)))
@@ -476,8 +497,20 @@ def zoo_config(model_type: str):
         if settable(k) and k not in over and getattr(cfg, k, None) is not None:
             over[k] = None
     small = type(cfg)(**{**base, **over})
-    length_dependent_rope(small, rope_kind(model_type), ROPE_EXTRA.get(model_type, {}))
+    if revert != "rope":
+        length_dependent_rope(small, rope_kind(model_type), ROPE_EXTRA.get(model_type, {}))
     return small
+
+
+def zoo_options(model_type: str) -> list[str]:
+    """The options the zoo sets away from ``model_type``'s defaults (the scalings and attention extras
+    of ``AWAY``, the type's own ``PER_TYPE`` entries) that the config has, each a candidate for
+    :func:`zoo_config`'s ``revert``."""
+    cfg = CONFIG_MAPPING[model_type]()
+    amap = getattr(cfg, "attribute_map", {})
+    prop = lambda k: isinstance(getattr(type(cfg), amap.get(k, k), None), property)  # noqa: E731
+    away = [k for k in AWAY if _has(cfg, k) and not prop(k)]
+    return list(dict.fromkeys(away + list(PER_TYPE.get(model_type, {}))))
 
 
 # the zoo paths have 6, 6, 8 and 9 tokens: a threshold of 7 puts them on both sides
@@ -563,11 +596,14 @@ def _derived_layer_types(cls, base: dict, over: dict) -> list[str]:
         return []
 
 
-def zoo_model(model_type: str, dtype=torch.float64, seed: int = 0, attn: str = "eager"):
+def zoo_model(
+    model_type: str, dtype=torch.float64, seed: int = 0, attn: str = "eager", revert: str | None = None
+):
     """A tiny random-init ``...ForCausalLM`` of ``model_type``, its init widened so log-probs are far
-    from uniform; built in float32, then cast (HF's init draws differ per dtype)."""
+    from uniform; built in float32, then cast (HF's init draws differ per dtype). ``revert``: as
+    :func:`zoo_config`'s."""
     torch.manual_seed(seed)
-    cfg = zoo_config(model_type)
+    cfg = zoo_config(model_type, revert)
     cfg._attn_implementation = attn  # HF's literal definition of every attention extra
     cfg._experts_implementation = "eager"  # grouped_mm has no float64 kernel
     cls = getattr(transformers, causal_lm_types()[model_type])
@@ -583,6 +619,9 @@ def zoo_model(model_type: str, dtype=torch.float64, seed: int = 0, attn: str = "
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)  # dynamic conv taps, depth-attention queries
             elif name.endswith("lm_head.logit_scale"):  # Dory's per-token logit scale: 1 at init
                 p.mul_(torch.rand(p.shape, generator=g) * 1.5 + 0.5)
+            elif not p.any():  # a zero init silences its branch (xLSTM's gate and FFN projections,
+                # Gemma 3n's AltUp output scales: constant gates, zero gradients): random, to act
+                p.copy_(torch.randn(p.shape, generator=g) * (0.06 if p.ndim >= 2 else 0.3))
             elif p.ndim >= 2:
                 p.mul_(3.0)
             elif name.endswith("sinks"):  # GPT-OSS: sinks comparable to the scores, so they matter
