@@ -189,6 +189,9 @@ PER_TYPE = {
         moe_router_logit_softcapping=2.0,
     ),
     "mellum": dict(layer_types=["full_attention", "sliding_attention"]),
+    # a sparse mixer that keeps more than the top expert: its default mask (scores within a relative
+    # 2 * 0.01 of the top) keeps only it, whose weight is then 1, so the router got no gradient
+    "phimoe": dict(router_jitter_noise=0.5),
     # a dense and an MoE layer: their defaults make the first 3 (Beam) or 2 (Flint) layers dense
     "beam": dict(mlp_layer_types=["dense", "sparse"]),
     "flint": dict(mlp_only_layers=[0]),
