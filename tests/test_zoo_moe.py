@@ -151,7 +151,7 @@ def hf_aux_per_path(model, paths) -> torch.Tensor:
     return func(tuple(per_layer), model.num_experts, model.num_experts_per_tok)
 
 
-# float64 end to end: only summation order differs (measured <= 2.2e-16 value, 5.4e-15 gradients)
+# float64 end to end: only summation order differs (measured <= 2.2e-16 value, 5.8e-15 gradients)
 AUX_TOL = 1e-9
 
 
