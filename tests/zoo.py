@@ -230,7 +230,7 @@ PER_TYPE = {
         linear_conv_kernel_dim=3,
     ),
     # Bailing: SwiGLU clips at 0.5 on the MoE layer's experts and shared expert (they bind on the zoo
-    # paths), one limit per layer (the default lists have 42: transformers 5.24 refuses another length)
+    # paths), one limit per layer (the default lists have 42: transformers 5.25 refuses another length)
     "bailing_hybrid": dict(
         layer_types=["linear_attention", "full_attention"],
         mlp_layer_types=["dense", "sparse"],
