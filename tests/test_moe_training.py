@@ -5,10 +5,15 @@ summation order differs, ~1e-14; bound 1e-11); ``treetrain train`` reports it as
 
 from __future__ import annotations
 
+import json
+import math
+
 import pytest
 import torch
+import transformers
 
 from treetrain import TrajectoryTree, pack
+from treetrain.cli import main
 from treetrain.objectives.moe_aux import aux_coef, micro_batch_aux_loss, recording
 from treetrain.objectives.path_outputs import path_target_logprobs
 from treetrain.train.config import TrainConfig
@@ -18,6 +23,7 @@ from .hybrid_models import float64_everywhere, tiny_hybrid_config, tiny_hybrid_m
 from .reference import grads, reference_copy, rel_err, tiny_model
 from .test_moe import baseline_loss
 from .test_train import write_trees
+from .zoo import zoo_config
 
 PATHS = [[1, 2, 3, 4, 5], [1, 2, 3, 6], [1, 2, 7, 8, 9, 10], [11, 12], [1, 2, 3, 4, 5]]
 
@@ -65,3 +71,47 @@ def test_train_reports_aux_loss_tree_equals_sequence(tmp_path):
     for a, b in zip(records["tree"], records["sequence"]):
         assert a["aux_loss"] > 0 and a["aux_loss"] == pytest.approx(b["aux_loss"], rel=1e-5)
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+
+
+def _all_dense_flint(**over):
+    """Flint (an MoE type, its HF forward adds ``router_aux_loss_coef * aux``) with every layer dense."""
+    cfg = zoo_config("flint")
+    cfg.mlp_only_layers = list(range(cfg.num_hidden_layers))
+    for k, v in over.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def test_aux_coef_without_routers():
+    """No router built: nothing to add at the config's default coefficient, a ValueError naming the
+    field at a coefficient the user set; an empty recording is a ValueError, not an IndexError."""
+    model = transformers.AutoModelForCausalLM.from_config(_all_dense_flint())
+    assert model.config.router_aux_loss_coef == 0.0005  # FlintConfig's default: not asked for
+    assert aux_coef(model) is None
+    with recording(model, aux_coef(model)) as logits:
+        assert logits is None
+    packed = pack(TrajectoryTree.from_paths(PATHS))
+    with pytest.raises(ValueError, match="no router logits recorded"):
+        micro_batch_aux_loss(model, packed, "tree", [])
+    asked = transformers.AutoModelForCausalLM.from_config(_all_dense_flint(router_aux_loss_coef=0.01))
+    with pytest.raises(ValueError, match=r"router_aux_loss_coef=0\.01, but every layer is dense"):
+        aux_coef(asked)
+    zero = transformers.AutoModelForCausalLM.from_config(_all_dense_flint(router_aux_loss_coef=0.0))
+    assert aux_coef(zero) is None  # a coefficient of 0 asks for nothing
+
+
+def test_cli_train_moe_type_with_dense_layers(tmp_path, capsys):
+    """``treetrain train`` on an MoE type built all dense: trains without an aux term (it raised
+    IndexError in the step), and refuses by name a coefficient set for the routers it lacks."""
+    write_trees(tmp_path / "trees.jsonl", n_trees=2)
+    _all_dense_flint().save_pretrained(tmp_path / "dense")
+    _all_dense_flint(router_aux_loss_coef=0.01).save_pretrained(tmp_path / "asked")
+    common = ["--data", str(tmp_path / "trees.jsonl"), "--steps", "1", "--batch-trees", "2", "--no-progress"]
+    common += ["--device", "cpu", "--prefetch", "0"]
+    assert main(["train", "--model", str(tmp_path / "dense"), "--output", str(tmp_path / "a"), *common]) == 0
+    records = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 1 and "aux_loss" not in records[0] and math.isfinite(records[0]["loss"])
+    capsys.readouterr()
+    assert main(["train", "--model", str(tmp_path / "asked"), "--output", str(tmp_path / "b"), *common]) == 2
+    err = capsys.readouterr().err
+    assert "router_aux_loss_coef=0.01, but every layer is dense" in err and "Traceback" not in err

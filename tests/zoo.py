@@ -92,7 +92,10 @@ PER_TYPE = {
     "olmoe": dict(sliding_window=3),
     # short convolutions: width 4 (default 3; LFM3 7) with a bias (default none)
     "lfm2": dict(layer_types=["conv", "full_attention"], conv_L_cache=4, conv_bias=True),
-    "lfm2_moe": dict(layer_types=["conv", "full_attention"], conv_L_cache=4, conv_bias=True),
+    # and a dense then a sparse (MoE) layer: its default num_dense_layers=2 would cover both
+    "lfm2_moe": dict(
+        layer_types=["conv", "full_attention"], conv_L_cache=4, conv_bias=True, num_dense_layers=1
+    ),
     "lfm3": dict(conv_L_cache=4, conv_bias=True),
     # Gated DeltaNet hybrids: grouped value heads (2 key, 4 value heads of 8), conv width 3 (default 4)
     "lara_mini": dict(_GDN_SMALL),
@@ -186,6 +189,12 @@ PER_TYPE = {
         moe_router_logit_softcapping=2.0,
     ),
     "mellum": dict(layer_types=["full_attention", "sliding_attention"]),
+    # a sparse mixer that keeps more than the top expert: its default mask (scores within a relative
+    # 2 * 0.01 of the top) keeps only it, whose weight is then 1, so the router got no gradient
+    "phimoe": dict(router_jitter_noise=0.5),
+    # a dense and an MoE layer: their defaults make the first 3 (Beam) or 2 (Flint) layers dense
+    "beam": dict(mlp_layer_types=["dense", "sparse"]),
+    "flint": dict(mlp_only_layers=[0]),
     "gemma4_unified_text": _GEMMA4,
     # and Gemma 4's per-layer token embeddings (a second, narrow embedding per layer) and MoE blocks
     "gemma4_text": dict(
@@ -223,9 +232,13 @@ PER_TYPE = {
         linear_num_heads=4,
         linear_conv_kernel_dim=3,
     ),
+    # Bailing: SwiGLU clips at 0.5 on the MoE layer's experts and shared expert (they bind on the zoo
+    # paths), one limit per layer (the default lists have 42: transformers 5.25 refuses another length)
     "bailing_hybrid": dict(
         layer_types=["linear_attention", "full_attention"],
         mlp_layer_types=["dense", "sparse"],
+        swiglu_limits=[0, 0.5],
+        swiglu_limits_shared=[0, 0.5],
         num_experts_per_token=2,
         num_expert_group=2,
         kda_lower_bound=-3.0,

@@ -35,6 +35,7 @@ from treetrain.trees.packing import PackedTree
 
 __all__ = [
     "balancing_loss",
+    "has_routers",
     "load_balancing_stats",
     "path_count_weights",
     "record_router_logits",
@@ -55,6 +56,13 @@ def _router_targets(model: nn.Module) -> list[tuple[type, int]]:
         if isinstance(cls, type) and (cls, index) not in targets:
             targets.append((cls, index))
     return targets
+
+
+def has_routers(model: nn.Module) -> bool:
+    """Whether ``model`` holds a router whose logits :func:`record_router_logits` records (an MoE
+    model type can be built with every layer dense: it declares routers and holds none)."""
+    classes = tuple(cls for cls, _ in _router_targets(model))
+    return bool(classes) and any(isinstance(m, classes) for m in model.modules())
 
 
 @contextlib.contextmanager

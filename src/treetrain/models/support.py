@@ -31,7 +31,9 @@ def _words(text: str) -> list[str]:
 
 
 # model type -> what it has beyond plain decoder self-attention (RoPE or learned positions, GQA,
-# dense or MoE MLPs) that treetrain handles; every entry is checked by tests/test_model_zoo.py
+# dense or MoE MLPs) that treetrain handles; every entry is checked by tests/test_model_zoo.py, and
+# every MoE type's routers, experts and router aux loss (HF's, where its forward has one) by
+# tests/test_zoo_moe.py
 _PLAIN = _words(
     """afmoe apertus apertus1p5_text arcee aria_text axk1 biogpt bitnet codegen ctrl cwm dbrx deepseek_v2
     deepseek_v3 ernie4_5 ernie4_5_moe exaone exaone4 flex_olmo gemma glm glm4 glm4_moe glm4_moe_lite
@@ -59,7 +61,7 @@ EXACT: dict[str, str] = {t: "" for t in _PLAIN} | {
     "vaultgemma": "head: final logit softcap; attention logit softcap (dense, flex)",
     "nanochat": "head: final logit softcap",
     "gpt_oss": "attention sinks (forward and gradient, every backend); sliding window; MoE",
-    "flint": "attention sinks; sliding window",
+    "flint": "attention sinks; sliding window; MoE",
     "mistral": "sliding window",
     "ministral": "sliding window",
     "ministral3": "sliding window",

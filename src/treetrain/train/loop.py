@@ -53,6 +53,7 @@ from torch import nn
 
 from treetrain.models.lora import apply_lora, is_peft_model, save_adapter
 from treetrain.models.lora import config_from_train as lora_config_of
+from treetrain.objectives import moe_aux
 from treetrain.objectives.registry import build_objective
 from treetrain.parallel import fsdp as distributed
 from treetrain.train.batches import (
@@ -175,6 +176,7 @@ def setup(cfg: TrainConfig, quiet: bool = False) -> Run:
         ),
         cfg.activation_checkpointing,
     )
+    moe_aux.aux_coef(model)  # refuses before the first step an aux coefficient set for absent routers
     mixed = autocast_dtype is not None and device.type == "cuda"
     # its extra models (a reference, a critic: sharded by the kit) from the initial policy
     objective.build_models(model, RunKit(cfg, device, param_dtype, info.distributed, mixed))
