@@ -204,9 +204,6 @@ PER_TYPE = {
         enable_moe_block=True,
         top_k_experts=2,
     ),
-    # PhiMoE's sparsemixer keeps the experts scoring within 2 * router_jitter_noise (relative) of the
-    # best; at its default 0.01 one expert is left, its softmax weight exactly 1: a router without gradient
-    "phimoe": dict(router_jitter_noise=0.5),
     # DSA with a layer that reuses the previous layer's key selection
     "glm_moe_dsa": dict(indexer_types=["full", "shared"]),
     "hy_v4": dict(indexer_types=["full", "shared"]),
@@ -243,9 +240,6 @@ PER_TYPE = {
         num_expert_group=2,
         kda_lower_bound=-3.0,
         short_conv_kernel_size=3,
-        # transformers 5.25: SwiGLU clips per layer (0: none), binding ones on the MoE layer
-        expert_swiglu_limit_list=[0, 1.0],
-        share_expert_swiglu_limit_list=[0, 1.0],
         linear_head_dim=8,
         linear_num_heads=4,
         linear_conv_kernel_dim=3,
@@ -447,13 +441,7 @@ AWAY = dict(
 
 # per-layer lists a config derives from its layer count when not given (MoE layer kinds from
 # first_k_dense_replace, heads per layer, indexer kinds)
-PER_LAYER = (
-    "mlp_layer_types",
-    "num_attention_heads_per_layer",
-    "indexer_types",
-    "expert_swiglu_limit_list",
-    "share_expert_swiglu_limit_list",
-)
+PER_LAYER = ("mlp_layer_types", "num_attention_heads_per_layer", "indexer_types")
 
 
 def causal_lm_types() -> dict[str, str]:
