@@ -201,6 +201,17 @@ def test_exact_architecture(model_type):
         assert sinks and all(g_ref[n].abs().max() > 1e-3 for n in sinks)
 
 
+def test_kolibri1_1_refusal_cause_still_holds(monkeypatch):
+    """Kolibri 1.1 is refused because its indexer reads and rewrites the layer's mask as a dense
+    ``[T, T]`` tensor: forced onto the list, a tree forward fails in its code on the tree's layer
+    mask. When that changes this test fails, and the type is to be looked at again."""
+    if "kolibri1_1" not in causal_lm_types():
+        pytest.skip(f"transformers {transformers.__version__} has no kolibri1_1")
+    monkeypatch.setitem(EXACT, "kolibri1_1", "")
+    with pytest.raises(TypeError, match="finfo"):
+        path_logprobs(zoo_model("kolibri1_1"), zoo_paths())
+
+
 class FooMamba2Mixer(nn.Module):
     """A state-space layer treetrain does not route (its name matches ``support.STATEFUL``)."""
 

@@ -169,6 +169,31 @@ def test_llama4_refusal_cause_still_holds():
         model(input_ids=torch.tensor([[5, 6, 7]]))
 
 
+def test_ovis2_5_refusal_cause_still_holds(monkeypatch):
+    """Ovis 2.5 is refused because its forward wants one image-start and one image-end token per image
+    it is given: forced onto the list, the zoo's image tree with each image wrapped in them (the
+    per-path forwards pass) fails in HF's own count (branches parting at an image share its start
+    token, not its end token). When transformers drops the count this test fails."""
+    if "ovis2_5" not in vlm_types():
+        pytest.skip(f"transformers {transformers.__version__} has no ovis2_5")
+    monkeypatch.setitem(VISION_EXACT, "ovis2_5", "")
+    model = vlm_model("ovis2_5")
+    start, end = model.config.image_start_token_id, model.config.image_end_token_id
+    paths, images = vlm_tree(model)
+    wrapped = []
+    for p in paths:  # start before each run of placeholders, end after it (no path ends in one)
+        w = []
+        for prev, x in zip([None] + p, p):
+            if (x == IMAGE) != (prev == IMAGE):
+                w.append(start if x == IMAGE else end)
+            w.append(x)
+        wrapped.append(w)
+    with torch.no_grad():
+        reference_vlm_logprobs(model, wrapped, images)  # each path alone: HF's count holds
+        with pytest.raises(ValueError, match="visual boundary tokens"):
+            path_logprobs(model, wrapped, images=images)
+
+
 def test_molmo2_refusal_cause_still_holds():
     """Molmo 2 is refused because every image token of a sequence is in one bidirectional block
     (``block_sequence_ids`` 0 at each image token): an image's states depend on the images after it,
