@@ -229,6 +229,23 @@ PER_TYPE = {
         linear_num_heads=4,
         linear_conv_kernel_dim=3,
     ),
+    # Ergo: its dense and shared-expert widths small, the full (NoPE) layers' query/key scale on
+    "ergo": dict(first_dense_intermediate_size=64, shared_intermediate_size=32, global_attention_scale=1.7),
+    # projection biases on (default off); Param2's full-width rotary halved (GLM-4-MoE's default)
+    "minicpm5_moe": dict(attention_bias=True),
+    "param2moe": dict(
+        attention_bias=True,
+        rope_parameters=dict(rope_type="default", rope_theta=500000.0, partial_rotary_factor=0.5),
+    ),
+    # refused (indexed attention read from a dense mask): a sliding and an indexed layer, small
+    "kolibri1_1": dict(
+        layer_types=["sliding_attention", "indexed_attention"],
+        index_layers=[1],
+        kv_source_layers=[0, 1],
+        mlp_only_layers=[0],
+        mlp_only_intermediate_size=64,
+        index_num_heads=2,
+    ),
     # Bailing: SwiGLU clips at 0.5 on the MoE layer's experts and shared expert (they bind on the zoo
     # paths), one limit per layer (the default lists have 42: transformers 5.25 refuses another length)
     "bailing_hybrid": dict(

@@ -23,7 +23,7 @@ from treetrain.models.head import unwrap
 from treetrain.models.recurrent import ROUTES, route
 from treetrain.models.support_vision import VISION_EXACT, VISION_OLDER, VISION_REFUSED, VISION_TYPES
 
-__all__ = ["EXACT", "REFUSED", "STATEFUL", "check_model", "refusal"]
+__all__ = ["ADDED_IN", "EXACT", "REFUSED", "STATEFUL", "check_model", "refusal", "verified_from"]
 
 
 def _words(text: str) -> list[str]:
@@ -111,6 +111,10 @@ EXACT: dict[str, str] = {t: "" for t in _PLAIN} | {
     "hrm_text": "H and L stacks run in cycles (its prefix-LM mask needs token_type_ids, which a tree forward "
     "never passes: causal)",
     "diffllama": "differential attention (two softmax maps, learned lambdas)",
+    "ergo": "sliding window; NoPE full layers with a query/key scale; per-dimension residual gates; MoE "
+    "with a norm per expert",
+    "minicpm5_moe": "attention output gate; MoE",
+    "param2moe": "GLM-4-MoE's model (qk norms); MoE",
 }
 _SSM = "routed along the tree (models.recurrent)"
 EXACT |= {
@@ -179,6 +183,11 @@ REFUSED: dict[str, str] = {
     "the tree mask (one query interval per key) cannot express and that HF's indexer reads only from a "
     "dense [T, T] mask (well defined along paths: a block is fixed by its last token, so one straddling a "
     "branch point is a distinct block per branch; not implemented)",
+    "kolibri1_1": "indexed sparse attention (Kolibri1_1Indexer): each query attends its own top-index_topk "
+    "keys of a pool of top-scoring blocks, plus sink and local tokens counted in the packed sequence's "
+    "positions, a per-query key subset the tree mask cannot express, which HF's indexer reads from and "
+    "writes into a dense [T, T] mask (a forced tree forward fails in its code: torch.finfo of the tree's "
+    "layer mask)",
     "openai-gpt": "its own attention, outside transformers' attention interface: a causal mask from its "
     "own buffer over the packed sequence, so sibling branches see each other (log-probs differ by 8e-3)",
     "gpt_neo": "its own attention, outside transformers' attention interface: causal and local-window masks "
@@ -263,8 +272,23 @@ NEWEST_ONLY = frozenset(
 )
 
 
+# types (text and multimodal) a transformers after VERIFIED_FROM added -> the version that added them:
+# those on EXACT / VISION_EXACT are verified from it (an older transformers, or a remote-code model of
+# the same name, is refused by name); the others are refused by their cause on every version
+ADDED_IN = dict.fromkeys(
+    _words("ergo kolibri1_1 minicpm5_moe param2moe llava_onevision1_5 ovis2_5 pi05"), "5.25.0"
+)
+
+
 def _version(v: str) -> tuple[int, ...]:
     return tuple(int(x) for x in re.findall(r"\d+", v)[:3])
+
+
+def verified_from(model_type: str) -> str | None:
+    """The lowest transformers ``model_type`` is verified exact with (None: the lowest supported)."""
+    if model_type in ADDED_IN and (model_type in EXACT or model_type in VISION_EXACT):
+        return ADDED_IN[model_type]
+    return VERIFIED_FROM if model_type in NEWEST_ONLY else None
 
 
 def refusal(model: nn.Module) -> str | None:
@@ -280,9 +304,10 @@ def refusal(model: nn.Module) -> str | None:
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     installed = version("transformers")
-    if model_type in NEWEST_ONLY and _version(installed) < _version(VERIFIED_FROM):
+    lowest = verified_from(model_type)
+    if lowest is not None and _version(installed) < _version(lowest):
         return (
-            f"model type {model_type!r} is verified exact only with transformers >= {VERIFIED_FROM} "
+            f"model type {model_type!r} is verified exact only with transformers >= {lowest} "
             f"(installed: {installed}): upgrade transformers; {_DOCS}"
         )
     if model_type in VISION_TYPES:
@@ -295,10 +320,11 @@ def refusal(model: nn.Module) -> str | None:
 
 def vision_verified(model_type: str, installed: str) -> bool:
     """Whether the multimodal ``model_type`` is verified exact on transformers ``installed``: every
-    type of ``VISION_EXACT`` from 5.24 on, a few (``VISION_OLDER``) on an older range too."""
+    type of ``VISION_EXACT`` from 5.24 on (from the version that added it: ``ADDED_IN``), a few
+    (``VISION_OLDER``) on an older range too."""
     if model_type not in VISION_EXACT:
         return False
-    if _version(installed) >= _version(VERIFIED_FROM):
+    if _version(installed) >= _version(verified_from(model_type) or VERIFIED_FROM):
         return True
     lowest, below = VISION_OLDER.get(model_type, (VERIFIED_FROM, VERIFIED_FROM))
     return _version(lowest) <= _version(installed) < _version(below)
@@ -315,7 +341,8 @@ def _vision_refusal(model: nn.Module, model_type: str, installed: str) -> str | 
         older = VISION_OLDER.get(model_type)
         also = f" or >= {older[0]}, < {older[1]}" if older else ""
         why = (
-            f"its vision-language forward is verified exact only with transformers >= {VERIFIED_FROM}"
+            "its vision-language forward is verified exact only with transformers >= "
+            f"{verified_from(model_type) or VERIFIED_FROM}"
             f"{also} (installed: {installed}): upgrade transformers"
         )
     return f"model type {model_type!r} ({type(model).__name__}) is not supported: {why}; {_DOCS}"

@@ -36,6 +36,8 @@ VISION_EXACT: dict[str, str] = {
     "idefics3": "sub-image stacks with pixel masks; pixel-shuffle connector",
     "smolvlm": "sub-image stacks with pixel masks; pixel-shuffle connector",
     "internvl": "pixel-shuffle projector",
+    "llava_onevision1_5": "flattened patches with a (t, h, w) grid; a class token per frame in its tower "
+    "(dropped before the merger); 1D text positions",
     "lfm2_vl": "NaFlex patches (spatial shapes, padding masks); pixel-unshuffle projector; "
     "short convolutions along each path",
 }
@@ -222,6 +224,14 @@ VISION_REFUSED |= {
         "no multimodal ...Model to run as the tree's decoder: NemotronH_Omni_Reasoning_V3 holds its "
         "vision model, projector, sound encoder and a whole ...ForCausalLM (NemotronH) side by side"
     ),
+    "ovis2_5": (
+        "boundary tokens counted over the whole sequence: Ovis2_5Model._merge_visual_features requires "
+        "exactly one image-start and one image-end token per image it is given, but branches that part "
+        "at an image share its start token and not its end token (the zoo's image tree: 3 start and 4 "
+        "end tokens for 4 image uses), so no split of the features passes HF's own forward, which raises"
+        " (its boundary embeddings are per token; text-only trees never reach the check: log-probs as "
+        "shipped 2e-08)"
+    ),
     "paligemma": (
         "prefix-LM: token_type_ids 0 (image and prompt) form one bidirectional block (block_sequence_ids "
         "over the whole prefix), so a prefix token sees later prefix tokens; tree attention refuses that "
@@ -235,6 +245,11 @@ VISION_REFUSED |= {
     "pi0": (
         "not a next-token model: a vision-language-action policy (PaliGemma prefix-LM with a flow-"
         "matching action expert), no per-token log-probs"
+    ),
+    "pi05": (
+        "not a next-token model: a vision-language-action policy (pi0's PaliGemma prefix-LM with a "
+        "flow-matching action expert of adaptive RMS norms), its logits are predicted action velocities, "
+        "no per-token log-probs"
     ),
     "pix2struct": ("encoder-decoder (the image is the encoder's input; the text decoder cross-attends)"),
     "pp_formulanet": (
