@@ -160,17 +160,32 @@ def _mpt_attention(m, hidden_states, *args, attention_mask: TreeCall, **kwargs):
     return m.out_proj(_merge(attention_mask.attend(q, k, v, m.softmax_scale))), None
 
 
+def _falcon_qkv(m, fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Falcon's fused projection ``[1, T, (H + 2 Hkv) D]`` -> queries ``[1, T, H, D]``, keys and values
+    ``[1, T, Hkv, D]``, in each layout its attention reads: per key/value group its queries then its key
+    and value (new decoder architecture), one shared key and value (multi-query), or query, key and
+    value interleaved per head (transformers 5.25 splits it so in the forward; older ones in
+    ``_split_heads``, which broadcast the grouped keys to every query head: the same attention)."""
+    t, d = fused.shape[1], m.head_dim
+    if m.new_decoder_architecture:
+        grouped = fused.view(1, t, m.num_kv_heads, -1, d)
+        return grouped[..., :-2, :].flatten(2, 3), grouped[..., -2, :], grouped[..., -1, :]
+    if m.multi_query:
+        return fused.view(1, t, -1, d).split([m.num_heads, 1, 1], dim=2)
+    return fused.view(1, t, m.num_heads, 3, d).unbind(3)
+
+
 def _falcon_attention(m, hidden_states, *args, attention_mask: TreeCall, position_embeddings=None, **kwargs):
     from transformers.models.falcon.modeling_falcon import apply_rotary_pos_emb
 
-    q, k, v = m._split_heads(m.query_key_value(hidden_states))  # [1, T, H or Hkv, D]
-    kv_heads = m.num_heads if m.new_decoder_architecture else m.num_kv_heads
-    q, k, v = _heads(q, m.num_heads), _heads(k, kv_heads), _heads(v, kv_heads)
+    q, k, v = _falcon_qkv(m, m.query_key_value(hidden_states))  # [1, T, H or Hkv, D]
+    q, k, v = _heads(q, m.num_heads), _heads(k, k.shape[2]), _heads(v, v.shape[2])
     if attention_mask.bias is None:  # rotary at the path positions (the decoder's position_ids)
         cos, sin = position_embeddings
         q, k = (x[0] for x in apply_rotary_pos_emb(q[None], k[None], cos, sin))
     else:
-        _no_dropout(m, m.attention_dropout.p)  # the model drops out only its ALiBi probabilities
+        dropout = m.attention_dropout  # a Dropout module before transformers 5.25, its rate since
+        _no_dropout(m, getattr(dropout, "p", dropout))  # the model drops out only its ALiBi probabilities
     return m.dense(_merge(attention_mask.attend(q, k, v, m.inv_norm_factor))), None
 
 
