@@ -145,25 +145,40 @@ def test_every_causal_lm_type_builds_small(model_type):
     assert sum(p.numel() for p in model.parameters()) < 3_000_000  # the largest, ctrl: 2.2M
 
 
-# sparse attention keeping fewer keys than a zoo path sees: DSA's index_topk 8 (the longest path has
-# 9 tokens), MiniMax-M3's 2 blocks of 3
+# sparse attention keeping fewer keys than a zoo path sees: DSA's index_topk 4, MiniMax-M3's own block
+# of 2 and its best other block of 2 (zoo.AWAY); tests/test_sparse_selection.py runs longer paths
 SPARSE_SELECTION = ["axk2", "deepseek_v32", "dots3_note_text", "glm_moe_dsa", "hy_v4", "minimax_m3_vl_text"]
 
 
+def _no_selection(model_type: str, monkeypatch) -> nn.Module:
+    """``zoo_model(model_type)`` with a selection that keeps every key of the zoo paths (same weights)."""
+    with monkeypatch.context() as m:
+        m.setitem(zoo.AWAY, "index_topk", 64)
+        m.setitem(zoo.AWAY, "index_topk_blocks", 64)
+        return zoo_model(model_type)
+
+
 @pytest.mark.parametrize("model_type", SPARSE_SELECTION)
-def test_sparse_attention_beyond_its_selection_is_refused(model_type, monkeypatch):
-    """A path longer than the sparse attention's selection keeps (where the indexer drops keys the
-    tree would attend) is refused by name, as a tree and as an ordinary call of the prepared model;
-    up to the selection the zoo's exact tests run it (index_topk 9, the longest path)."""
+def test_sparse_attention_beyond_its_selection(model_type, monkeypatch):
+    """The zoo's sparse attention drops keys of its paths (HF's own log-probs move when it keeps them
+    all), so test_exact_architecture checks the selection on a tree; an ordinary call of the prepared
+    model computes HF's selection too; a backend that cannot take a per-query key subset is refused."""
     if model_type not in causal_lm_types() or _too_old(model_type):
         pytest.skip(f"transformers {transformers.__version__}: {model_type!r} is not run here")
-    monkeypatch.setitem(zoo.AWAY, "index_topk", 8)
-    monkeypatch.setitem(zoo.AWAY, "index_topk_blocks", 2)
-    model = zoo_model(model_type)
-    with pytest.raises(ValueError, match="its sparse attention keeps .* keys per query"):
-        path_logprobs(model, zoo_paths())
-    with pytest.raises(ValueError, match="fewer than a path of 9 tokens"), torch.no_grad():
-        model(input_ids=torch.tensor([zoo_paths()[1]]), use_cache=False)
+    paths = zoo_paths()
+    with float64_everywhere(), torch.no_grad():
+        ref = zoo_model(model_type)
+        prepared = copy.deepcopy(ref)
+        want = reference_logprobs(ref, paths)
+        every_key = reference_logprobs(_no_selection(model_type, monkeypatch), paths)
+        assert max(rel_err(a, b) for a, b in zip(every_key, want)) > 1e-3  # measured 7e-3 (hy_v4) to 8e-2
+        path_logprobs(prepared, paths[:1])  # prepares it
+        ids = torch.tensor([paths[1]])  # 9 tokens, more than the selection keeps
+        got = prepared(input_ids=ids, use_cache=False).logits
+        assert rel_err(got, ref(input_ids=ids, use_cache=False).logits) < LOGP_TOL
+    refused = "does not support a sparse attention's per-query key selection.*'dense'"
+    with pytest.raises(ValueError, match=refused):
+        path_logprobs(prepared, paths, backend="blocksparse")
 
 
 @pytest.mark.slow

@@ -275,22 +275,23 @@ PER_TYPE: dict[str, dict] = {
         ),
     ),
     # HY-V4-VL: learned positions for 64-pixel images (a 16 x 16 grid of 4-pixel patches, interpolated
-    # to each image's grid); its DSA text model (as the text zoo's hy_v4) keeps every key of the image
-    # tree's paths (index_topk 32); 3D sections over its latent attention's rotary width
-    # (qk_rope_head_dim 8: sections summing to 4)
+    # to each image's grid); its DSA text model (as the text zoo's hy_v4) keeps 4 keys of the paths'
+    # (image tokens among them), 16 index heads (exact 0 index scores, ties at the top-k boundary,
+    # rare); 3D sections over its latent attention's rotary width (qk_rope_head_dim 8: sections
+    # summing to 4)
     "hy_v4_vl": dict(
         vision_config=dict(max_image_size=64),
         text_config=dict(
             indexer_types=["full", "shared"],
-            index_topk=32,
+            index_topk=4,
+            index_n_heads=16,
             rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 1, 1]),
         ),
     ),
     # dots.llm3 note: its vision and audio adapters from the towers' widths to the text hidden size; its
-    # DSA layers keep every key of the image tree's paths (up to 17 tokens; exact up to index_topk,
-    # refused beyond)
+    # DSA layers keep 4 keys of the image tree's paths (up to 17 tokens), 16 index heads (as hy_v4_vl)
     "dots3_note": dict(
-        text_config=dict(index_topk=32),
+        text_config=dict(index_topk=4, index_n_heads=16),
         vision_config=dict(
             adapter_in_dim=32,
             adapter_out_dim=64,

@@ -65,8 +65,8 @@ SMALL = dict(
     decoder_ffn_dim=64,
     encoder_attention_heads=4,
     decoder_attention_heads=4,
-    index_head_dim=16,  # sparse attention's indexers (DSA, MiniMax-M3): one key head per key/value head
-    index_n_heads=2,
+    index_head_dim=16,  # sparse attention's indexers: MiniMax-M3's one head per key/value head (DSA's
+    index_n_heads=2,  # types get 16: _DSA_HEADS)
 )
 _GDN_SMALL = dict(
     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
@@ -83,6 +83,7 @@ _GEMMA4 = dict(
     num_kv_shared_layers=2,
     use_double_wide_mlp=True,
 )
+_DSA_HEADS = dict(index_n_heads=16)
 # per type: what its defaults lack for a hybrid to show its layer mix
 PER_TYPE = {
     # its NoPE layers are its sliding ones: one layer of two
@@ -110,9 +111,14 @@ PER_TYPE = {
         hidden_size_per_layer_input=8,
         laurel_rank=8,
     ),
+    # DSA: 16 index heads, so that a key's index score is exactly 0 (every head's ReLU at 0: a tie
+    # at the top-k boundary, where torch.topk's pick is implementation-defined) stays rare
+    "deepseek_v32": dict(_DSA_HEADS),
+    "axk2": dict(_DSA_HEADS),
     # dots.llm3: a DSA (latent attention) and a sliding latent-attention layer with widths of its own
     # (swa_*: rotary on the head_dim - qk_nope_head_dim = 8 channels of 16)
     "dots3_note_text": dict(
+        _DSA_HEADS,
         layer_types=["indexed_attention", "sliding_attention"],
         swa_num_attention_heads=8,
         swa_num_key_value_heads=8,
@@ -205,8 +211,8 @@ PER_TYPE = {
         top_k_experts=2,
     ),
     # DSA with a layer that reuses the previous layer's key selection
-    "glm_moe_dsa": dict(indexer_types=["full", "shared"]),
-    "hy_v4": dict(indexer_types=["full", "shared"]),
+    "glm_moe_dsa": dict(_DSA_HEADS, indexer_types=["full", "shared"]),
+    "hy_v4": dict(_DSA_HEADS, indexer_types=["full", "shared"]),
     # refused (QSA attention), built for tests/test_linear_families.py's check of its GDN layer
     "qwen4_exp_text": dict(
         _GDN_SMALL,
@@ -448,11 +454,11 @@ AWAY = dict(
     ssm_out_multiplier=0.9,
     mlp_multipliers=[0.8, 1.3],
     key_multiplier=0.6,
-    # sparse attention keeps every key of a path up to 9 tokens long, the longest zoo path: its
-    # selection at its limit (DSA's top-k, MiniMax-M3's top-k blocks of 3)
-    index_topk=9,
-    index_block_size=3,
-    index_topk_blocks=3,
+    # sparse attention keeps 4 keys of the zoo paths' 6-9 (DSA's top-k; MiniMax-M3's own block of 2
+    # and its best other block of 2), so the selection drops keys for most queries
+    index_topk=4,
+    index_block_size=2,
+    index_topk_blocks=2,
 )
 
 

@@ -42,7 +42,7 @@ BACKENDS: dict[str, tuple[str, str]] = {
 
 # what each backend computes besides the tree mask (keyword arguments it takes)
 FEATURES: dict[str, frozenset[str]] = {
-    "dense": frozenset({"window", "softcap", "sinks", "alibi", "rel_bias", "key_start"}),
+    "dense": frozenset({"window", "softcap", "sinks", "alibi", "rel_bias", "key_start", "selection"}),
     "blocksparse": frozenset({"window", "sinks", "alibi", "rel_bias", "key_start"}),
     "flex": frozenset({"window", "softcap", "sinks", "alibi", "rel_bias", "key_start"}),
     "triton": frozenset({"window", "sinks", "alibi"}),
@@ -56,6 +56,7 @@ _FEATURE_NAMES = {
     "alibi": "ALiBi position bias",
     "rel_bias": "a learned relative position bias per query and path distance",
     "key_start": "bidirectional attention inside image blocks",
+    "selection": "a sparse attention's per-query key selection (an indexer's top-k keys or blocks)",
 }
 
 

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from treetrain.attention.alibi import alibi_scores
 from treetrain.attention.mask import TreeMask, TreeScores, dense_tree_mask, tree_scores
 from treetrain.attention.relbias import rel_bias_scores
+from treetrain.attention.selected import KeySelection, selected_attention
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -21,6 +22,7 @@ def dense_attention(
     v: torch.Tensor,
     mask: TreeMask,
     scale: float,
+    selection: KeySelection | None = None,
     **scores: Unpack[TreeScores],
 ) -> torch.Tensor:
     """Tree attention with an explicit mask.
@@ -37,7 +39,16 @@ def dense_attention(
     ``rel_bias[h, q, pos[q] - pos[k]]`` below distance ``E`` (see ``relbias.py``).
     ``key_start [T]``: bidirectional image blocks, key ``k`` seen from query ``key_start[k]`` on
     (see ``mask.py``).
+    ``selection``: a sparse attention's per-query key subset (:mod:`.selected`), attended in chunks of
+    queries together with the tree mask; with ``sinks [Hq]`` only.
     """
+    if selection is not None:
+        _, _, sinks, *_ = tree_scores("dense_attention", q, k, v, mask, scores)
+        others = sorted(name for name, x in scores.items() if x is not None and name != "sinks")
+        if others or (sinks is not None and sinks.dim() != 1):
+            what = ", ".join(others) or "per-query sinks"
+            raise ValueError(f"dense_attention: a key selection with {what} is not supported")
+        return selected_attention(q, k, v, mask, scale, selection, sinks)
     window, softcap, sinks, alibi, rel_bias, key_start = tree_scores("dense_attention", q, k, v, mask, scores)
     pos = mask.window_positions(window)
     key = ("dense", window) + (("bidirectional",) if key_start is not None else ())

@@ -17,8 +17,10 @@ The window reaches the backend as ``window``, measured along each path. A ``slid
 keyword of the attention call is not read: HF's eager and SDPA attention apply only the mask (the
 keyword is for flash-attention), and Qwen2-MoE and PhiMoE never pass one. Gemma 2's ``softcap``
 reaches the backend as ``softcap``; its ``scaling`` (``query_pre_attn_scalar``) as every model's
-does. GPT-OSS's ``s_aux`` (per-head sink logits) reaches it as ``sinks``. A backend that lacks a
-feature the model uses is refused, naming the feature and the backends that can.
+does. GPT-OSS's ``s_aux`` (per-head sink logits) reaches it as ``sinks``. A sparse attention's key
+selection (``indices`` / ``block_indices``: DSA, MiniMax-M3) reaches it as ``selection``, evaluated on
+each query's own path (:mod:`treetrain.models.sparse_select`). A backend that lacks a feature the model
+uses is refused, naming the feature and the backends that can.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from treetrain.models.head import unwrap
 from treetrain.models.inkling import attention_features as inkling_features
 from treetrain.models.layer_masks import layer_bidirectional, layer_window, mask_interface, padding_mask
 from treetrain.models.rope import patch_rotary, rotary_lengths, token_lengths
+from treetrain.models.sparse_select import patch_indexers, pending_selection, uses_selection
 from treetrain.models.support import check_model
 from treetrain.models.vision import image_blocks_may_be_bidirectional, vision_inputs, vision_runs
 from treetrain.models.vision_legacy import features_through_forward
@@ -44,7 +47,9 @@ _registered = False
 def _tree_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """``AttentionInterface`` function: ``query [1, Hq, T, D]`` -> ``([1, T, Hq, D], None)``."""
     mask: TreeMask | None = kwargs.get("tree_mask")
-    _check_selection(module, kwargs, key.shape[-2] if mask is None else _longest_path(mask))
+    selection = pending_selection(module, kwargs)  # a sparse attention's indexer call (DSA, MiniMax-M3)
+    if mask is None and selection is not None:  # an ordinary call: HF's selection, folded as HF does
+        attention_mask = selection.fold(attention_mask, query, key)
     softcap = kwargs.get("softcap")
     sinks = kwargs.get("s_aux")  # GPT-OSS: per-head sink logits [Hq]
     if mask is None and (softcap is not None or sinks is not None):  # SDPA has neither: HF's eager
@@ -85,6 +90,9 @@ def _tree_attention(module, query, key, value, attention_mask, scaling=None, dro
         extra["softcap"] = softcap
     if sinks is not None:
         extra["sinks"] = sinks
+    if selection is not None:
+        check_features(mask.backend, {"selection"})  # before the indexer runs
+        extra["selection"] = selection.tree(mask)
     if not extra and mask.backend not in ("cp", "depth_first") and _one_sequence(mask):
         # one plain causal sequence (e.g. a one-path tree): SDPA's causal kernel, as the HF model runs
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -96,37 +104,6 @@ def _tree_attention(module, query, key, value, attention_mask, scaling=None, dro
     check_features(mask.backend, extra)
     out = get_backend(mask.backend)(query[0], key[0], value[0], mask, scaling, **extra)
     return out.transpose(0, 1).unsqueeze(0), None
-
-
-def _selection_limit(module, kwargs) -> tuple[str, int] | None:
-    """The longest sequence whose keys a sparse attention's indexer keeps all of, and what sets it.
-
-    DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5, HY-V4, A.X K2) keeps each query's ``index_topk``
-    top-scoring keys, MiniMax-M3's sparse layers its ``index_topk_blocks`` top-scoring blocks of
-    ``index_block_size`` keys. HF's eager and SDPA paths fold that selection into the mask; any other
-    attention function receives it as ``indices`` / ``block_indices`` for a sparse kernel. Tree
-    attention keeps every key a query sees, which is the selection exactly while it keeps them all.
-    """
-    if kwargs.get("indices") is not None:  # [B, S, min(index_topk, keys)]
-        topk = getattr(getattr(module, "config", None), "index_topk", None)
-        return "index_topk", max(topk or 0, kwargs["indices"].shape[-1])
-    if kwargs.get("block_indices") is not None:
-        indexer = module.indexer
-        return "index_block_size * index_topk_blocks", indexer.block_size * indexer.topk_blocks
-    return None
-
-
-def _check_selection(module, kwargs, longest: int) -> None:
-    """Raise unless a sparse attention's key selection keeps every key of sequences ``longest`` long."""
-    limit = _selection_limit(module, kwargs)
-    if limit is not None and longest > limit[1]:
-        what, n = limit
-        raise ValueError(
-            f"{type(module).__name__}: its sparse attention keeps {what} = {n} keys per query (an "
-            f"indexer's top-k selection), fewer than a path of {longest} tokens sees: a per-query key "
-            f"subset the tree mask cannot express. treetrain runs it exactly for paths of at most {n} "
-            "tokens, where the selection keeps every key (docs/architectures.md)"
-        )
 
 
 def _longest_path(mask: TreeMask) -> int:
@@ -231,6 +208,7 @@ def prepare_model(model: nn.Module) -> nn.Module:
     from treetrain.models.recurrent import patch_recurrent_layers
 
     patch_recurrent_layers(model)
+    patch_indexers(model)  # sparse attention: the attention function evaluates the key selection
     model.__dict__["_treetrain_rotary"] = patch_rotary(model)
     patch_own_attention(model)  # ALiBi decoders (BLOOM, MPT, Falcon): their own attention classes
     return model
@@ -261,7 +239,8 @@ def attention_features(model: nn.Module) -> frozenset[str]:
     """What the model's attention computes besides the tree mask, as ``attention.FEATURES`` names it:
     ``softcap`` (Gemma 2's ``attn_logit_softcapping``), ``sinks`` (a ``sinks`` parameter: GPT-OSS),
     ``window`` (a ``sliding_window`` in the config), ``key_start`` (a vision-language model whose image
-    blocks may attend bidirectionally), and Inkling's ``rel_bias`` and per-query sinks."""
+    blocks may attend bidirectionally), ``selection`` (a sparse attention's indexer), and Inkling's
+    ``rel_bias`` and per-query sinks."""
     config = model.config.get_text_config()
     features = set()
     if getattr(config, "attn_logit_softcapping", None):
@@ -272,6 +251,8 @@ def attention_features(model: nn.Module) -> frozenset[str]:
         features.add("sinks")
     if image_blocks_may_be_bidirectional(model):
         features.add("key_start")
+    if uses_selection(model):
+        features.add("selection")
     return frozenset(features | inkling_features(model))
 
 

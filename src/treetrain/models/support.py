@@ -41,11 +41,11 @@ _PLAIN = _words(
     iquestcoder jais2 jetmoe kolibri1 llama minimax_m2 mixtral olmo olmo2 olmo3 opt persimmon phi phi3
     qwen3_moe sarvam_mla sarvam_moe seed_oss solar_open youtu"""
 )
-# DeepSeek Sparse Attention: an indexer keeps each query's index_topk top-scoring keys; tree
-# attention keeps every key a query sees, the selection exactly while a path has at most index_topk
-# tokens, and refuses a longer path by name (models.hf)
-_DSA = "DSA sparse attention, exact for paths of at most index_topk tokens (refused beyond); latent attention"
-_DSA += "; MoE"
+# DeepSeek Sparse Attention: an indexer keeps each query's index_topk top-scoring keys; in a tree each
+# query's indexer scores its own path's keys and the dense backend attends the tree mask and the
+# selection together (models.sparse_select, attention.selected)
+_DSA = "DSA sparse attention (each query's top index_topk keys of its own path; the dense backend)"
+_DSA += "; latent attention; MoE"
 EXACT: dict[str, str] = {t: "" for t in _PLAIN} | {
     "cohere": "head: logits * logit_scale",
     "cohere2": "head: logits * logit_scale; sliding-window layers",
@@ -100,8 +100,8 @@ EXACT: dict[str, str] = {t: "" for t in _PLAIN} | {
     "axk2": _DSA,
     "hy_v4": _DSA + " (layers sharing a selection); hyper-connections",
     "dots3_note_text": _DSA + "; sliding-window latent-attention layers of their own widths",
-    "minimax_m3_vl_text": "sparse-attention layers, exact for paths of at most index_block_size * "
-    "index_topk_blocks tokens (refused beyond); MoE",
+    "minimax_m3_vl_text": "sparse-attention layers (each query's local and top index_topk_blocks blocks "
+    "of its own path; the dense backend); MoE",
     "mimo_v2_flash": "attention sinks on its sliding-window layers; a value scale; MoE",
     "exaone_moe": "sliding window; MoE",
     "laguna": "sliding window; heads per layer; attention output gate; MoE",

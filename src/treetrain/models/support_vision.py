@@ -69,8 +69,8 @@ VISION_EXACT |= {
     "cosmos3_edge": "3D positions",
     "cosmos3_omni": "3D positions; deepstack",
     "deepseek_vl": "",
-    "dots3_note": "its text model's DSA sparse attention, exact for paths of at most index_topk tokens "
-    "(refused beyond), and sliding latent-attention layers; a MoE vision tower",
+    "dots3_note": "its text model's DSA sparse attention (each query's top index_topk keys of its own "
+    "path; the dense backend), and sliding latent-attention layers; a MoE vision tower",
     "deepseek_vl_hybrid": "a second high-resolution (SAM) tower",
     "deepseek_ocr2": "a SAM tower into a Qwen2-style encoder of learned queries (bidirectional over the "
     "patches, causal over the queries), a view separator per image (global views; the zoo passes no "
@@ -92,8 +92,9 @@ VISION_EXACT |= {
     "layers and four spatial offsets, each added at its own decoder layer (placeholders zeroed first); "
     "head: logits / logits_scaling",
     "hunyuan_vl": "3D positions",
-    "hy_v4_vl": "3D positions; its text model's DSA sparse attention (layers sharing a selection), exact "
-    "for paths of at most index_topk tokens (refused beyond); attention sinks; hyper-connections; MoE",
+    "hy_v4_vl": "3D positions; its text model's DSA sparse attention (layers sharing a selection; each "
+    "query's top index_topk keys of its own path; the dense backend); attention sinks; hyper-connections; "
+    "MoE",
     "hyperclovax_vision_v2": "3D positions; head: logits * logits_scaling",
     "idefics2": "perceiver resampler; pixel masks",
     "inkling_mm_model": "a per-patch HMLP tower (space-time patch cubes folded to depth, one token each); "
@@ -204,9 +205,9 @@ VISION_REFUSED |= {
         "inside its own text decoder), with flattened-patch (Pix2Struct) images"
     ),
     "minimax_m3_vl": (
-        "block-sparse indexed attention (MiniMaxM3VLIndexer): each query keeps its own top-"
-        "index_topk_blocks blocks of index_block_size keys, a per-query key subset the tree mask cannot "
-        "express"
+        "not verified as a vision-language model: its text model's block-sparse indexed attention "
+        "(MiniMaxM3VLIndexer) runs exactly on trees (the text zoo's minimax_m3_vl_text), but the VLM "
+        "zoo has not run the model with its vision tower"
     ),
     "mistral4": (
         "not a vision-language model: Mistral4ForCausalLM has no vision tower or get_image_features (a "
