@@ -50,7 +50,6 @@ INERT = {
     ("olmo_hybrid", "linear_a_log_max"): _CONST_SEEN,
     ("mamba2", "time_step_rank"): "Mamba2's mixer has no dt projection of that rank (Mamba 1 has)",
     ("nemotron_h", "time_step_min"): "an init bound of dt_bias, which tests/zoo.py's zoo_model overwrites",
-    ("nemotron_h", "residual_in_fp32"): "NemotronH's config carries it; its blocks never read it",
     ("nemotron_h", "sliding_window"): "NemotronH's config carries it; its attention layers are full",
     ("hrm_text", "L_bp_cycles"): "which L cycles run without gradient: changes gradients only (the exact "
     "test compares every gradient), never the log-probs",
@@ -67,11 +66,16 @@ INERT = {
     ("zamba2", "kv_channels"): "Zamba2's attention derives its head width from attention_hidden_size",
     ("zamba2", "num_query_groups"): "Zamba2's attention takes its key/value heads from num_key_value_heads",
     ("bailing_hybrid", "short_conv_kernel_size"): "BailingHybrid's KDA layers read linear_conv_kernel_dim",
-    # chunked and blocked algorithms: the chunking changes the arithmetic's order, not its result
-    # (test_chunks_and_kernels_reach_across_branches checks the chunks are crossed)
-    ("minimax", "block_size"): "lightning attention's block size: the same sums, in blocks",
-    ("nemotron_h", "chunk_size"): "the SSD scan's chunk size: the same sums, in chunks",
+    ("axk2", "index_n_heads"): "the zoo's 16 index heads are its default (set back from SMALL's 2)",
+    ("hy_v4", "index_n_heads"): "the zoo's 16 index heads are its default (set back from SMALL's 2)",
+    ("bailing_hybrid", "mlp_layer_types"): "[dense, sparse], what first_k_dense_replace = 1 derives",
+    ("kimi_linear", "mlp_layer_types"): "[dense, sparse], what first_k_dense_replace = 1 derives",
+    ("falcon", "rope"): "the zoo's Falcon uses ALiBi (alibi=True): its rotary module is built, not used",
 }
+# options that change the arithmetic, not the function: the chunk a scan or lightning attention sums in
+# (test_chunks_and_kernels_reach_across_branches checks that the zoo paths cross chunks), and a float32
+# residual, which float64_everywhere lifts (it acts as shipped: test_as_shipped_and_flat)
+ARITHMETIC = ("chunk_size", "mamba_chunk_size", "block_size", "residual_in_fp32")
 
 
 def _types() -> list[str]:
@@ -99,7 +103,7 @@ def _options_act(model_type: str) -> None:
     model = zoo_model(model_type)
     with torch.no_grad():
         base = reference_logprobs(model, paths)
-    options = zoo.zoo_options(model_type)
+    options = [o for o in zoo.zoo_options(model_type) if o not in ARITHMETIC]
     if _rotary_depends_on_length(model):
         options.append("rope")
     moved = {}
@@ -126,7 +130,7 @@ def _options_act(model_type: str) -> None:
 
 # config fields of chunked / blocked algorithms (the chunk a scan or lightning attention works in) and
 # of short convolutions (their width)
-CHUNKS = ("chunk_size", "mamba_chunk_size", "block_size")
+CHUNKS = ARITHMETIC[:3]
 KERNELS = (
     "conv_kernel", "mamba_d_conv", "conv_L_cache", "linear_conv_kernel_dim", "conv1d_width",
     "conv_kernel_size", "d_conv",
