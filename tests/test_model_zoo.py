@@ -232,8 +232,9 @@ NO_GRADIENT = {
 }
 # types whose HF code drops a trained parameter from the forward the zoo runs
 NO_GRADIENT_BY_TYPE = {
-    "bloom": ("dense.bias", "pretraining_tp > 1 with slow_but_exact adds the attention output's "
-              "partial products without the dense bias (HF's BloomAttention)"),
+    "bloom": (("dense.bias", "dense_4h_to_h.bias"), "pretraining_tp > 1 with slow_but_exact sums the "
+              "attention output's and the MLP's partial products without their output biases (HF's "
+              "BloomAttention, BloomMLP)"),
 }  # fmt: skip
 
 
@@ -248,7 +249,7 @@ def _silent_parameters(model) -> list[str]:
 def _no_gradient_reason(model_type: str, name: str) -> str | None:
     """Why ``name`` legitimately gets no gradient in ``model_type`` (None: it should get one)."""
     own = NO_GRADIENT_BY_TYPE.get(model_type)
-    if own is not None and own[0] in name:
+    if own is not None and any(name.endswith(suffix) for suffix in own[0]):
         return own[1]
     return next((why for key, why in NO_GRADIENT.items() if key in name), None)
 
