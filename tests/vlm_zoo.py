@@ -82,10 +82,13 @@ AUDIO_SMALL = dict(
 FIXED_SIZE = dict(image_size=32, patch_size=8)
 
 # model type -> config overrides (text_config / vision_config keys as nested dicts)
+# SAM towers' default initializer_range is 1e-10: weights that small make the tower's output its
+# biases alone (different pixels gave identical log-probs); the text models' 0.02 makes images act
+_SAM_INIT = dict(initializer_range=0.02)
 # a small SAM tower (16-pixel patches, two stride-2 convolutions): DeepSeek-OCR2's and Unlimited-OCR's
 _SAM = dict(
     hidden_size=32, output_channels=16, num_hidden_layers=2, num_attention_heads=2, patch_size=16,
-    mlp_dim=64, window_size=2, global_attn_indexes=[1], downsample_channels=[16, 32],
+    mlp_dim=64, window_size=2, global_attn_indexes=[1], downsample_channels=[16, 32], **_SAM_INIT,
 )  # fmt: skip
 _INKLING2_VISION = dict(mlp_ratio=2.0, posemb_grid_size=8, projection_hidden_dim=32)
 PER_TYPE: dict[str, dict] = {
@@ -124,13 +127,14 @@ PER_TYPE: dict[str, dict] = {
     # LLaVA-NeXT / OneVision tile an image into crops of the vision tower's size: grids of 1x1 and 1x2
     "llava_next": {"image_grid_pinpoints": [[32, 32], [32, 64]]},
     "llava_onevision": {"image_grid_pinpoints": [[32, 32], [32, 64]]},
-    # Granite 4 Vision: LLaVA-NeXT's crops, each a 4 x 4 patch grid windowed by Q-Formers to 2 x 2 ("1/2");
+    # Granite 4 Vision: LLaVA-NeXT's crops, each a 4 x 4 patch grid, one window of 2 x 2 Q-Former queries
+    # ("2/4": several queries, so the Q-Formers' self-attention acts; "1/2" had one query per window);
     # two tower layers' features and four spatial offsets added at six distinct decoder layers; a tower
     # width of 64 (its Q-Former has width / 64 heads); the Q-Former as the type's default, narrow (a dict
     # replaces the default's init keys: given again)
     "granite4_vision": dict(
         image_grid_pinpoints=[[32, 32], [32, 64]],
-        downsample_rate="1/2",
+        downsample_rate="2/4",
         deepstack_layer_map=[[1, 0], [2, 1]],
         spatial_target_layers=[2, 3, 4, 5],
         vision_config=dict(hidden_size=64),
@@ -179,9 +183,11 @@ PER_TYPE: dict[str, dict] = {
     ),
     "vipllava": dict(vision_feature_layers=[0, -1]),  # layers of its 2-layer tower (default: 5 of 24)
     "llava_next_video": dict(image_grid_pinpoints=[[FIXED_SIZE["image_size"]] * 2]),  # one tile
-    # its high-resolution SAM tower: 2 layers, images of 64 pixels in 16-pixel patches
+    # its high-resolution SAM tower: 2 layers, images of 64 pixels in 16-pixel patches (its global
+    # branch's zero-init gate re-initialised: REINIT)
     "deepseek_vl_hybrid": dict(
         high_res_vision_config=dict(
+            **_SAM_INIT,
             hidden_size=32,
             output_channels=16,
             num_hidden_layers=2,
@@ -193,6 +199,9 @@ PER_TYPE: dict[str, dict] = {
             global_attn_indexes=[1],
         )
     ),
+    # GOT-OCR 2's and PP-Chart2Table's SAM-style towers: the text models' init range (_SAM_INIT)
+    "got_ocr2": dict(vision_config=_SAM_INIT),
+    "pp_chart2table": dict(vision_config=_SAM_INIT),
     "ovis2": dict(vocab_size=128, hidden_size=64, vision_config=dict(vocab_size=48)),
     "fuyu": dict(patch_size=4),  # patches of 4 x 4 pixels, embedded by one linear layer
     # its projector's learned queries per patch count: the 16 patches of a 32-pixel image -> 4 rows
@@ -311,6 +320,18 @@ PER_TYPE: dict[str, dict] = {
 }
 
 
+# model type -> {parameter name: std}: parameters HF initialises to zero whose zero makes images inert
+# in a random model (redrawn from N(0, std) before vlm_model widens the init): Gemma 3's projection
+# (zero: every image feature is 0, every tower gradient 0) and DeepSeek-VL-Hybrid's high-resolution
+# global-branch gate (zero: its neck never reaches the output)
+_GEMMA3_PROJ = {"model.multi_modal_projector.mm_input_projection_weight": 0.02}
+REINIT: dict[str, dict[str, float]] = {
+    "gemma3": _GEMMA3_PROJ,
+    "shieldgemma2": _GEMMA3_PROJ,
+    "deepseek_vl_hybrid": {"model.high_res_vision_alpha": 0.5},
+}
+
+
 def vlm_types() -> dict[str, str]:
     """Every model type of transformers' image-text-to-text mapping -> its class name."""
     return dict(sorted(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.items()))
@@ -414,7 +435,10 @@ def vlm_model(model_type: str, dtype=torch.float64, seed: int = 0, attn: str = "
     cfg._experts_implementation = "eager"
     cls = getattr(transformers, vlm_types()[model_type])
     model = cls._from_config(cfg, dtype=torch.float32)
+    params = dict(model.named_parameters())
     with torch.no_grad():
+        for name, std in REINIT.get(model_type, {}).items():
+            params[name].normal_(0.0, std)
         for p in model.parameters():
             if p.ndim >= 2:
                 p.mul_(3.0)
