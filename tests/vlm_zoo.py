@@ -738,8 +738,8 @@ def path_inputs(model, images) -> dict[str, torch.Tensor]:
     patch rows, crops padded to the most)."""
     out: dict[str, torch.Tensor] = {}
     layout = image_layout(model) if images else None
-    for name in images[0].tensors if images else ():
-        parts = [im.tensors[name] for im in images]
+    for name in dict.fromkeys(k for im in images for k in im.tensors):  # a path's videos' names too
+        parts = [im.tensors[name] for im in images if name in im.tensors]
         if name == "batch_num_images":
             out[name] = torch.tensor([len(images)])
             continue
@@ -751,8 +751,8 @@ def path_inputs(model, images) -> dict[str, torch.Tensor]:
             continue
         stacked = layout == "patch_rows" or (  # Fuyu: one sample's patches in one row
             name in ("pixel_values", "pixel_attention_mask")
-            and images[0].tensors["pixel_values"].dim() == 5
             and ("pixel_attention_mask" in images[0].tensors)
+            and images[0].tensors["pixel_values"].dim() == 5
         )
         out[name] = torch.cat(parts, dim=1 if stacked else 0)
     return out
@@ -811,3 +811,62 @@ def vlm_tree(model, seed: int = 0):
         head + img(A1) + tail + draw(2),
     ]
     return paths, [[A, B], [A, C], [A, B], [A1]]
+
+
+# Qwen3-VL-style types: a video's frames each after their timestamp text (get_rope_index splits the
+# video's grid into t = 1 frames, one per run of placeholders); Qwen2-VL-style: one run per video
+TIMESTAMPED = {"qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"}
+
+
+def zoo_video(model, seed: int, frames: int) -> ImageInput:
+    """A random video for a Qwen-style ``model``: ``frames`` temporal patches (``frames *
+    temporal_patch_size`` input frames) of a 2 x 2-merge-window grid, as ``pixel_values_videos [t * h *
+    w, C * T * P * P]`` (rows frame-major) and ``video_grid_thw [[t, h, w]]``; Qwen2.5-VL's
+    ``second_per_grid_ts`` too (0.5 s per temporal patch: its temporal positions are spaced by it)."""
+    vc = model.config.vision_config
+    g = torch.Generator().manual_seed(seed)
+    C, P = _channels_patch(vc)
+    m, T = vc.spatial_merge_size, vc.temporal_patch_size
+    h, w = 2 * m, 2 * m
+    pv = torch.randn(frames * h * w, C * T * P * P, generator=g, dtype=next(model.parameters()).dtype)
+    tensors = {"pixel_values_videos": pv, "video_grid_thw": torch.tensor([[frames, h, w]])}
+    if "second_per_grid_ts" in inspect.signature(model.model.forward).parameters:
+        tensors["second_per_grid_ts"] = torch.tensor([0.5])
+    return ImageInput(tensors, num_tokens=frames * h * w // m**2, token_id=VIDEO, modality="video")
+
+
+def video_tokens(model, video: ImageInput, stamps: list[int]) -> list[int]:
+    """The tokens of ``video`` in a path, as its processor lays them out: vision start, placeholders,
+    vision end; per frame after that frame's timestamp token (``stamps[i]``) for :data:`TIMESTAMPED`
+    types, else one run."""
+    t = int(video.tensors["video_grid_thw"][0, 0])
+    start, end = SPECIAL["vision_start_token_id"], SPECIAL["vision_end_token_id"]
+    if model.config.model_type not in TIMESTAMPED:
+        return [start] + [VIDEO] * video.num_tokens + [end]
+    per = video.num_tokens // t
+    return [tok for i in range(t) for tok in [stamps[i], start] + [VIDEO] * per + [end]]
+
+
+def video_tree(model, seed: int = 0):
+    """Paths with videos of 2 and 3 temporal patches (frames varying over time) and an image::
+
+    prompt = t t [V1] t                                  (V1 in the root: every path)
+    path 0 = prompt t [V2] t t                           (V2 in a tool result)
+    path 1 = prompt t [V3] t                             (V3: V2's shape and ids, other frames:
+                                                          the paths part at the video)
+    path 2 = prompt t [A] t t                            (an image after the video)
+    path 3 = prompt t t                                  (text only after the prompt)
+    """
+    g = torch.Generator().manual_seed(seed)
+    draw = lambda n: torch.randint(3, 100, (n,), generator=g).tolist()  # noqa: E731
+    V1, V2, V3 = zoo_video(model, seed + 1, 2), zoo_video(model, seed + 2, 3), zoo_video(model, seed + 3, 3)
+    A = zoo_image(model, seed + 4)
+    vid = lambda v: video_tokens(model, v, [50, 51, 52])  # noqa: E731  (timestamps: one per frame)
+    head, tool = draw(2) + vid(V1) + draw(1), draw(1)
+    paths = [
+        head + tool + vid(V2) + draw(2),
+        head + tool + vid(V3) + draw(1),
+        head + draw(1) + [IMAGE] * A.num_tokens + draw(2),
+        head + draw(2),
+    ]
+    return paths, [[V1, V2], [V1, V3], [V1, A], [V1]]

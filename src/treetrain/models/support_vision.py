@@ -15,7 +15,7 @@ sees them as the per-path forward would), and saving keeps the vision tower.
 
 from __future__ import annotations
 
-__all__ = ["VISION_EXACT", "VISION_OLDER", "VISION_REFUSED", "VISION_TYPES"]
+__all__ = ["VIDEO_EXACT", "VISION_EXACT", "VISION_OLDER", "VISION_REFUSED", "VISION_TYPES"]
 
 _QWEN = "3D rotary positions (the model's compute_3d_position_ids per path)"
 VISION_EXACT: dict[str, str] = {
@@ -38,6 +38,20 @@ VISION_EXACT: dict[str, str] = {
     "internvl": "pixel-shuffle projector",
     "lfm2_vl": "NaFlex patches (spatial shapes, padding masks); pixel-unshuffle projector; "
     "short convolutions along each path",
+}
+
+# Types whose videos (``ImageInput(modality="video")``: ``pixel_values_videos`` and ``video_grid_thw`` of
+# t > 1 temporal patches, through the model's own get_video_features and 3D positions) are compared
+# too (tests/test_vlm_video.py), on transformers >= 5.24 only; every other type refuses a video by name
+_FRAMES = "a video's placeholders one run, temporal positions per frame"
+_TIMESTAMPED = "each frame's placeholders a run of its own after its timestamp text (frames as t = 1 grids)"
+VIDEO_EXACT: dict[str, str] = {
+    "qwen2_vl": _FRAMES,
+    "qwen2_5_vl": _FRAMES + " spaced by second_per_grid_ts",
+    "qwen3_vl": _TIMESTAMPED + "; deepstack features",
+    "qwen3_vl_moe": _TIMESTAMPED + "; deepstack features",
+    "qwen3_5": _TIMESTAMPED,
+    "qwen3_5_moe": _TIMESTAMPED,
 }
 
 # Types also verified on an older transformers, as ``[lowest, below)``: 5.10.x (verl 0.9.1 pins
