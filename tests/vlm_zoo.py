@@ -182,7 +182,9 @@ PER_TYPE: dict[str, dict] = {
         )
     ),
     "vipllava": dict(vision_feature_layers=[0, -1]),  # layers of its 2-layer tower (default: 5 of 24)
-    "llava_next_video": dict(image_grid_pinpoints=[[FIXED_SIZE["image_size"]] * 2]),  # one tile
+    "llava_next_video": {
+        "image_grid_pinpoints": [[32, 32], [32, 64]]
+    },  # as LLaVA-NeXT's: grids of 1x1 and 1x2
     # its high-resolution SAM tower: 2 layers, images of 64 pixels in 16-pixel patches (its global
     # branch's zero-init gate re-initialised: REINIT)
     "deepseek_vl_hybrid": dict(
@@ -199,9 +201,11 @@ PER_TYPE: dict[str, dict] = {
             global_attn_indexes=[1],
         )
     ),
-    # GOT-OCR 2's and PP-Chart2Table's SAM-style towers: the text models' init range (_SAM_INIT)
-    "got_ocr2": dict(vision_config=_SAM_INIT),
-    "pp_chart2table": dict(vision_config=_SAM_INIT),
+    # GOT-OCR 2's and PP-Chart2Table's SAM-style towers: the text models' init range (_SAM_INIT); windows of
+    # 2 x 2 patches over the 4 x 4 grid in the first layer (the default 16 would cover it whole), global
+    # attention in the second
+    "got_ocr2": dict(vision_config=dict(_SAM_INIT, window_size=2, global_attn_indexes=[1])),
+    "pp_chart2table": dict(vision_config=dict(_SAM_INIT, window_size=2, global_attn_indexes=[1])),
     "ovis2": dict(vocab_size=128, hidden_size=64, vision_config=dict(vocab_size=48)),
     "fuyu": dict(patch_size=4),  # patches of 4 x 4 pixels, embedded by one linear layer
     # its projector's learned queries per patch count: the 16 patches of a 32-pixel image -> 4 rows
@@ -484,10 +488,11 @@ def _patch_images(vc, g, size, dtype):
 
 
 def _stacked(vc, g, size, dtype):
-    """A stack of one sub-image with its pixel mask (Idefics-style)."""
+    """A stack of ``1 + size`` sub-images with their pixel masks (Idefics-style: an image split into
+    crops, each its own run of features)."""
     C, S = _channels_patch(vc)[0], _side(vc)
-    pv = torch.randn(1, 1, C, S, S, generator=g, dtype=dtype)
-    return {"pixel_values": pv, "pixel_attention_mask": torch.ones(1, 1, S, S, dtype=torch.long)}
+    pv = torch.randn(1, 1 + size, C, S, S, generator=g, dtype=dtype)
+    return {"pixel_values": pv, "pixel_attention_mask": torch.ones(1, 1 + size, S, S, dtype=torch.long)}
 
 
 def _tiles(vc, g, size, dtype):
@@ -501,14 +506,6 @@ def _sized(vc, g, size, dtype):
     """A fixed-size image with its ``image_sizes`` (Pixtral towers)."""
     C, S = _channels_patch(vc)[0], _side(vc)
     pv = torch.randn(1, C, S, S, generator=g, dtype=dtype)
-    return {"pixel_values": pv, "image_sizes": torch.tensor([[S, S]])}
-
-
-def _anyres(vc, g, size, dtype):
-    """LLaVA-NeXT tiles: the base image and one tile of the tower's size (grid pinpoints ``[[S, S]]``)
-    as ``[1, 2, C, S, S]`` with ``image_sizes``."""
-    C, S = _channels_patch(vc)[0], _side(vc)
-    pv = torch.randn(1, 2, C, S, S, generator=g, dtype=dtype)
     return {"pixel_values": pv, "image_sizes": torch.tensor([[S, S]])}
 
 
@@ -651,7 +648,6 @@ LAYOUTS = {
     "sized": _sized,
     "tiles": _tiles,
     "dual": _dual,
-    "anyres": _anyres,
     "square": _square,
     "patch_rows": _patch_rows,
     "merged_positions": _merged_positions,
@@ -672,7 +668,7 @@ IMAGE_LAYOUT: dict[str, str] = {
     "gemma4": "positions",
     "kimi_k25": "patch_images",
     "paddleocr_vl": "patch_images",
-    "llava_next_video": "anyres",
+    "llava_next_video": "anyres_grid",
     "granite_docling": "tiles",
     "deepseek_vl_hybrid": "dual",
     "fuyu": "patch_rows",
