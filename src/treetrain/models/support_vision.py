@@ -6,8 +6,10 @@ float64 model of every class transformers maps it to (the ``...ForConditionalGen
 the causal-LM mapping has a text-only class for it, that one too): a text-only tree, and a tree with
 an image in the shared prompt, one in a mid-tree tool result, the same image in two branches and two
 different images behind identical placeholder ids. Log-probs and every parameter gradient, vision
-tower included, equal each path's own unmodified Hugging Face forward with its images. Each entry
-says what the model has beyond plain causal attention over embedded placeholders.
+tower included, equal each path's own unmodified Hugging Face forward with its images; and the images
+act (swapping two of them moves the log-probs; every vision-side parameter that HF trains on images
+gets a gradient). Each entry says what the model has beyond plain causal attention over embedded
+placeholders. Videos are compared only for :data:`VIDEO_EXACT` and refused by name elsewhere.
 
 A multimodal checkpoint is run whole: text trees go through the same forward (its language model
 sees them as the per-path forward would), and saving keeps the vision tower.
@@ -98,7 +100,7 @@ VISION_EXACT |= {
     "glm4v_moe": "3D positions on half the head; MoE",
     "glm_ocr": "3D positions (GLM's)",
     "glmga": "3D positions (GLM's)",
-    "got_ocr2": "SAM-style tower",
+    "got_ocr2": "SAM-style tower (windowed and global layers)",
     "granite_docling": "tiles with a tile mask; head: logits / logits_scaling",
     "granite4_vision": "anyres crops; no pooled features: Q-Former-projected features of several tower "
     "layers and four spatial offsets, each added at its own decoder layer (placeholders zeroed first); "
@@ -125,7 +127,7 @@ VISION_EXACT |= {
     "tower; 2 x 2 merger",
     "minicpmv4_7": "NaViT-packed patches with target_sizes (h, w); window-attention merger inside the "
     "tower; 2 x 2 merger",
-    "llava_next_video": "anyres crops",
+    "llava_next_video": "anyres crops (videos refused: not on VIDEO_EXACT)",
     "muse_glimmer": "flattened patches of patch_temporal frames with a (t, h, w) grid; pixel-shuffle merge;"
     " sliding and NoPE full layers, gated attention; head: logits * output_multiplier, softcap",
     "muse_spark": "as muse_glimmer (flattened patches of patch_temporal frames with a (t, h, w) grid; "
@@ -133,7 +135,7 @@ VISION_EXACT |= {
     "softcap); residual gates; MoE; audio tower present, not run",
     "ovis2": "visual vocabulary embedding",
     "paddleocr_vl": "3D positions",
-    "pp_chart2table": "SAM-style tower",
+    "pp_chart2table": "SAM-style tower (windowed and global layers)",
     "qianfan_ocr": "pixel-shuffle projector",
     "qwen2_5_omni_thinker": "3D positions (audio tower present, not run)",
     "qwen3_omni_moe_thinker": "3D positions; deepstack; MoE (audio tower present, not run)",
