@@ -272,6 +272,11 @@ ERRORS = {
         "drops",
         r"\[2\]" + P0[5:] + r": the chat template rendered 0 image markers for 1 image parts",
     ),
+    "video_part": (
+        _one([{"type": "video", "path": "clip.mp4"}, {"type": "text", "text": "hi"}]),
+        "model",
+        P0 + r": only .*text.* and image .*content parts are supported",  # a video is not read from records
+    ),
     "text_only_model": (
         _one(_url("shots/s0.png")),
         "text",

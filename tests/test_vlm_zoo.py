@@ -10,11 +10,15 @@
   shipped within HF's own float32 error. Each distinct image is encoded once: the vision tower
   produces exactly the distinct images' feature rows. On transformers 5.10 (``.ci/lowest.sh``) the
   types of ``support_vision.VISION_OLDER`` (their features through ``models.vision_legacy``).
+- Every exact type's images act in the zoo (slow): swapping two different images between paths moves
+  the tree's log-probs far above rounding, and every vision-side parameter gets a gradient except
+  those HF itself never trains on images (:data:`UNTRAINED`, per type with the reason).
 """
 
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -51,6 +55,89 @@ SHIPPED_LOGP, SHIPPED_GRAD = 1e-6, 1e-5
 # float32 then multiplies its float64 weight (a dtype error; the text zoo's inkling2_text as well), so
 # only the float64 check runs for them (test_inkling2_float64_as_shipped_still_fails)
 SHIPPED_FLOAT64_FAILS = {"inkling2", "inkling2_loop"}
+
+# swapping two images between paths moves a path's log-probs by >= 6e-3 relative in float64 over the
+# exact types (measured min: idefics2); an image the model ignores moves them by rounding, <= 2e-16
+IMAGE_MOVES = 1e-6
+# a vision-side parameter that trains gets max |grad| >= 2e-5 of the model's largest gradient entry
+# (measured min over the exact types); one whose true gradient is 0 gets rounding, <= 1e-16 of it;
+# SAM towers at HF's initializer_range 1e-10 gave 1e-11 and below
+UNTRAINED_BELOW = 1e-8
+# Vision-side parameters (all but the language model and lm_head) that get no gradient in HF's own
+# forward on images, per type: a name pattern and why
+_KEY_BIAS = {
+    r"\.(k_proj|key)\.bias$": "a key bias of softmax attention without rotary positions adds the same "
+    "amount to every score of a query: true gradient 0 (rounding only)"
+}
+_POST_NORM = {
+    r"(vision|image)_tower\.post_layernorm\.": "features are read from the tower's hidden states "
+    "(vision_feature_layer), never through its post_layernorm"
+}
+_PENULTIMATE = {
+    **_POST_NORM,
+    r"(vision|image)_tower\.encoder\.layers\.1\.": "vision_feature_layer -2: the features are the "
+    "penultimate hidden state; the last layer's output is unused (HF runs it and drops it)",
+}
+_SIGLIP_HEAD = {
+    r"vision_(tower|model)\.head\.": "SigLIP's attention-pooling head: the model reads the per-patch "
+    "last_hidden_state, not the pooled output"
+}
+_AUDIO = {r"\.audio_tower\.": "the audio tower: run on audio inputs only (the zoo passes images)"}
+UNTRAINED: dict[str, dict[str, str]] = {
+    "aria": {**_KEY_BIAS, **_POST_NORM},
+    "aya_vision": {**_KEY_BIAS, **_POST_NORM},
+    "cohere2_vision": {**_KEY_BIAS, **_SIGLIP_HEAD},
+    "cosmos3_edge": _KEY_BIAS,
+    "deepseek_ocr2": {
+        r"query_1024_resolution": "the learned queries of 1024-pixel images; the zoo's 64-pixel images "
+        "read query_768_resolution"
+    },
+    "deepseek_vl": {**_KEY_BIAS, **_SIGLIP_HEAD},
+    "deepseek_vl_hybrid": {**_KEY_BIAS, **_SIGLIP_HEAD},
+    "dots3_note": _AUDIO,
+    "gemma3": {**_KEY_BIAS, **_SIGLIP_HEAD},
+    "granite4_vision": {**_KEY_BIAS, **_POST_NORM},
+    "granite_docling": {
+        **_KEY_BIAS,
+        r"connector\.fine\.": "the fine connector path: taken only with tile_fine_mask (the processor's "
+        "fine_route=True); the zoo's tiles take the coarse path",
+    },
+    "hunyuan_vl": {**_KEY_BIAS, r"patch_merger\.image_sep$": "a parameter HF's forward never reads"},
+    "hy_v4_vl": _KEY_BIAS,
+    "idefics2": _KEY_BIAS,
+    "idefics3": _KEY_BIAS,
+    "inkling_mm_model": _AUDIO,
+    "janus": {
+        **_KEY_BIAS,
+        r"model\.(vqmodel|generation_)": "image generation (the VQ model, generation embeddings, "
+        "aligner and head): not run to read an image",
+    },
+    "lfm2_vl": {**_KEY_BIAS, **_SIGLIP_HEAD},
+    "llava": {**_KEY_BIAS, **_PENULTIMATE},
+    "llava_next": {**_KEY_BIAS, **_PENULTIMATE},
+    "llava_next_video": {**_KEY_BIAS, **_PENULTIMATE},
+    "llava_onevision": {**_KEY_BIAS, **_POST_NORM},
+    "minicpm_ocr": {
+        **_KEY_BIAS,
+        r"vision_tower\.vit_merger\.": "the window-attention merger: skipped in the type's default "
+        "downsample_mode '4x' (minicpmv4_6 and minicpmv4_7 run it)",
+    },
+    "minicpmv4_6": _KEY_BIAS,
+    "minicpmv4_7": _KEY_BIAS,
+    "muse_spark": _AUDIO,
+    "qianfan_ocr": _KEY_BIAS,
+    "qwen2_5_omni_thinker": _AUDIO,
+    "qwen3_omni_moe_thinker": _AUDIO,
+    "shieldgemma2": {**_KEY_BIAS, **_SIGLIP_HEAD},
+    "smolvlm": _KEY_BIAS,
+    "unlimited_ocr": _KEY_BIAS,
+    "video_llava": {
+        **_KEY_BIAS,
+        **_PENULTIMATE,
+        r"\.video_tower\.": "the video tower: run on videos only (the zoo passes images)",
+    },
+    "vipllava": {**_KEY_BIAS, **_POST_NORM},
+}
 
 
 def test_every_vlm_type_is_exact_or_refused_by_name():
@@ -156,6 +243,39 @@ def test_vlm_exact(model_type):
         own = _per_param(ref, truth)
         off = {n: e for n, e in _per_param(got, ref).items() if e >= max(SHIPPED_GRAD, 2 * own[n])}
         assert not off, (model_type, name, off)
+
+
+def _vision_side(model) -> dict[str, torch.nn.Parameter]:
+    """Every parameter but the language model's and the head's: the towers, projectors, adapters."""
+    text = model.model.get_decoder()
+    skip = {id(p) for p in text.parameters()} | {id(p) for p in model.lm_head.parameters()}
+    return {n: p for n, p in model.named_parameters() if id(p) not in skip}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", sorted(VISION_EXACT))
+def test_vlm_images_act(model_type):
+    """The zoo's images are not inert: swapping two different images between paths moves the tree's
+    log-probs, and every vision-side parameter trains except those :data:`UNTRAINED` names (exactly
+    those: a listed parameter that trains fails too)."""
+    if not vision_verified(model_type, transformers.__version__):
+        pytest.skip(f"transformers {transformers.__version__}: {model_type} is not verified on it")
+    model = vlm_model(model_type)
+    paths, images = vlm_tree(model)
+    (A, B), (_, C) = images[0], images[1]
+    swapped = [[A, C], [A, B], [A, C], images[3]]  # B and C: one shape and placeholder count
+    with float64_everywhere():
+        lps, _ = _run(model, paths, images, tree=True)
+        with torch.no_grad():
+            moved = path_logprobs(model, paths, images=swapped)
+    move = max(rel_err(b, a) for a, b in zip(lps, moved))
+    assert move > IMAGE_MOVES, (model_type, move)
+    side = _vision_side(model)
+    scale = max(p.grad.abs().max().item() for p in model.parameters() if p.grad is not None)
+    untrained = {n for n, p in side.items() if p.grad is None or p.grad.abs().max() < UNTRAINED_BELOW * scale}
+    listed = {n for n in side if any(re.search(pat, n) for pat in UNTRAINED.get(model_type, {}))}
+    assert untrained == listed, (model_type, sorted(untrained - listed), sorted(listed - untrained))
+    assert all(any(re.search(pat, n) for n in listed) for pat in UNTRAINED.get(model_type, {}))
 
 
 def test_llama4_refusal_cause_still_holds():

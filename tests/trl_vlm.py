@@ -94,15 +94,13 @@ PROCESSORS = {"qwen2_vl": _qwen, "qwen2_5_vl": _qwen, "gemma3": _gemma3, "llava"
 
 
 def save_vlm_policy(model_type: str, path: Path, dtype=torch.float32, seed: int = 0):
-    """A tiny ``model_type`` policy (its init halved: well-conditioned in float32; weights initialized to
-    zero drawn at random) saved under ``path``; returns ``(path, processor)``. ``<eos>`` 1, ``<pad>`` 0."""
+    """A tiny ``model_type`` policy (its init halved: well-conditioned in float32; the zoo's, so Gemma 3's
+    image projection is random) saved under ``path``; returns ``(path, processor)``. ``<eos>`` 1, ``<pad>``
+    0."""
     model = vlm_model(model_type, dtype=dtype, seed=seed)
-    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
-            if p.ndim >= 2 and not p.any():  # zero-initialized (Gemma 3's image projection): random, so
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))  # the tower gets gradients (any dtype: same)
-            elif p.ndim >= 2:
+            if p.ndim >= 2:
                 p.mul_(0.5)
     text = model.config.get_text_config()
     text.eos_token_id, text.pad_token_id = 1, 0

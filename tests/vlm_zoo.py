@@ -82,10 +82,13 @@ AUDIO_SMALL = dict(
 FIXED_SIZE = dict(image_size=32, patch_size=8)
 
 # model type -> config overrides (text_config / vision_config keys as nested dicts)
+# SAM towers' default initializer_range is 1e-10: weights that small make the tower's output its
+# biases alone (different pixels gave identical log-probs); the text models' 0.02 makes images act
+_SAM_INIT = dict(initializer_range=0.02)
 # a small SAM tower (16-pixel patches, two stride-2 convolutions): DeepSeek-OCR2's and Unlimited-OCR's
 _SAM = dict(
     hidden_size=32, output_channels=16, num_hidden_layers=2, num_attention_heads=2, patch_size=16,
-    mlp_dim=64, window_size=2, global_attn_indexes=[1], downsample_channels=[16, 32],
+    mlp_dim=64, window_size=2, global_attn_indexes=[1], downsample_channels=[16, 32], **_SAM_INIT,
 )  # fmt: skip
 _INKLING2_VISION = dict(mlp_ratio=2.0, posemb_grid_size=8, projection_hidden_dim=32)
 PER_TYPE: dict[str, dict] = {
@@ -124,13 +127,14 @@ PER_TYPE: dict[str, dict] = {
     # LLaVA-NeXT / OneVision tile an image into crops of the vision tower's size: grids of 1x1 and 1x2
     "llava_next": {"image_grid_pinpoints": [[32, 32], [32, 64]]},
     "llava_onevision": {"image_grid_pinpoints": [[32, 32], [32, 64]]},
-    # Granite 4 Vision: LLaVA-NeXT's crops, each a 4 x 4 patch grid windowed by Q-Formers to 2 x 2 ("1/2");
+    # Granite 4 Vision: LLaVA-NeXT's crops, each a 4 x 4 patch grid, one window of 2 x 2 Q-Former queries
+    # ("2/4": several queries, so the Q-Formers' self-attention acts; "1/2" had one query per window);
     # two tower layers' features and four spatial offsets added at six distinct decoder layers; a tower
     # width of 64 (its Q-Former has width / 64 heads); the Q-Former as the type's default, narrow (a dict
     # replaces the default's init keys: given again)
     "granite4_vision": dict(
         image_grid_pinpoints=[[32, 32], [32, 64]],
-        downsample_rate="1/2",
+        downsample_rate="2/4",
         deepstack_layer_map=[[1, 0], [2, 1]],
         spatial_target_layers=[2, 3, 4, 5],
         vision_config=dict(hidden_size=64),
@@ -178,10 +182,14 @@ PER_TYPE: dict[str, dict] = {
         )
     ),
     "vipllava": dict(vision_feature_layers=[0, -1]),  # layers of its 2-layer tower (default: 5 of 24)
-    "llava_next_video": dict(image_grid_pinpoints=[[FIXED_SIZE["image_size"]] * 2]),  # one tile
-    # its high-resolution SAM tower: 2 layers, images of 64 pixels in 16-pixel patches
+    "llava_next_video": {
+        "image_grid_pinpoints": [[32, 32], [32, 64]]
+    },  # as LLaVA-NeXT's: grids of 1x1 and 1x2
+    # its high-resolution SAM tower: 2 layers, images of 64 pixels in 16-pixel patches (its global
+    # branch's zero-init gate re-initialised: REINIT)
     "deepseek_vl_hybrid": dict(
         high_res_vision_config=dict(
+            **_SAM_INIT,
             hidden_size=32,
             output_channels=16,
             num_hidden_layers=2,
@@ -193,6 +201,11 @@ PER_TYPE: dict[str, dict] = {
             global_attn_indexes=[1],
         )
     ),
+    # GOT-OCR 2's and PP-Chart2Table's SAM-style towers: the text models' init range (_SAM_INIT); windows of
+    # 2 x 2 patches over the 4 x 4 grid in the first layer (the default 16 would cover it whole), global
+    # attention in the second
+    "got_ocr2": dict(vision_config=dict(_SAM_INIT, window_size=2, global_attn_indexes=[1])),
+    "pp_chart2table": dict(vision_config=dict(_SAM_INIT, window_size=2, global_attn_indexes=[1])),
     "ovis2": dict(vocab_size=128, hidden_size=64, vision_config=dict(vocab_size=48)),
     "fuyu": dict(patch_size=4),  # patches of 4 x 4 pixels, embedded by one linear layer
     # its projector's learned queries per patch count: the 16 patches of a 32-pixel image -> 4 rows
@@ -312,6 +325,18 @@ PER_TYPE: dict[str, dict] = {
 }
 
 
+# model type -> {parameter name: std}: parameters HF initialises to zero whose zero makes images inert
+# in a random model (redrawn from N(0, std) before vlm_model widens the init): Gemma 3's projection
+# (zero: every image feature is 0, every tower gradient 0) and DeepSeek-VL-Hybrid's high-resolution
+# global-branch gate (zero: its neck never reaches the output)
+_GEMMA3_PROJ = {"model.multi_modal_projector.mm_input_projection_weight": 0.02}
+REINIT: dict[str, dict[str, float]] = {
+    "gemma3": _GEMMA3_PROJ,
+    "shieldgemma2": _GEMMA3_PROJ,
+    "deepseek_vl_hybrid": {"model.high_res_vision_alpha": 0.5},
+}
+
+
 def vlm_types() -> dict[str, str]:
     """Every model type of transformers' image-text-to-text mapping -> its class name."""
     return dict(sorted(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.items()))
@@ -415,7 +440,10 @@ def vlm_model(model_type: str, dtype=torch.float64, seed: int = 0, attn: str = "
     cfg._experts_implementation = "eager"
     cls = getattr(transformers, vlm_types()[model_type])
     model = cls._from_config(cfg, dtype=torch.float32)
+    params = dict(model.named_parameters())
     with torch.no_grad():
+        for name, std in REINIT.get(model_type, {}).items():
+            params[name].normal_(0.0, std)
         for p in model.parameters():
             if p.ndim >= 2:
                 p.mul_(3.0)
@@ -461,10 +489,11 @@ def _patch_images(vc, g, size, dtype):
 
 
 def _stacked(vc, g, size, dtype):
-    """A stack of one sub-image with its pixel mask (Idefics-style)."""
+    """A stack of ``1 + size`` sub-images with their pixel masks (Idefics-style: an image split into
+    crops, each its own run of features)."""
     C, S = _channels_patch(vc)[0], _side(vc)
-    pv = torch.randn(1, 1, C, S, S, generator=g, dtype=dtype)
-    return {"pixel_values": pv, "pixel_attention_mask": torch.ones(1, 1, S, S, dtype=torch.long)}
+    pv = torch.randn(1, 1 + size, C, S, S, generator=g, dtype=dtype)
+    return {"pixel_values": pv, "pixel_attention_mask": torch.ones(1, 1 + size, S, S, dtype=torch.long)}
 
 
 def _tiles(vc, g, size, dtype):
@@ -478,14 +507,6 @@ def _sized(vc, g, size, dtype):
     """A fixed-size image with its ``image_sizes`` (Pixtral towers)."""
     C, S = _channels_patch(vc)[0], _side(vc)
     pv = torch.randn(1, C, S, S, generator=g, dtype=dtype)
-    return {"pixel_values": pv, "image_sizes": torch.tensor([[S, S]])}
-
-
-def _anyres(vc, g, size, dtype):
-    """LLaVA-NeXT tiles: the base image and one tile of the tower's size (grid pinpoints ``[[S, S]]``)
-    as ``[1, 2, C, S, S]`` with ``image_sizes``."""
-    C, S = _channels_patch(vc)[0], _side(vc)
-    pv = torch.randn(1, 2, C, S, S, generator=g, dtype=dtype)
     return {"pixel_values": pv, "image_sizes": torch.tensor([[S, S]])}
 
 
@@ -628,7 +649,6 @@ LAYOUTS = {
     "sized": _sized,
     "tiles": _tiles,
     "dual": _dual,
-    "anyres": _anyres,
     "square": _square,
     "patch_rows": _patch_rows,
     "merged_positions": _merged_positions,
@@ -649,7 +669,7 @@ IMAGE_LAYOUT: dict[str, str] = {
     "gemma4": "positions",
     "kimi_k25": "patch_images",
     "paddleocr_vl": "patch_images",
-    "llava_next_video": "anyres",
+    "llava_next_video": "anyres_grid",
     "granite_docling": "tiles",
     "deepseek_vl_hybrid": "dual",
     "fuyu": "patch_rows",
@@ -715,8 +735,8 @@ def path_inputs(model, images) -> dict[str, torch.Tensor]:
     patch rows, crops padded to the most)."""
     out: dict[str, torch.Tensor] = {}
     layout = image_layout(model) if images else None
-    for name in images[0].tensors if images else ():
-        parts = [im.tensors[name] for im in images]
+    for name in dict.fromkeys(k for im in images for k in im.tensors):  # a path's videos' names too
+        parts = [im.tensors[name] for im in images if name in im.tensors]
         if name == "batch_num_images":
             out[name] = torch.tensor([len(images)])
             continue
@@ -728,8 +748,8 @@ def path_inputs(model, images) -> dict[str, torch.Tensor]:
             continue
         stacked = layout == "patch_rows" or (  # Fuyu: one sample's patches in one row
             name in ("pixel_values", "pixel_attention_mask")
-            and images[0].tensors["pixel_values"].dim() == 5
             and ("pixel_attention_mask" in images[0].tensors)
+            and images[0].tensors["pixel_values"].dim() == 5
         )
         out[name] = torch.cat(parts, dim=1 if stacked else 0)
     return out
@@ -788,3 +808,62 @@ def vlm_tree(model, seed: int = 0):
         head + img(A1) + tail + draw(2),
     ]
     return paths, [[A, B], [A, C], [A, B], [A1]]
+
+
+# Qwen3-VL-style types: a video's frames each after their timestamp text (get_rope_index splits the
+# video's grid into t = 1 frames, one per run of placeholders); Qwen2-VL-style: one run per video
+TIMESTAMPED = {"qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"}
+
+
+def zoo_video(model, seed: int, frames: int) -> ImageInput:
+    """A random video for a Qwen-style ``model``: ``frames`` temporal patches (``frames *
+    temporal_patch_size`` input frames) of a 2 x 2-merge-window grid, as ``pixel_values_videos [t * h *
+    w, C * T * P * P]`` (rows frame-major) and ``video_grid_thw [[t, h, w]]``; Qwen2.5-VL's
+    ``second_per_grid_ts`` too (0.5 s per temporal patch: its temporal positions are spaced by it)."""
+    vc = model.config.vision_config
+    g = torch.Generator().manual_seed(seed)
+    C, P = _channels_patch(vc)
+    m, T = vc.spatial_merge_size, vc.temporal_patch_size
+    h, w = 2 * m, 2 * m
+    pv = torch.randn(frames * h * w, C * T * P * P, generator=g, dtype=next(model.parameters()).dtype)
+    tensors = {"pixel_values_videos": pv, "video_grid_thw": torch.tensor([[frames, h, w]])}
+    if "second_per_grid_ts" in inspect.signature(model.model.forward).parameters:
+        tensors["second_per_grid_ts"] = torch.tensor([0.5])
+    return ImageInput(tensors, num_tokens=frames * h * w // m**2, token_id=VIDEO, modality="video")
+
+
+def video_tokens(model, video: ImageInput, stamps: list[int]) -> list[int]:
+    """The tokens of ``video`` in a path, as its processor lays them out: vision start, placeholders,
+    vision end; per frame after that frame's timestamp token (``stamps[i]``) for :data:`TIMESTAMPED`
+    types, else one run."""
+    t = int(video.tensors["video_grid_thw"][0, 0])
+    start, end = SPECIAL["vision_start_token_id"], SPECIAL["vision_end_token_id"]
+    if model.config.model_type not in TIMESTAMPED:
+        return [start] + [VIDEO] * video.num_tokens + [end]
+    per = video.num_tokens // t
+    return [tok for i in range(t) for tok in [stamps[i], start] + [VIDEO] * per + [end]]
+
+
+def video_tree(model, seed: int = 0):
+    """Paths with videos of 2 and 3 temporal patches (frames varying over time) and an image::
+
+    prompt = t t [V1] t                                  (V1 in the root: every path)
+    path 0 = prompt t [V2] t t                           (V2 in a tool result)
+    path 1 = prompt t [V3] t                             (V3: V2's shape and ids, other frames:
+                                                          the paths part at the video)
+    path 2 = prompt t [A] t t                            (an image after the video)
+    path 3 = prompt t t                                  (text only after the prompt)
+    """
+    g = torch.Generator().manual_seed(seed)
+    draw = lambda n: torch.randint(3, 100, (n,), generator=g).tolist()  # noqa: E731
+    V1, V2, V3 = zoo_video(model, seed + 1, 2), zoo_video(model, seed + 2, 3), zoo_video(model, seed + 3, 3)
+    A = zoo_image(model, seed + 4)
+    vid = lambda v: video_tokens(model, v, [50, 51, 52])  # noqa: E731  (timestamps: one per frame)
+    head, tool = draw(2) + vid(V1) + draw(1), draw(1)
+    paths = [
+        head + tool + vid(V2) + draw(2),
+        head + tool + vid(V3) + draw(1),
+        head + draw(1) + [IMAGE] * A.num_tokens + draw(2),
+        head + draw(2),
+    ]
+    return paths, [[V1, V2], [V1, V3], [V1, A], [V1]]

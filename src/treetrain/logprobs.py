@@ -308,7 +308,7 @@ def path_logprobs(
     ``PackedTree``. Returns ``list[Tensor [len(p) - 1]]``: entry ``j`` of path ``p`` is
     ``log P(p[j+1] | p[:j+1])``; with ``return_entropy``, also the entropies in the same layout.
     ``images`` (vision-language models, with token paths): per path, its images
-    (:class:`~treetrain.ImageInput`, :func:`~treetrain.image_inputs`) in the order of their
+    (:class:`~treetrain.ImageInput`, :func:`~treetrain.row_images`) in the order of their
     placeholder tokens; each distinct image is encoded once.
 
     >>> lps = path_logprobs(model, [[1, 2, 3], [1, 2, 4]])  # the shared [1, 2] runs once

@@ -6,8 +6,10 @@ float64 model of every class transformers maps it to (the ``...ForConditionalGen
 the causal-LM mapping has a text-only class for it, that one too): a text-only tree, and a tree with
 an image in the shared prompt, one in a mid-tree tool result, the same image in two branches and two
 different images behind identical placeholder ids. Log-probs and every parameter gradient, vision
-tower included, equal each path's own unmodified Hugging Face forward with its images. Each entry
-says what the model has beyond plain causal attention over embedded placeholders.
+tower included, equal each path's own unmodified Hugging Face forward with its images; and the images
+act (swapping two of them moves the log-probs; every vision-side parameter that HF trains on images
+gets a gradient). Each entry says what the model has beyond plain causal attention over embedded
+placeholders. Videos are compared only for :data:`VIDEO_EXACT` and refused by name elsewhere.
 
 A multimodal checkpoint is run whole: text trees go through the same forward (its language model
 sees them as the per-path forward would), and saving keeps the vision tower.
@@ -15,7 +17,7 @@ sees them as the per-path forward would), and saving keeps the vision tower.
 
 from __future__ import annotations
 
-__all__ = ["VISION_EXACT", "VISION_OLDER", "VISION_REFUSED", "VISION_TYPES"]
+__all__ = ["VIDEO_EXACT", "VISION_EXACT", "VISION_OLDER", "VISION_REFUSED", "VISION_TYPES"]
 
 _QWEN = "3D rotary positions (the model's compute_3d_position_ids per path)"
 VISION_EXACT: dict[str, str] = {
@@ -40,6 +42,20 @@ VISION_EXACT: dict[str, str] = {
     "(dropped before the merger); 1D text positions",
     "lfm2_vl": "NaFlex patches (spatial shapes, padding masks); pixel-unshuffle projector; "
     "short convolutions along each path",
+}
+
+# Types whose videos (``ImageInput(modality="video")``: ``pixel_values_videos`` and ``video_grid_thw`` of
+# t > 1 temporal patches, through the model's own get_video_features and 3D positions) are compared
+# too (tests/test_vlm_video.py), on transformers >= 5.24 only; every other type refuses a video by name
+_FRAMES = "a video's placeholders one run, temporal positions per frame"
+_TIMESTAMPED = "each frame's placeholders a run of its own after its timestamp text (frames as t = 1 grids)"
+VIDEO_EXACT: dict[str, str] = {
+    "qwen2_vl": _FRAMES,
+    "qwen2_5_vl": _FRAMES + " spaced by second_per_grid_ts",
+    "qwen3_vl": _TIMESTAMPED + "; deepstack features",
+    "qwen3_vl_moe": _TIMESTAMPED + "; deepstack features",
+    "qwen3_5": _TIMESTAMPED,
+    "qwen3_5_moe": _TIMESTAMPED,
 }
 
 # Types also verified on an older transformers, as ``[lowest, below)``: 5.10.x (verl 0.9.1 pins
@@ -86,7 +102,7 @@ VISION_EXACT |= {
     "glm4v_moe": "3D positions on half the head; MoE",
     "glm_ocr": "3D positions (GLM's)",
     "glmga": "3D positions (GLM's)",
-    "got_ocr2": "SAM-style tower",
+    "got_ocr2": "SAM-style tower (windowed and global layers)",
     "granite_docling": "tiles with a tile mask; head: logits / logits_scaling",
     "granite4_vision": "anyres crops; no pooled features: Q-Former-projected features of several tower "
     "layers and four spatial offsets, each added at its own decoder layer (placeholders zeroed first); "
@@ -114,7 +130,7 @@ VISION_EXACT |= {
     "tower; 2 x 2 merger",
     "minicpmv4_7": "NaViT-packed patches with target_sizes (h, w); window-attention merger inside the "
     "tower; 2 x 2 merger",
-    "llava_next_video": "anyres crops",
+    "llava_next_video": "anyres crops (videos refused: not on VIDEO_EXACT)",
     "muse_glimmer": "flattened patches of patch_temporal frames with a (t, h, w) grid; pixel-shuffle merge;"
     " sliding and NoPE full layers, gated attention; head: logits * output_multiplier, softcap",
     "muse_spark": "as muse_glimmer (flattened patches of patch_temporal frames with a (t, h, w) grid; "
@@ -122,7 +138,7 @@ VISION_EXACT |= {
     "softcap); residual gates; MoE; audio tower present, not run",
     "ovis2": "visual vocabulary embedding",
     "paddleocr_vl": "3D positions",
-    "pp_chart2table": "SAM-style tower",
+    "pp_chart2table": "SAM-style tower (windowed and global layers)",
     "qianfan_ocr": "pixel-shuffle projector",
     "qwen2_5_omni_thinker": "3D positions (audio tower present, not run)",
     "qwen3_omni_moe_thinker": "3D positions; deepstack; MoE (audio tower present, not run)",

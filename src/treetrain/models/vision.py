@@ -13,8 +13,11 @@ from __future__ import annotations
 import inspect
 
 import torch
+import transformers
 from torch import nn
 
+from treetrain.models.support import VERIFIED_FROM, _version
+from treetrain.models.support_vision import VIDEO_EXACT
 from treetrain.models.vision_encode import dfs_encoder_outputs, vision_model
 from treetrain.models.vision_positions import mm_token_types, tree_rope_positions
 from treetrain.trees.packing import PackedTree
@@ -65,6 +68,22 @@ def _check_placeholders(packed: PackedTree) -> None:
             )
 
 
+def _check_videos(outer: nn.Module, packed: PackedTree) -> None:
+    """Videos only where they are compared: a type of ``VIDEO_EXACT`` on transformers >= 5.24."""
+    if not any(im.modality == "video" for im in packed.images):
+        return
+    model_type = outer.config.model_type
+    installed = transformers.__version__
+    if model_type in VIDEO_EXACT and _version(installed) >= _version(VERIFIED_FROM):
+        return
+    raise ValueError(
+        f"video inputs (an ImageInput of modality 'video': pixel_values_videos and video placeholders): "
+        f"model type {model_type!r} on transformers {installed} is verified exact with images only; videos "
+        f"are compared against each path's own forward for {', '.join(sorted(VIDEO_EXACT))} on transformers "
+        f">= {VERIFIED_FROM}: pass the frames as images, or use one of those types"
+    )
+
+
 def vision_inputs(model: nn.Module, packed: PackedTree) -> tuple[torch.Tensor | None, dict]:
     """``(positions, keywords)`` for the decoder call over ``packed``: ``positions [R, 1, T]`` from the
     model's own position function (None: the path positions), and ``mm_encoder_outputs`` plus the
@@ -78,6 +97,7 @@ def vision_inputs(model: nn.Module, packed: PackedTree) -> tuple[torch.Tensor | 
         )
     _check_placeholders(packed)
     outer = vision_model(model)
+    _check_videos(outer, packed)
     extra: dict = {"mm_encoder_outputs": dfs_encoder_outputs(outer, packed)}
     params = _forward_params(outer)
     types = mm_token_types(packed.input_ids, packed.images)[None]

@@ -219,7 +219,7 @@ def encode_images(outer: nn.Module, images: Sequence[ImageInput], modality: str)
         if r.shape[0] != im.num_tokens:
             raise ValueError(
                 f"{type(outer).__name__}: an {modality} gave {r.shape[0]} feature rows but its ImageInput "
-                f"says num_tokens={im.num_tokens} (build ImageInputs with treetrain.image_inputs)"
+                f"says num_tokens={im.num_tokens} (build ImageInputs with treetrain.row_images)"
             )
     return EncodedImages(rows, per_layer, template, pooled_as, feature_field(template), layer_pairs(template))
 

@@ -50,7 +50,8 @@ class ImageInput:
     ``modality``: ``"image"`` or ``"video"``. ``key``: a content hash of the tensors (names, dtypes,
     shapes and bytes), computed once; equal keys mean the same image.
 
-    Build them with :func:`treetrain.models.vision.image_inputs` from a processor's output.
+    Build them per image, or split a processor's batched output per row with
+    :func:`treetrain.row_images`.
     """
 
     tensors: Mapping[str, torch.Tensor]
@@ -100,7 +101,7 @@ def _check_images(i: int, imgs) -> list[ImageInput]:
         if not isinstance(im, ImageInput):
             raise ValueError(
                 f"images[{i}][{j}]: expected an ImageInput, got {type(im).__name__} (build them with "
-                "treetrain.image_inputs from the processor's output)"
+                "treetrain.ImageInput, or treetrain.row_images from the processor's batched output)"
             )
     return list(imgs)
 
