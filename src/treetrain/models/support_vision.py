@@ -63,7 +63,8 @@ VISION_REFUSED: dict[str, str] = {
 
 VISION_EXACT |= {
     "aria": "cross-attention projector (learned queries per patch count); MoE text model",
-    "aya_vision": "pixel-shuffle projector",
+    "aya_vision": "pixel-shuffle projector; head: logits * text_config.logit_scale where its forward "
+    "applies it (transformers >= 5.25)",
     "cohere2_vision": "pixel-shuffle projector",
     "cohere_compass": "3D positions on its sliding layers, NoPE full layers; head: logits * logit_scale",
     "cosmos3_edge": "3D positions",
