@@ -153,3 +153,17 @@ def test_non_linear_head_is_refused():
     model.lm_head = nn.Sequential(nn.Linear(64, 128))
     with pytest.raises(ValueError, match="nn.Linear"):
         lm_head(model)
+
+
+def test_aya_vision_head_follows_its_forward():
+    """Aya Vision's forward multiplies the logits by ``text_config.logit_scale`` from transformers 5.25
+    (5.24 and older do not): the derived head reproduces the installed forward's logits either way."""
+    from .vlm_zoo import vlm_model
+
+    model = vlm_model("aya_vision")
+    assert model.config.text_config.logit_scale != 1.0  # the zoo sets it away from 1
+    ids = torch.tensor([[5, 9, 17, 3, 44]])
+    with float64_everywhere(), torch.no_grad():
+        hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
+        logits = model(input_ids=ids, use_cache=False).logits
+    assert rel_err(lm_head(model).logits(hidden[0]), logits[0]) < 1e-13  # float64: rounding only

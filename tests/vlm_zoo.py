@@ -322,6 +322,15 @@ PER_TYPE: dict[str, dict] = {
             feature_size=16,
         ),
     ),
+    # Llama 4 (refused: built for its cause's test): a chunk of 4 positions (shorter than the zoo paths),
+    # temperature tuning from position 1 on (floor_scale 2), a dense MLP beside the experts of width 64;
+    # its tower's pixel shuffle (ratio 0.5) takes width 32 to 128, its adapter's input (intermediate_size)
+    "llama4": dict(
+        vision_config=dict(
+            intermediate_size=128, projector_input_dim=32, projector_output_dim=32, vision_output_dim=32
+        ),
+        text_config=dict(attention_chunk_size=4, floor_scale=2, attn_scale=0.5, intermediate_size_mlp=64),
+    ),
 }
 
 
@@ -447,11 +456,27 @@ def vlm_model(model_type: str, dtype=torch.float64, seed: int = 0, attn: str = "
         for p in model.parameters():
             if p.ndim >= 2:
                 p.mul_(3.0)
-    return model.to(dtype).eval()
+    # complex buffers (Llama 4's vision rotary) stay complex: Module.to(float64) keeps their real part
+    cplx = {}
+    for name, b in list(model.named_buffers()):
+        if b.is_complex():
+            owner, _, leaf = name.rpartition(".")
+            cplx[owner, leaf] = b.to(torch.complex128 if dtype == torch.float64 else b.dtype)
+            delattr(model.get_submodule(owner), leaf)
+    model = model.to(dtype)
+    for (owner, leaf), b in cplx.items():
+        model.get_submodule(owner).register_buffer(leaf, b, persistent=False)
+    return model.eval()
+
+
+def multimodal_model(model):
+    """The module holding the feature function: the multimodal ``...Model`` (``model.base_model``, as
+    treetrain reads it; Llama 4 has none: its ``...ForConditionalGeneration`` itself)."""
+    return model.base_model
 
 
 def _feature_params(model) -> list[str]:
-    fn = model.model.get_image_features
+    fn = multimodal_model(model).get_image_features
     return [p for p in inspect.signature(fn).parameters if p not in ("self", "kwargs")]
 
 
@@ -723,7 +748,7 @@ def zoo_image(model, seed: int, size: int = 0, sample_images: int = 1) -> ImageI
         kwargs = dict(tensors)
         if "batch_num_images" in kwargs and sample_images > 1:
             kwargs["batch_num_images"] = torch.tensor([2])  # one untiled image (see vision_encode)
-        out = scattered_features(model.model.get_image_features(**kwargs, return_dict=True))
+        out = scattered_features(multimodal_model(model).get_image_features(**kwargs, return_dict=True))
     feats = out if isinstance(out, torch.Tensor) else torch.cat([o.reshape(-1, o.shape[-1]) for o in out])
     rows = feats.numel() // feats.shape[-1]
     return ImageInput(tensors, num_tokens=rows, token_id=IMAGE)
@@ -760,7 +785,7 @@ def forward_token_types(model, ids: torch.Tensor, images) -> dict[str, torch.Ten
     positions, Gemma 4's masks) or ``token_type_ids`` (Gemma 3's bidirectional image blocks)."""
     from treetrain.models.vision_positions import mm_token_types
 
-    params = inspect.signature(model.model.forward).parameters
+    params = inspect.signature(multimodal_model(model).forward).parameters
     if not images:
         return {}
     types = mm_token_types(ids, images)[None]

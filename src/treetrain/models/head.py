@@ -14,6 +14,8 @@ e.g. TRL's ``1 / temperature``.) What each architecture sets, read from the inst
 ========================================  ============================================================
 Cohere, Cohere2, Cohere2-MoE, Compass     ``logit_scale = model.logit_scale`` (``logits * logit_scale``;
                                           Compass's vision model: where not None)
+Aya Vision (VLM)                          ``logit_scale = text_config.logit_scale`` where its forward
+                                          applies it (transformers >= 5.25; read from its source)
 Granite, Granite-SWA, GraniteMoE (+SWA,   ``logit_scale = 1 / config.logits_scaling``
 shared, hybrid), Granite Docling and
 Granite 4 Vision (VLMs)
@@ -39,13 +41,15 @@ projection; one that is not on it is refused before it runs.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 from torch import nn
 
-from treetrain.models.classes import class_entry
+from treetrain.models.classes import class_entry, own_class
 
 __all__ = ["LMHead", "lm_head", "unwrap"]
 
@@ -95,6 +99,23 @@ def _optional_logit_scale_attr(model: nn.Module) -> dict:
     return {} if model.logit_scale is None else _logit_scale_attr(model)
 
 
+@cache
+def _forward_reads(cls: type, name: str) -> bool:
+    """Whether ``cls.forward``'s source mentions ``name`` (unreadable source: assume it does, as the
+    newest transformers' forwards of the types asked about do)."""
+    try:
+        return name in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return True
+
+
+def _text_logit_scale_if_applied(model: nn.Module) -> dict:
+    """Aya Vision: ``logits * text_config.logit_scale`` where its forward applies it (transformers
+    5.25 added it; 5.24 and older return the plain projection)."""
+    cls = own_class(model, {"AyaVisionForConditionalGeneration"})
+    return {"logit_scale": float(_cfg(model).logit_scale)} if _forward_reads(cls, "logit_scale") else {}
+
+
 def _divide_by_logits_scaling(model: nn.Module) -> dict:
     return {"logit_scale": 1.0 / float(_cfg(model).logits_scaling)}
 
@@ -138,7 +159,7 @@ def _final_softcap(model: nn.Module) -> dict:
 
 
 # ForCausalLM (or vision-language ForConditionalGeneration) class name -> the transforms its forward
-# applies (checked against transformers 5.24)
+# applies (checked against transformers 5.24 and 5.25)
 _TRANSFORMS: dict[str, Callable[[nn.Module], dict]] = {
     "CohereForCausalLM": _logit_scale_attr,
     "Cohere2ForCausalLM": _logit_scale_attr,
@@ -171,10 +192,11 @@ _TRANSFORMS: dict[str, Callable[[nn.Module], dict]] = {
     "DoryForCausalLM": _per_token_logit_scale,
     "Inkling2ForCausalLM": _final_softcap,
     "Inkling2LoopForCausalLM": _final_softcap,
-    # vision-language models: their ForConditionalGeneration's own forward (checked against 5.24)
+    # vision-language models: their ForConditionalGeneration's own forward (checked against 5.24 and 5.25)
     "Gemma3nForConditionalGeneration": _final_softcap,
     "Gemma4ForConditionalGeneration": _final_softcap,
     "Gemma4UnifiedForConditionalGeneration": _final_softcap,
+    "AyaVisionForConditionalGeneration": _text_logit_scale_if_applied,
     "MuseGlimmerForConditionalGeneration": _muse_glimmer,
     "MuseSparkForConditionalGeneration": _muse_glimmer,
     "InklingForConditionalGeneration": _inkling,

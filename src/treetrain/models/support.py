@@ -193,8 +193,12 @@ REFUSED: dict[str, str] = {
     "gpt_neo": "its own attention, outside transformers' attention interface: causal and local-window masks "
     "from its own buffers over the packed sequence, the tree's layer mask added as a bias (log-probs differ "
     "by 9e-2)",
-    "llama4_text": "chunked attention: attention_chunk_size chunks along the path plus NoPE layers; its "
-    "chunked mask is one tree attention cannot reproduce (refused when the model builds it)",
+    "llama4_text": "chunked attention: each token attends only the keys in its own chunk of "
+    "attention_chunk_size path positions, a window that varies per query ((position mod chunk) + 1) where "
+    "the tree's layer masks carry one per layer (refused when the model builds the mask); temperature "
+    "tuning on its NoPE layers scales each query by its index in the forward's sequence (torch.arange, not "
+    "position_ids), a DFS index in a tree (log-probs 3e-03 off, floor_scale 2); and its class names a base "
+    "model (language_model) it does not have, its decoder being .model",
     "deepseek_v4": "compressed sparse attention (CSA/HCA): keys and values pooled over windows of "
     "compress_rates consecutive tokens of the packed sequence, a bias for the pooled keys concatenated to "
     "the mask (the model's own mask: a forced tree forward fails in its code)",

@@ -71,15 +71,21 @@ VISION_OLDER: dict[str, tuple[str, str]] = {
 }
 
 VISION_REFUSED: dict[str, str] = {
-    "llama4": "transformers' own Llama4ForConditionalGeneration.forward fails on every call (it reads "
-    "image_outputs from its language model's output, which has none; transformers 5.24); its text "
-    "model's chunked attention and NoPE layers are not built either",
+    "llama4": "no multimodal ...Model to run as the tree's decoder: Llama4ForConditionalGeneration holds "
+    "its vision model, projector and a whole Llama4ForCausalLM side by side (its base_model is itself, so "
+    "the tree's decoder call returns logits, not hidden states); and its text model, as llama4_text: "
+    "chunked attention (attention_chunk_size) the tree's layer masks cannot carry, and temperature tuning "
+    "on its NoPE layers that scales each query by its index in the forward's sequence (torch.arange, not "
+    "position_ids), a DFS index in a tree (forced, its text model 3e-03 off with the tuning; 2e-16 / 3e-15 "
+    "without it and a chunk longer than the paths). Below transformers 5.25 its own forward failed on "
+    "every call (image_outputs)",
 }
 
 
 VISION_EXACT |= {
     "aria": "cross-attention projector (learned queries per patch count); MoE text model",
-    "aya_vision": "pixel-shuffle projector",
+    "aya_vision": "pixel-shuffle projector; head: logits * text_config.logit_scale where its forward "
+    "applies it (transformers >= 5.25)",
     "cohere2_vision": "pixel-shuffle projector",
     "cohere_compass": "3D positions on its sliding layers, NoPE full layers; head: logits * logit_scale",
     "cosmos3_edge": "3D positions",
