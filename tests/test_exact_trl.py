@@ -29,8 +29,14 @@ from .trl_tiny import dataset, reward_len_and_a, save_with_char_tokenizer  # noq
 from .zoo import zoo_model  # noqa: E402
 
 
-def _policy(model_type: str, path) -> str:
-    return save_with_char_tokenizer(zoo_model(model_type, dtype=torch.float32), path)
+def _policy(model_type: str, path, zero: str | None = None) -> str:
+    """A zoo model saved with a character tokenizer; parameters whose name ends with ``zero`` zeroed."""
+    model = zoo_model(model_type, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if zero is not None and name.endswith(zero):
+                p.zero_()
+    return save_with_char_tokenizer(model, path)
 
 
 def _config(out) -> GRPOConfig:
