@@ -114,6 +114,9 @@ VISION_EXACT |= {
     "layers and four spatial offsets, each added at its own decoder layer (placeholders zeroed first); "
     "head: logits / logits_scaling",
     "hunyuan_vl": "3D positions",
+    "minimax_m3_vl": "its text model's block-sparse indexed attention (each query's top index_topk_blocks "
+    "blocks of index_block_size positions along its own path, and its local blocks; the dense backend); "
+    "MoE",
     "hy_v4_vl": "3D positions; its text model's DSA sparse attention (layers sharing a selection; each "
     "query's top index_topk keys of its own path; the dense backend); attention sinks; hyper-connections; "
     "MoE",
@@ -225,11 +228,6 @@ VISION_REFUSED |= {
     "kosmos-2.5": (
         "no multimodal ...Model: as kosmos-2 (image embeddings placed by image_embeds_position_mask "
         "inside its own text decoder), with flattened-patch (Pix2Struct) images"
-    ),
-    "minimax_m3_vl": (
-        "not verified as a vision-language model: its text model's block-sparse indexed attention "
-        "(MiniMaxM3VLIndexer) runs exactly on trees (the text zoo's minimax_m3_vl_text), but the VLM "
-        "zoo has not run the model with its vision tower"
     ),
     "mistral4": (
         "not a vision-language model: Mistral4ForCausalLM has no vision tower or get_image_features (a "
